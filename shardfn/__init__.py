@@ -1,0 +1,36 @@
+"""shardfn: JAX-style sharding for PyTorch.
+
+Models are pure functions over parameter trees (`functionalize`), sharding is a tree of partition
+specs over a device mesh (`P`, `specs`, `shard`), and `train_step` runs the FSDP algorithm around
+an ordinary `loss_fn(params, batch)`.
+"""
+
+from . import optim
+from ._functional import Apply, from_state_dict, functionalize, to_state_dict
+from ._mesh import mesh
+from ._shard import gather, shard
+from ._spec import P, specs
+from ._train import MixedPrecision, TrainState, TrainStep, train_step
+from ._tree import tree_paths
+from .optim import apply_updates
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Apply",
+    "MixedPrecision",
+    "P",
+    "TrainState",
+    "TrainStep",
+    "apply_updates",
+    "from_state_dict",
+    "functionalize",
+    "gather",
+    "mesh",
+    "optim",
+    "shard",
+    "specs",
+    "to_state_dict",
+    "train_step",
+    "tree_paths",
+]

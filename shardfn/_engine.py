@@ -1,0 +1,260 @@
+"""The train-step runtime: when each unit is gathered, freed and reduced.
+
+Note [unit schedule]
+--------------------
+This follows the FSDP paper (Zhao et al., 2023), for units u_0 .. u_n in forward order and a root:
+
+  step start     gather the root (it holds what runs outside every unit: embeddings, head), and start
+                 gathering the first unit.
+  pre-forward    wait for u_i's gather (start it if nobody did); start gathering u_{i+1} (prefetch).
+  post-forward   `full_shard`: free u_i. Hook u_i's outputs so that the first gradient reaching them
+                 runs pre-backward.
+  pre-backward   wait for / start u_i's gather; start gathering u_{i-1} (prefetch, reverse order).
+  grads ready    a post-accumulate-grad hook on each full parameter counts u_i's gradients; when the
+                 last one lands, u_i's reduce-scatter starts (async) and u_i is freed. The previous
+                 unit's reduce-scatter is waited for then, so at most two are in flight.
+  backward end   units whose parameters got no gradient are reduced as zeros; all pending
+                 reductions are waited for; everything still gathered is freed.
+
+Memory bound: at most two units besides the root are gathered (or being gathered) at any time under
+`full_shard`: a prefetch that would make three waits until a unit is freed. `shard_grad_op` keeps
+units from their forward to the end of their backward (no second gather); `no_shard` has no gathers.
+
+Forward order is taken from the first step (the pre-forward calls as they happen); until then module
+order is the guess. optree's leaf order is never used for it (dict keys sort: "10" < "2").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+
+from ._flat import FlatUnit
+
+__all__ = ["Engine", "EngineStats"]
+
+ROOT = -1
+
+
+@dataclass
+class EngineStats:
+    """What the runtime did in the last step; for tests and benchmarks."""
+
+    events: list[tuple[str, int]] = field(default_factory=list)  # (what, unit) in order; ROOT is -1
+    max_live_units: int = 0  # most non-root units gathered (or gathering) at once
+    record_events: bool = False
+
+    def reset(self) -> None:
+        self.events.clear()
+        self.max_live_units = 0
+
+
+class Engine:
+    """Runs one model's units through a train step (see Note [unit schedule]).
+
+    Args:
+        info: the functionalized model whose unit hooks report to this engine (None: root only).
+        units: the non-root units, indexed as `info.unit_names`.
+        root: the root unit.
+        reshard_after_forward: free units after their forward (`full_shard`).
+        max_live: the most non-root units gathered at once under `reshard_after_forward`.
+    """
+
+    def __init__(self, info, units: list[FlatUnit], root: FlatUnit, reshard_after_forward: bool, max_live: int = 2):
+        self.info = info
+        self.units = units
+        self.root = root
+        self.reshard_after_forward = reshard_after_forward
+        self.max_live = max_live
+        n = len(units)
+        self.order: list[int] = list(range(n))  # forward order (guess until the first step)
+        self._order_known = False
+        self._seen: list[int] = []
+        self._next = self._neighbours(+1)
+        self._prev = self._neighbours(-1)
+        self.stats = EngineStats()
+        self._works: dict[int, Any] = {}  # unit -> pending all-gather work
+        self._live: set[int] = set()  # non-root units allocated (gathered or gathering)
+        self._deferred: list[int] = []
+        self._remaining = [0] * n
+        self._root_remaining = 0
+        self._reduced: set[int] = set()
+        self._in_flight: list[tuple[FlatUnit, Any]] = []
+        self._accumulate = False
+        self.phase = "idle"
+        for u, unit in enumerate(units):
+            self._hook_grads(unit, u)
+        self._hook_grads(root, ROOT)
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def _neighbours(self, d: int) -> dict[int, int]:
+        o = self.order
+        return {o[i]: o[i + d] for i in range(len(o)) if 0 <= i + d < len(o)}
+
+    def _unit(self, u: int) -> FlatUnit:
+        return self.root if u == ROOT else self.units[u]
+
+    def _event(self, what: str, u: int) -> None:
+        if self.stats.record_events:
+            self.stats.events.append((what, u))
+
+    def _hook_grads(self, unit: FlatUnit, u: int) -> None:
+        def hook(_: torch.Tensor) -> None:
+            self._grad_ready(u)
+
+        for p in unit.proxies:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(hook)
+
+    # -- gather / free ------------------------------------------------------------------------
+    def _start(self, u: int) -> None:
+        unit = self._unit(u)
+        if u in self._works or (u != ROOT and u in self._live):
+            return
+        if u != ROOT:
+            self._live.add(u)
+            self.stats.max_live_units = max(self.stats.max_live_units, len(self._live))
+        self._event("gather", u)
+        self._works[u] = unit.start_gather()
+
+    def _ensure(self, u: int) -> None:
+        if u != ROOT and u not in self._live and u not in self._works:
+            self._start(u)
+        if u in self._works:
+            self._unit(u).finish_gather(self._works.pop(u))
+
+    def _free(self, u: int) -> None:
+        if u in self._works:  # a prefetch nobody used: finish it before dropping the buffers
+            self._unit(u).finish_gather(self._works.pop(u))
+        if u == ROOT or u in self._live:
+            self._event("free", u)
+            self._unit(u).free()
+            self._live.discard(u)
+        while self._deferred and len(self._live) < self.max_live:
+            self._prefetch(self._deferred.pop(0))
+
+    def _prefetch(self, u: int | None) -> None:
+        if u is None or u in self._live or u in self._reduced:
+            return
+        if self.reshard_after_forward and len(self._live) >= self.max_live:
+            if u not in self._deferred:
+                self._deferred.append(u)
+            return
+        self._start(u)
+
+    # -- the step -----------------------------------------------------------------------------
+    def begin(self, accumulate: bool) -> None:
+        """Starts one forward/backward: gathers the root and prefetches the first unit."""
+        self.phase = "forward"
+        self._accumulate = accumulate
+        self._seen = []
+        self._remaining = [u.num_trained for u in self.units]
+        self._root_remaining = self.root.num_trained
+        self._reduced = set()
+        self._start(ROOT)
+        if self.units:
+            self._prefetch(self.order[0])
+        self._ensure(ROOT)
+
+    def pre_forward(self, info, u: int) -> None:
+        if info is not self.info or self.phase == "idle":
+            return
+        if self.phase == "forward" and u not in self._seen:
+            self._seen.append(u)
+        self._ensure(u)
+        if self.phase == "forward":
+            self._prefetch(self._next.get(u))
+
+    def post_forward(self, info, u: int, output: Any) -> None:
+        if info is not self.info or self.phase != "forward":
+            return None
+        tensors = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g, u=u: self._pre_backward(u), mode="any")
+        if self.reshard_after_forward:
+            self._free(u)
+        return None
+
+    def _pre_backward(self, u: int) -> None:
+        if self.phase == "forward":
+            self._end_forward()
+        if u in self._reduced:
+            return
+        self._ensure(u)
+        self._prefetch(self._prev.get(u))
+
+    def _end_forward(self) -> None:
+        self.phase = "backward"
+        if not self._order_known and self._seen:
+            rest = [u for u in range(len(self.units)) if u not in self._seen]
+            self.order = self._seen + rest
+            self._next, self._prev = self._neighbours(+1), self._neighbours(-1)
+            self._order_known = True
+        # Prefetches issued during the forward for units that never ran are dropped.
+        self._deferred = []
+
+    def _grad_ready(self, u: int) -> None:
+        if self.phase == "idle":
+            return
+        if u == ROOT:
+            self._root_remaining -= 1
+            if self._root_remaining == 0:
+                self._reduce(ROOT)
+            return
+        self._remaining[u] -= 1
+        if self._remaining[u] == 0:
+            self._reduce(u)
+
+    def _reduce(self, u: int) -> None:
+        unit = self._unit(u)
+        if u in self._reduced:
+            return
+        self._reduced.add(u)
+        if unit.num_trained == 0:  # frozen: nothing to reduce
+            if u != ROOT:
+                self._free(u)
+            return
+        self._event("reduce", u)
+        pending = unit.start_reduce(self._accumulate)
+        # At most two reductions in flight: their full-size inputs are memory too.
+        while len(self._in_flight) >= 2:
+            done, p = self._in_flight.pop(0)
+            done.finish_reduce(p)
+        self._in_flight.append((unit, pending))
+        if u != ROOT:
+            self._free(u)
+
+    def end(self) -> None:
+        """Ends one forward/backward: reduces what got no gradient, waits, frees everything."""
+        if self.phase == "forward":
+            self._end_forward()
+        for u in [*range(len(self.units)), ROOT]:
+            if u not in self._reduced:
+                self._reduce(u)
+        for unit, p in self._in_flight:
+            unit.finish_reduce(p)
+        self._in_flight = []
+        self._free(ROOT)
+        for u in list(self._live):
+            self._free(u)
+        self._deferred = []
+        self.phase = "idle"
+
+    def abort(self) -> None:
+        """Leaves the engine clean after an exception in the user's code: no gather survives."""
+        for u, w in list(self._works.items()):
+            self._unit(u).finish_gather(w)
+        self._works.clear()
+        for unit, p in self._in_flight:
+            unit.finish_reduce(p)
+        self._in_flight = []
+        for unit in [*self.units, self.root]:
+            for p in unit.proxies:
+                p.grad = None
+            unit.free()
+        self._live.clear()
+        self._deferred = []
+        self.phase = "idle"

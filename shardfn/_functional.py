@@ -1,0 +1,308 @@
+"""`sf.functionalize`: an nn.Module as a pure function over a nested-dict parameter tree.
+
+The module keeps its code, hooks and buffers; its parameters move to the meta device and their
+storage goes to the returned tree. Each call re-parametrizes the module with the tensors it is given
+(`torch.nn.utils.stateless`), so the function reads no parameter from the module.
+
+Units (sharding units) are submodules whose dotted names match the `units` regexes in full. A unit's
+parameters are those of its submodules that no inner unit claims; a parameter tied across units
+belongs to the root unit. Forward hooks on the unit modules report each unit's start and end to the
+active runtime (`_runtime.current()`): a train step gathers and frees units there, and `apply` on a
+sharded tree gathers there for inference. With no runtime active, the hooks cost one lookup.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.utils.stateless import _reparametrize_module
+
+from . import _runtime
+from ._tree import nest, tree_flatten_with_paths
+
+__all__ = ["functionalize", "Apply", "to_state_dict", "from_state_dict", "find_apply"]
+
+
+@dataclass(eq=False)
+class ModelInfo:
+    """What every `apply` of one functionalized module shares: names, ties, units."""
+
+    module: nn.Module
+    param_paths: list[str]  # canonical dotted names, module order
+    aliases: dict[str, list[str]]  # canonical path -> every name it is used under (itself first)
+    unit_names: list[str]  # unit submodule paths, module order
+    unit_of: dict[str, int]  # canonical path -> unit index, -1 for the root unit
+    buffer_paths: list[str] = field(default_factory=list)
+
+
+_REGISTRY: list[weakref.ref] = []
+
+
+def _register(info: ModelInfo) -> None:
+    _REGISTRY[:] = [r for r in _REGISTRY if r() is not None]
+    _REGISTRY.append(weakref.ref(info))
+
+
+def find_apply(paths: Sequence[str]) -> ModelInfo | None:
+    """The most recently functionalized model whose parameter names are exactly `paths`."""
+    want = set(paths)
+    for ref in reversed(_REGISTRY):
+        info = ref()
+        if info is not None and set(info.param_paths) == want:
+            return info
+    return None
+
+
+def _compile_units(units: str | Sequence[str] | None) -> list[re.Pattern]:
+    if units is None:
+        return []
+    pats = [units] if isinstance(units, str) else list(units)
+    out = []
+    for p in pats:
+        if not isinstance(p, str):
+            raise ValueError(f"units must be regex strings, got {p!r}")
+        try:
+            out.append(re.compile(p))
+        except re.error as e:
+            raise ValueError(f"bad units regex {p!r}: {e}") from None
+    return out
+
+
+def _owner(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def _unit_index(owner: str, unit_names: list[str]) -> int:
+    best, best_len = -1, -1
+    for i, u in enumerate(unit_names):
+        if (owner == u or owner.startswith(u + ".")) and len(u) > best_len:
+            best, best_len = i, len(u)
+    return best
+
+
+def _unit_hooks(info: ModelInfo, index: int):
+    def pre(mod: nn.Module, args: Any) -> None:
+        rt = _runtime.current()
+        if rt is not None:
+            rt.pre_forward(info, index)
+
+    def post(mod: nn.Module, args: Any, output: Any) -> Any:
+        rt = _runtime.current()
+        if rt is not None:
+            return rt.post_forward(info, index, output)
+        return None
+
+    return pre, post
+
+
+class Apply:
+    """A module's method as a pure function of a parameter tree: `apply(params, *args, **kwargs)`.
+
+    Attributes:
+        buffers: the module's buffers as a nested dict (its own tensors).
+        info: names, ties and units of the model (shared by every method).
+    """
+
+    def __init__(self, info: ModelInfo, method: str = "forward"):
+        self.info = info
+        self._method = method
+
+    @property
+    def buffers(self) -> dict:
+        return nest((name, b) for name, b in self.info.module.named_buffers())
+
+    @property
+    def units(self) -> list[str]:
+        """The unit submodule paths, in module order."""
+        return list(self.info.unit_names)
+
+    def method(self, name: str) -> "Apply":
+        """The same kind of function for another method of the module, e.g. `apply.method("generate")`."""
+        if not callable(getattr(self.info.module, name, None)):
+            raise ValueError(f"{type(self.info.module).__name__} has no method {name!r}")
+        return Apply(self.info, name)
+
+    def flat_params(self, params: Any) -> dict[str, torch.Tensor]:
+        """{every parameter name, tied aliases included: tensor} for a params tree."""
+        paths, leaves, _ = tree_flatten_with_paths(params)
+        if len(paths) != len(self.info.param_paths) or set(paths) != set(self.info.param_paths):
+            missing = sorted(set(self.info.param_paths) - set(paths))
+            extra = sorted(set(paths) - set(self.info.param_paths))
+            raise ValueError(
+                f"params do not match the model: missing {missing[:5]}, unexpected {extra[:5]}; "
+                "pass the tree sf.functionalize returned (or one with the same structure)"
+            )
+        flat: dict[str, torch.Tensor] = {}
+        for path, leaf in zip(paths, leaves):
+            for name in self.info.aliases[path]:
+                flat[name] = leaf
+        return flat
+
+    def __call__(self, params: Any, *args: Any, buffers: Any = None, **kwargs: Any) -> Any:
+        leaves = optree.tree_leaves(params)
+        if any(isinstance(x, DTensor) for x in leaves):
+            from ._inference import ShardedForward
+
+            with ShardedForward(self, params) as (gathered, runtime):
+                with _runtime.activate(runtime):
+                    return self._call_flat(gathered, args, buffers, kwargs)
+        return self._call_flat(self.flat_params(params), args, buffers, kwargs)
+
+    def _call_flat(self, flat: dict[str, torch.Tensor], args: tuple, buffers: Any, kwargs: dict) -> Any:
+        if buffers is not None:
+            bpaths, bleaves, _ = tree_flatten_with_paths(buffers)
+            flat = {**flat, **dict(zip(bpaths, bleaves))}
+        module = self.info.module
+        with _reparametrize_module(module, flat):
+            return getattr(module, self._method)(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"<sf.Apply {type(self.info.module).__name__}.{self._method}: "
+            f"{len(self.info.param_paths)} params, {len(self.info.unit_names)} units>"
+        )
+
+
+def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -> tuple[Apply, dict]:
+    """Turns `module` into a pure function over a nested-dict parameter tree.
+
+    The parameters' storage moves into the returned tree and the module is left holding meta
+    tensors, so sharding the tree really frees memory. A parameter tied to others appears once, at
+    its first path, and stays tied everywhere it is used.
+
+    Args:
+        module: the model. Functionalize each module once.
+        units: a regex (or list of regexes) matched in full against dotted submodule paths; each
+            match is a sharding unit. Parameters outside every unit form the root unit.
+
+    Returns:
+        `(apply, params)`: `apply(params, *args, buffers=None, **kwargs)` runs `module.forward`.
+
+    Example:
+        >>> apply, params = sf.functionalize(model, units=r"blocks\\.\\d+")
+        >>> logits = apply(params, tokens)
+    """
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"functionalize takes an nn.Module, got {type(module).__name__}")
+    if getattr(module, "_shardfn_functionalized", False):
+        raise ValueError(
+            f"this {type(module).__name__} was already functionalized (its parameters are on the meta "
+            "device now); reuse the first (apply, params), or build a new module"
+        )
+    patterns = _compile_units(units)
+    unit_names = [n for n, _ in module.named_modules() if n and any(p.fullmatch(n) for p in patterns)]
+    if patterns and not unit_names:
+        names = [n for n, _ in module.named_modules() if n][:8]
+        raise ValueError(f"units {units!r} match no submodule; submodule paths look like {names}")
+
+    aliases: dict[str, list[str]] = {}
+    first_path: dict[int, str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        key = id(p)
+        if key not in first_path:
+            first_path[key] = name
+            aliases[name] = [name]
+            tensors[name] = p
+        else:
+            aliases[first_path[key]].append(name)
+    unit_of = {}
+    for path, names in aliases.items():
+        owners = {_unit_index(_owner(n), unit_names) for n in names}
+        unit_of[path] = owners.pop() if len(owners) == 1 else -1
+    info = ModelInfo(
+        module=module,
+        param_paths=list(aliases),
+        aliases=aliases,
+        unit_names=unit_names,
+        unit_of=unit_of,
+        buffer_paths=[n for n, _ in module.named_buffers()],
+    )
+
+    params = nest((path, t.detach()) for path, t in tensors.items())
+    meta: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in meta:
+                meta[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            mod._parameters[name] = meta[id(p)]
+    module._shardfn_functionalized = True
+    for i, name in enumerate(unit_names):
+        pre, post = _unit_hooks(info, i)
+        sub = module.get_submodule(name)
+        sub.register_forward_pre_hook(pre)
+        sub.register_forward_hook(post)
+    _register(info)
+    return Apply(info), params
+
+
+def to_state_dict(tree: Any, apply: Apply | None = None) -> dict[str, torch.Tensor]:
+    """Flattens a parameter tree to `{dotted name: tensor}`, as `module.state_dict()` names them.
+
+    Args:
+        tree: a parameter tree (plain or DTensor leaves, kept as they are).
+        apply: when given, tied aliases and the module's buffers are added, so the result loads
+            into the original module with `load_state_dict`.
+
+    Returns:
+        An ordered dict of names to tensors.
+
+    Example:
+        >>> torch.save(sf.to_state_dict(params, apply), "model.pt")
+    """
+    paths, leaves, _ = tree_flatten_with_paths(tree)
+    out = dict(zip(paths, leaves))
+    if apply is None:
+        return out
+    full: dict[str, torch.Tensor] = {}
+    for path in apply.info.param_paths:
+        if path not in out:
+            raise ValueError(f"the tree has no leaf {path!r} of the model")
+        for name in apply.info.aliases[path]:
+            full[name] = out[path]
+    for name, b in apply.info.module.named_buffers():
+        full[name] = b
+    return full
+
+
+def from_state_dict(apply: Apply, state_dict: dict[str, torch.Tensor]) -> dict:
+    """Builds a parameter tree for `apply` from `module.state_dict()`-style names.
+
+    Tied aliases are accepted (and must hold the same values as their first name); buffers found in
+    `state_dict` are copied into the module's buffers.
+
+    Args:
+        apply: the function `sf.functionalize` returned.
+        state_dict: names to tensors, e.g. `torch.load("model.pt")` or `module.state_dict()` of a
+            twin module.
+
+    Returns:
+        The parameter tree, as `sf.functionalize` would have returned it.
+
+    Example:
+        >>> params = sf.from_state_dict(apply, torch.load("model.pt"))
+    """
+    info = apply.info
+    known = set(info.param_paths) | {n for names in info.aliases.values() for n in names} | set(info.buffer_paths)
+    unexpected = sorted(set(state_dict) - known)
+    missing = sorted(p for p in info.param_paths if p not in state_dict)
+    if unexpected or missing:
+        raise ValueError(
+            f"state_dict does not match {type(info.module).__name__}: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    buffers = dict(info.module.named_buffers())
+    with torch.no_grad():
+        for name, b in buffers.items():
+            if name in state_dict:
+                b.copy_(state_dict[name])
+    return nest((p, state_dict[p]) for p in info.param_paths)

@@ -1,0 +1,83 @@
+"""`apply` on a sharded tree: a forward that gathers unit by unit (inference on a sharded model).
+
+The root unit is gathered for the whole call; each other unit is gathered when its forward starts
+and freed when it ends, so a rank never holds more than the root and one unit in full. The full
+tensors handed to the module are placeholders whose storage exists only while their unit runs.
+No gradient flows back to the DTensors (use `sf.gather` or a train step for that).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ._flat import _alias, _storage_alloc, _storage_free
+from ._tree import tree_flatten_with_paths
+
+
+class _Unit:
+    def __init__(self, leaves: list[tuple[str, DTensor]]):
+        self.sources = [d for _, d in leaves]
+        numel = sum(d.numel() for _, d in leaves)
+        first = leaves[0][1]
+        self.buf = torch.empty(numel, dtype=first.dtype, device=first._local_tensor.device)
+        self.nbytes = self.buf.untyped_storage().nbytes()
+        self.placeholders, off = {}, 0
+        for path, d in leaves:
+            self.placeholders[path] = self.buf[off : off + d.numel()].view(d.shape)
+            off += d.numel()
+        _storage_free(self.buf)
+
+    def gather(self) -> None:
+        _storage_alloc(self.buf, self.nbytes)
+        writer = _alias(self.buf)
+        with torch.no_grad():
+            off = 0
+            for d in self.sources:
+                full = d.full_tensor() if isinstance(d, DTensor) else d
+                writer[off : off + d.numel()].copy_(full.reshape(-1))
+                off += d.numel()
+
+    def free(self) -> None:
+        _storage_free(self.buf)
+
+
+class ShardedForward:
+    """Context: placeholders for every parameter name, and the runtime that fills them per unit."""
+
+    def __init__(self, apply, params: Any):
+        self.apply = apply
+        info = apply.info
+        paths, leaves, _ = tree_flatten_with_paths(params)
+        if set(paths) != set(info.param_paths):
+            apply.flat_params(params)  # raises the error naming the mismatch
+        groups: dict[int, list[tuple[str, Any]]] = {}
+        for path, leaf in zip(paths, leaves):
+            groups.setdefault(info.unit_of[path], []).append((path, leaf))
+        self.units = {u: _Unit(g) for u, g in groups.items()}
+        self.flat: dict[str, torch.Tensor] = {}
+        for unit in self.units.values():
+            for path, ph in unit.placeholders.items():
+                for name in info.aliases[path]:
+                    self.flat[name] = ph
+
+    def __enter__(self):
+        if -1 in self.units:
+            self.units[-1].gather()
+        return self.flat, self
+
+    def __exit__(self, *exc: object) -> None:
+        for unit in self.units.values():
+            unit.free()
+
+    # runtime protocol (see shardfn/_runtime.py)
+    def pre_forward(self, info, u: int) -> None:
+        if info is self.apply.info and u in self.units:
+            self.units[u].gather()
+
+    def post_forward(self, info, u: int, output: Any) -> None:
+        if info is self.apply.info and u in self.units:
+            self.units[u].free()
+        return None

@@ -1,0 +1,79 @@
+"""`sf.mesh`: a named DeviceMesh over the ranks, starting the process group when needed."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["mesh", "ensure_process_group", "mesh_group"]
+
+
+def ensure_process_group() -> None:
+    """Starts the default process group if none is running.
+
+    Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) it joins the job: NCCL when CUDA is available,
+    else gloo. With no distributed environment at all it starts a one-rank gloo group in memory, so
+    that a script or notebook runs unchanged on one process.
+    """
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("cuda:nccl,cpu:gloo")
+        else:
+            dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def mesh(**axes: int) -> DeviceMesh:
+    """Builds a named device mesh over all ranks.
+
+    Axis sizes are given by name, in mesh order (major first); one size may be -1, meaning "the rest".
+    The mesh is on CUDA (NCCL) when GPUs are present, else on CPU (gloo).
+
+    Args:
+        **axes: axis name -> size, e.g. `dp=-1`, or `replicate=2, shard=-1` for hybrid sharding.
+
+    Returns:
+        A `torch.distributed.device_mesh.DeviceMesh` with those axis names.
+
+    Example:
+        >>> mesh = sf.mesh(dp=-1)
+        >>> mesh = sf.mesh(replicate=2, shard=-1)
+    """
+    if not axes:
+        raise ValueError("sf.mesh needs at least one axis, e.g. sf.mesh(dp=-1)")
+    ensure_process_group()
+    world = dist.get_world_size()
+    sizes = list(axes.values())
+    for name, s in axes.items():
+        if not isinstance(s, int) or (s < 1 and s != -1):
+            raise ValueError(f"mesh axis {name!r} has size {s!r}: sizes are positive ints, or -1 for the rest")
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {axes}")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if world % known:
+            raise ValueError(f"mesh {axes}: {world} ranks are not divisible by {known}")
+        sizes[sizes.index(-1)] = world // known
+    if math.prod(sizes) != world:
+        raise ValueError(f"mesh {axes} has {math.prod(sizes)} ranks but the job has {world}; use -1 for one axis")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device, tuple(sizes), mesh_dim_names=tuple(axes))
+
+
+def mesh_group(mesh: DeviceMesh, axes: tuple[str, ...] | None = None):
+    """The process group spanning `axes` of `mesh` (all axes when None)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    axes = names if axes is None else tuple(axes)
+    if len(axes) == 1:
+        return mesh.get_group(axes[0])
+    if mesh.size() == dist.get_world_size() and set(axes) == set(names):
+        return dist.group.WORLD
+    return mesh[axes]._flatten().get_group()

@@ -1,0 +1,116 @@
+"""`sf.shard` and `sf.gather`: between full parameter trees and DTensor trees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from . import _collectives as C
+from ._spec import match_specs, placements_for
+
+__all__ = ["shard", "gather"]
+
+
+def shard(params: Any, specs: Any, mesh: DeviceMesh) -> Any:
+    """Shards a full parameter tree over `mesh`: a tree of DTensors holding only local shards.
+
+    Every rank must hold the same full values (e.g. the same seed); each keeps its own shards, so no
+    communication happens. Dims that the axis size does not divide are split as `torch.chunk`
+    does, and a rank may hold an empty shard.
+
+    Args:
+        params: the full parameter tree.
+        specs: a tree of `P` with the structure of `params` (see `sf.specs`).
+        mesh: the device mesh.
+
+    Returns:
+        A tree of `torch.distributed.tensor.DTensor`, the structure of `params`.
+
+    Example:
+        >>> sharded = sf.shard(params, sf.specs(params, mesh), mesh)
+    """
+    paths, leaves, spec_list, treespec = match_specs(params, specs, mesh)
+    out = []
+    for leaf, spec in zip(leaves, spec_list):
+        placements = placements_for(spec, mesh)
+        if isinstance(leaf, DTensor):
+            out.append(leaf.redistribute(mesh, placements))
+            continue
+        t = leaf.detach().to(mesh.device_type)
+        out.append(distribute_tensor(t, mesh, placements, src_data_rank=None))
+    return optree.tree_unflatten(treespec, out)
+
+
+def _mesh_dim_group(mesh: DeviceMesh, dim: int):
+    return mesh.get_group(mesh.mesh_dim_names[dim]) if mesh.mesh_dim_names else mesh.get_group(dim)
+
+
+def _reduce_to_placements(grad: torch.Tensor, mesh: DeviceMesh, placements, shape) -> torch.Tensor:
+    """Sums `grad` (a full tensor on each rank) over the mesh and keeps this rank's part."""
+    grad = grad.contiguous()
+    if mesh.ndim == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0 and grad.dim() > 0:
+        group, W = _mesh_dim_group(mesh, 0), mesh.size()
+        r = mesh.get_local_rank()
+        rows = grad.shape[0]
+        chunk = -(-rows // W)
+        seg = chunk * grad.shape[1:].numel()
+        inp = torch.empty(W, seg, dtype=grad.dtype, device=grad.device)
+        torch._chunk_cat([grad], dim=0, num_chunks=W, out=inp)
+        out = torch.empty(chunk, *grad.shape[1:], dtype=grad.dtype, device=grad.device)
+        C.reduce_scatter(out.view(-1), inp.view(-1), group, async_op=False)
+        return out[: max(0, min(rows - r * chunk, chunk))]
+    total = grad.clone()
+    for d, p in enumerate(placements):
+        if not isinstance(p, Replicate) or mesh.size(d) > 1:
+            C.all_reduce(total, _mesh_dim_group(mesh, d))
+    return distribute_tensor(total, mesh, placements, src_data_rank=None).to_local()
+
+
+class _Gather(torch.autograd.Function):
+    """DTensor -> full tensor; backward sums the full gradients of all ranks into the shards.
+
+    The collectives run under `torch._C._DisableFuncTorch()`, so the function composes with
+    torch.func transforms (see FINDINGS: collectives inside torch.func).
+    """
+
+    @staticmethod
+    def forward(x: DTensor) -> torch.Tensor:  # type: ignore[override]
+        with torch._C._DisableFuncTorch():
+            return x.full_tensor() if isinstance(x, DTensor) else x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        (x,) = inputs
+        ctx.meta = (x.device_mesh, x.placements, x.shape, x.stride()) if isinstance(x, DTensor) else None
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        if ctx.meta is None:
+            return grad
+        mesh, placements, shape, stride = ctx.meta
+        with torch._C._DisableFuncTorch():
+            local = _reduce_to_placements(grad, mesh, placements, shape)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def gather(sharded: Any) -> Any:
+    """Gathers a DTensor tree into full tensors on every rank; differentiable.
+
+    The gradient of `gather` is the reduce-scatter: each shard receives the sum, over ranks, of the
+    gradients of its rows (for replicated leaves, the all-reduced gradient).
+
+    Args:
+        sharded: a tree with DTensor leaves (plain tensors pass through).
+
+    Returns:
+        The same tree with full, plain tensors.
+
+    Example:
+        >>> full = sf.gather(state.params)
+    """
+    return optree.tree_map(lambda x: _Gather.apply(x) if isinstance(x, DTensor) else x, sharded)
