@@ -1,0 +1,105 @@
+"""Test models and the single-process reference every sharded path is checked against."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+import shardfn as sf
+from shardfn.models import GPT, GPTConfig
+
+# Dims that neither 2 nor 3 divide (35, 53, 5, 7), a leaf with fewer rows than ranks (2 < 3), a tied
+# embedding/head, and buffers (a causal mask and a position index).
+GPT_CFG = GPTConfig(vocab=53, block_size=8, n_layer=3, n_head=5, d=35)
+GPT_UNITS = r"blocks\.\d+"
+MLP_UNITS = r"\d+"
+
+
+def make_model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "gpt":
+        return GPT(GPT_CFG)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 2), nn.Tanh(), nn.Linear(2, 3))
+    raise ValueError(kind)
+
+
+def units_of(kind: str) -> str:
+    return GPT_UNITS if kind == "gpt" else MLP_UNITS
+
+
+def global_batch(kind: str, step: int, world: int, per_rank: int = 2):
+    g = torch.Generator().manual_seed(1000 + step)
+    n = per_rank * world
+    if kind == "gpt":
+        x = torch.randint(0, GPT_CFG.vocab, (n, GPT_CFG.block_size), generator=g)
+        y = torch.randint(0, GPT_CFG.vocab, (n, GPT_CFG.block_size), generator=g)
+    else:
+        x = torch.randn(n, 7, generator=g)
+        y = torch.randn(n, 3, generator=g)
+    return x, y
+
+
+def local_batch(batch, rank: int, world: int):
+    return tuple(t.chunk(world)[rank] for t in batch)
+
+
+def loss_of(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if kind == "gpt":
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+    return F.mse_loss(out, y)
+
+
+def make_loss_fn(kind: str, apply):
+    def loss_fn(params, batch):
+        x, y = batch
+        return loss_of(kind, apply(params, x), y)
+
+    return loss_fn
+
+
+OPT = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (absolute when b is zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    den = b.norm().item()
+    return (a - b).norm().item() / (den if den > 0 else 1.0)
+
+
+class Reference:
+    """The unsharded model, `torch.optim.AdamW`, the global batch: what a sharded step must equal."""
+
+    def __init__(self, model: nn.Module, kind: str, max_grad_norm: float | None = None):
+        self.model, self.kind = copy.deepcopy(model), kind
+        self.opt = torch.optim.AdamW(self.model.parameters(), **OPT)
+        self.max_grad_norm = max_grad_norm
+
+    def step(self, batch) -> tuple[float, float]:
+        x, y = batch
+        self.opt.zero_grad()
+        loss = loss_of(self.kind, self.model(x), y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or float("inf"))
+        self.opt.step()
+        return loss.item(), norm.item()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters(remove_duplicate=True))
+
+
+def compare_params(sharded_params, apply, ref: Reference) -> float:
+    """Max relative error over every parameter, gathering the sharded tree."""
+    full = sf.to_state_dict(sf.gather(sharded_params))
+    want = ref.state_dict()
+    assert set(full) == set(want), (sorted(full), sorted(want))
+    return max(rel_err(full[n], want[n]) for n in want)
+
+
+def world_info():
+    return dist.get_rank(), dist.get_world_size()

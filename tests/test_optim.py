@@ -1,0 +1,408 @@
+"""shardfn.optim: parity with torch.optim, purity, the in-place step_ path, and sharded trees."""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import pytest
+import torch
+
+import shardfn.optim as O
+from shardfn._pool import RankPool
+from shardfn.optim._norm import global_norm
+
+SHAPES = {"a": (3, 4), "s": (), "m": (5, 7), "v": (2,), "sub": {"w": (7, 3), "b": (3,)}}
+SCHED = O.warmup_cosine_decay_schedule(0.0, 0.05, 2, 8, end_value=0.005)
+STEPS = 6
+
+
+def make_tree(seed: int, shapes=SHAPES) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return optree.tree_map(lambda s: torch.randn(s, generator=g), shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def grads_seq(params, n: int = STEPS, seed: int = 100) -> list:
+    leaves, spec = optree.tree_flatten(params)
+    g = torch.Generator().manual_seed(seed)
+    return [spec.unflatten([torch.randn(x.shape, generator=g) for x in leaves]) for _ in range(n)]
+
+
+def clone_tree(tree):
+    return optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def rel_err(a, b) -> float:
+    """Max over leaves of ||a - b|| / ||b||, with ||b|| floored at an RMS of 1 (leaves that end near 0)."""
+    errs = [
+        ((x - y).norm() / max(y.norm().item(), math.sqrt(max(y.numel(), 1)))).item()
+        for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b))
+    ]
+    return max(errs)
+
+
+def run_torch(cls, kwargs, params, grads, lr=None, groups=None, clip=None):
+    leaves, spec = optree.tree_flatten(params)
+    ps = [torch.nn.Parameter(x.clone()) for x in leaves]
+    opt = cls(groups(ps) if groups else ps, **kwargs)
+    for t, g in enumerate(grads):
+        for p, gl in zip(ps, optree.tree_leaves(g)):
+            p.grad = gl.clone()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ps, clip)
+        if lr is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr(t)
+        opt.step()
+    return spec.unflatten([p.detach() for p in ps])
+
+
+def run_ours(opt, params, grads, mode: str):
+    """mode: 'update' (pure), 'step_' (in place), or 'mixed' (alternating)."""
+    params = clone_tree(params)
+    state = opt.init(params)
+    for t, g in enumerate(grads):
+        if mode == "step_" or (mode == "mixed" and t % 2):
+            state = opt.update.step_(clone_tree(g), state, params)
+        else:
+            updates, state = opt.update(g, state, params)
+            params = O.apply_updates(params, updates)
+    return params
+
+
+CASES = {
+    "adamw": (lambda: O.adamw(1e-2), torch.optim.AdamW, dict(lr=1e-2), None),
+    "adamw_wd_betas": (lambda: O.adamw(3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
+                       torch.optim.AdamW, dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1), None),
+    "adamw_sched": (lambda: O.adamw(SCHED, weight_decay=0.1), torch.optim.AdamW, dict(lr=0.0, weight_decay=0.1), SCHED),
+    "adam": (lambda: O.adam(1e-2), torch.optim.Adam, dict(lr=1e-2), None),
+    "adam_wd": (lambda: O.adam(1e-2, weight_decay=0.1), torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1), None),
+    "adam_sched": (lambda: O.adam(SCHED, weight_decay=0.1), torch.optim.Adam, dict(lr=0.0, weight_decay=0.1), SCHED),
+    "sgd": (lambda: O.sgd(0.1), torch.optim.SGD, dict(lr=0.1), None),
+    "sgd_momentum": (lambda: O.sgd(0.1, momentum=0.9), torch.optim.SGD, dict(lr=0.1, momentum=0.9), None),
+    "sgd_dampening": (lambda: O.sgd(0.1, momentum=0.9, dampening=0.3), torch.optim.SGD,
+                      dict(lr=0.1, momentum=0.9, dampening=0.3), None),
+    "sgd_nesterov": (lambda: O.sgd(0.1, momentum=0.8, nesterov=True), torch.optim.SGD,
+                     dict(lr=0.1, momentum=0.8, nesterov=True), None),
+    "sgd_wd": (lambda: O.sgd(0.1, momentum=0.9, dampening=0.1, weight_decay=0.05), torch.optim.SGD,
+               dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.05), None),
+    "sgd_wd_plain": (lambda: O.sgd(0.1, weight_decay=0.05), torch.optim.SGD, dict(lr=0.1, weight_decay=0.05), None),
+    "sgd_sched": (lambda: O.sgd(SCHED, momentum=0.9, nesterov=True, weight_decay=0.05), torch.optim.SGD,
+                  dict(lr=0.0, momentum=0.9, nesterov=True, weight_decay=0.05), SCHED),
+}
+
+
+@pytest.mark.parametrize("mode", ["update", "step_", "mixed"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_torch(name, mode):
+    make, cls, kwargs, sched = CASES[name]
+    params = make_tree(0)
+    grads = grads_seq(params)
+    ref = run_torch(cls, kwargs, params, grads, lr=sched)
+    out = run_ours(make(), params, grads, mode)
+    assert rel_err(out, ref) < 1e-5
+    # the accumulated update itself, relative to its own size (catches small formula errors)
+    delta = lambda tree: optree.tree_map(torch.sub, tree, params)  # noqa: E731
+    assert rel_err(delta(out), delta(ref)) < 5e-5
+    assert all(x.dtype == torch.float32 for x in optree.tree_leaves(out))
+
+
+@pytest.mark.parametrize("name", ["adamw_sched", "adam_wd", "sgd_wd", "sgd_nesterov"])
+def test_update_is_pure(name):
+    opt = CASES[name][0]()
+    params = make_tree(0)
+    grads = grads_seq(params, 3)
+    state = opt.init(params)
+    for g in grads:
+        before = clone_tree((g, state, params))
+        updates, new_state = opt.update(g, state, params)
+        after = (g, state, params)
+        assert optree.tree_structure(before) == optree.tree_structure(after)
+        assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(before), optree.tree_leaves(after)))
+        # the new state and the updates share no storage with the inputs
+        ins = {x.untyped_storage().data_ptr() for x in optree.tree_leaves((state, params)) if x.numel()}
+        outs = [x.untyped_storage().data_ptr() for x in optree.tree_leaves(new_state) if x.numel()]
+        assert not ins.intersection(outs)
+        params, state = O.apply_updates(params, updates), new_state
+
+
+def test_state_layout():
+    params = make_tree(0)
+    state = O.adamw(1e-3).init(params)
+    adam_state = state[0]
+    assert isinstance(adam_state, O.ScaleByAdamState)
+    assert adam_state.count.dtype == torch.int64 and adam_state.count.device.type == "cpu"
+    assert optree.tree_structure(adam_state.mu) == optree.tree_structure(params)
+    s = O.sgd(O.constant_schedule(0.1), momentum=0.9).init(params)
+    assert isinstance(s[0], O.TraceState) and isinstance(s[1], O.ScaleByScheduleState)
+    init, update = O.sgd(0.1)
+    assert callable(init) and callable(update) and callable(update.step_)
+
+
+def test_chain_and_clip_match_torch():
+    params = make_tree(1)
+    grads = grads_seq(params)
+    opt = O.chain(O.clip_by_global_norm(1.0), O.adamw(1e-2, weight_decay=0.1))
+    ref = run_torch(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), params, grads, clip=1.0)
+    for mode in ("update", "step_"):
+        assert rel_err(run_ours(opt, params, grads, mode), ref) < 1e-5
+    custom = O.chain(O.scale_by_adam(0.9, 0.999, 1e-8), O.scale(-1e-2))
+    ref = run_torch(torch.optim.Adam, dict(lr=1e-2), params, grads)
+    for mode in ("update", "step_"):
+        assert rel_err(run_ours(custom, params, grads, mode), ref) < 1e-5
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])
+def test_clip_by_global_norm(max_norm):
+    g = make_tree(2)
+    leaves = optree.tree_leaves(g)
+    norm = math.sqrt(sum(float((x.double() ** 2).sum()) for x in leaves))
+    assert abs(global_norm(g).item() - norm) < 1e-5 * norm
+    assert global_norm(g).dtype == torch.float32 and global_norm(g).ndim == 0
+    clip = O.clip_by_global_norm(max_norm)
+    out, _ = clip.update(g, clip.init(g))
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    assert rel_err(out, optree.tree_map(lambda x: x * coef, g)) < 1e-6
+    assert abs(global_norm(out).item() - min(norm, max_norm)) < 1e-4 * norm
+    assert global_norm({}).item() == 0.0
+
+
+def test_masked_weight_decay_matches_param_groups():
+    params = make_tree(3)
+    grads = grads_seq(params)
+    mask = lambda p: optree.tree_map(lambda x: x.ndim > 1, p)  # noqa: E731 - no decay on vectors/scalars
+    decay = [x.ndim > 1 for x in optree.tree_leaves(params)]
+
+    def groups(ps):
+        return [{"params": [p for p, d in zip(ps, decay) if d]},
+                {"params": [p for p, d in zip(ps, decay) if not d], "weight_decay": 0.0}]
+
+    ref = run_torch(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.5), params, grads, groups=groups)
+    for mode in ("update", "step_", "mixed"):
+        assert rel_err(run_ours(O.adamw(1e-2, weight_decay=0.5, mask=mask), params, grads, mode), ref) < 1e-5
+    ref = run_torch(torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.5), params, grads, groups=groups)
+    for mode in ("update", "step_"):
+        out = run_ours(O.sgd(0.1, momentum=0.9, weight_decay=0.5, mask=mask(params)), params, grads, mode)
+        assert rel_err(out, ref) < 1e-5
+    # masked-out leaves get no state
+    state = O.masked(O.trace(0.9), mask).init(params)
+    assert len(optree.tree_leaves(state.inner_state.trace)) == sum(decay)
+
+
+@pytest.mark.parametrize("mode", ["update", "step_"])
+def test_from_torch(mode):
+    params = make_tree(4)
+    grads = grads_seq(params)
+    ref = run_torch(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), params, grads)
+    opt = O.from_torch(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    assert rel_err(run_ours(opt, params, grads, mode), ref) < 1e-6
+    ref = run_torch(torch.optim.SGD, dict(lr=0.0, momentum=0.9, dampening=0.2), params, grads, lr=SCHED)
+    opt = O.from_torch(torch.optim.SGD, lr=SCHED, momentum=0.9, dampening=0.2)
+    assert rel_err(run_ours(opt, params, grads, mode), ref) < 1e-6
+
+
+def test_from_torch_is_pure():
+    opt = O.from_torch(torch.optim.Adam, lr=1e-2)
+    params = make_tree(4)
+    state = opt.init(params)
+    for g in grads_seq(params, 2):
+        before = clone_tree((g, state, params))
+        updates, new_state = opt.update(g, state, params)
+        assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(before), optree.tree_leaves((g, state, params))))
+        params, state = O.apply_updates(params, updates), new_state
+
+
+def test_apply_updates_keeps_dtype_and_requires_grad():
+    p = {"w": torch.ones(3, dtype=torch.bfloat16), "b": torch.zeros(2, requires_grad=True)}
+    u = {"w": torch.full((3,), 0.5), "b": torch.ones(2)}
+    out = O.apply_updates(p, u)
+    assert out["w"].dtype == torch.bfloat16 and torch.equal(out["w"], torch.full((3,), 1.5, dtype=torch.bfloat16))
+    assert out["b"].requires_grad and out["b"].is_leaf and torch.equal(p["b"], torch.zeros(2))
+
+
+def test_schedules():
+    assert O.constant_schedule(0.3)(100) == 0.3
+    lin = O.linear_schedule(1.0, 0.0, 4)
+    assert [lin(t) for t in (0, 1, 4, 9)] == [1.0, 0.75, 0.0, 0.0]
+    cos = O.cosine_decay_schedule(2.0, 10, alpha=0.1)
+    assert cos(0) == pytest.approx(2.0) and cos(5) == pytest.approx(2.0 * (0.45 + 0.1)) and cos(50) == pytest.approx(0.2)
+    w = O.warmup_cosine_decay_schedule(0.0, 1.0, 10, 110, end_value=0.1)
+    assert [w(0), w(5), w(10)] == pytest.approx([0.0, 0.5, 1.0])
+    assert w(60) == pytest.approx(0.55) and w(110) == pytest.approx(0.1) and w(500) == pytest.approx(0.1)
+    j = O.join_schedules([O.constant_schedule(1.0), O.linear_schedule(2.0, 0.0, 2)], [3])
+    assert [j(t) for t in range(6)] == [1.0, 1.0, 1.0, 2.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: O.adamw(-1e-3),
+        lambda: O.adam(1e-3, betas=(1.0, 0.999)),
+        lambda: O.adam(1e-3, betas=(0.9, -0.1)),
+        lambda: O.adamw(1e-3, eps=-1.0),
+        lambda: O.adamw(1e-3, weight_decay=-0.1),
+        lambda: O.sgd(-0.1),
+        lambda: O.sgd(0.1, momentum=-0.5),
+        lambda: O.sgd(0.1, nesterov=True),
+        lambda: O.sgd(0.1, momentum=0.9, dampening=0.5, nesterov=True),
+        lambda: O.sgd(0.1, momentum=0.9, dampening=1.5),
+        lambda: O.clip_by_global_norm(0.0),
+        lambda: O.linear_schedule(1.0, 0.0, 0),
+        lambda: O.warmup_cosine_decay_schedule(0.0, 1.0, 10, 5),
+        lambda: O.from_torch(torch.optim.AdamW, lr=-1.0),
+        lambda: O.from_torch(dict, lr=1.0),
+        lambda: O.chain(O.scale(1.0), "not a transform"),
+    ],
+)
+def test_bad_hyperparameters(build):
+    with pytest.raises(ValueError):
+        build()
+
+
+def test_structure_mismatch():
+    params = make_tree(0)
+    opt = O.adamw(1e-3)
+    state = opt.init(params)
+    bad = dict(params, extra=torch.zeros(2))
+    for fn in (lambda: opt.update(bad, state, bad), lambda: opt.update.step_(bad, state, bad),
+               lambda: opt.update(params, state[:2], params), lambda: O.apply_updates(params, bad),
+               lambda: O.sgd(0.1, momentum=0.9).update(params, state, params),
+               lambda: O.add_decayed_weights(0.1).update(params, O.EmptyState())):
+        with pytest.raises(ValueError):
+            fn()
+
+
+# ---- sharded trees: run on every rank of a RankPool --------------------------------------------
+
+SHARDED_SHAPES = {"rows5": (5, 3), "rows7": (7,), "one": (1, 4), "rep": (3, 2), "scalar": ()}
+SHARDED_PLACEMENT = {"rows5": "shard", "rows7": "shard", "one": "shard", "rep": "rep", "scalar": "rep"}
+SHARDED_OPTS = {
+    "adamw": lambda: O.adamw(SCHED, weight_decay=0.1),
+    "adam": lambda: O.adam(1e-2, weight_decay=0.1),
+    "sgd": lambda: O.sgd(0.1, momentum=0.9, dampening=0.1, weight_decay=0.05),
+    "sgd_nesterov": lambda: O.sgd(0.1, momentum=0.9, nesterov=True),
+    "clip_adamw": lambda: O.chain(O.clip_by_global_norm(0.5), O.adamw(1e-2)),
+}
+
+
+def _distribute(tree, mesh):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    return {k: distribute_tensor(v, mesh, [Shard(0) if SHARDED_PLACEMENT[k] == "shard" else Replicate()])
+            for k, v in tree.items()}
+
+
+def _count_dtensor_ops(fn):
+    """Runs fn and returns (result, number of dispatched ops that saw a DTensor argument)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(isinstance(x, DTensor) for x in optree.tree_leaves((args, kwargs or {}))):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        out = fn()
+    return out, Count.n
+
+
+def _rank_sharded_check(world: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    full = make_tree(5, SHARDED_SHAPES)
+    grads = grads_seq(full, 5, seed=7)
+    res = {"err": {}, "dtensor_ops": 0, "placements_ok": True, "local_rows": None}
+    sharded0 = _distribute(full, mesh)
+    res["local_rows"] = {k: tuple(v.to_local().shape) for k, v in sharded0.items()}
+
+    def same_layout(tree, like):
+        return all(isinstance(x, DTensor) and x.placements == y.placements and x.shape == y.shape
+                   and x.stride() == y.stride() and x.device_mesh == y.device_mesh
+                   for x, y in zip(optree.tree_leaves(tree), optree.tree_leaves(like)))
+
+    for name, make in SHARDED_OPTS.items():
+        ref = run_ours(make(), full, grads, "update")
+        for mode in ("update", "step_"):
+            opt = make()
+            params = _distribute(full, mesh)
+            state = opt.init(params)
+            for a in optree.tree_leaves(state):
+                if a.dim() > 0 and not isinstance(a, DTensor):
+                    res["placements_ok"] = False
+            for g in grads:
+                gs = _distribute(g, mesh)
+                if mode == "update":
+                    (updates, state), n = _count_dtensor_ops(lambda: opt.update(gs, state, params))
+                    res["placements_ok"] &= same_layout(updates, params)
+                    params = O.apply_updates(params, updates)
+                    res["placements_ok"] &= same_layout(params, gs)
+                else:
+                    state, n = _count_dtensor_ops(lambda: opt.update.step_(gs, state, params))
+                res["dtensor_ops"] += n
+            mus = [s.mu for s in optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, O.ScaleByAdamState))
+                   if isinstance(s, O.ScaleByAdamState)]
+            for mu in mus:
+                res["placements_ok"] &= same_layout(mu, params)
+            res["err"][(name, mode)] = rel_err({k: v.full_tensor() for k, v in params.items()}, ref)
+
+    # global norm: equal to the full tree's, with exactly one all_reduce
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    sg = _distribute(grads[0], mesh)
+    dist.all_reduce = counting
+    try:
+        norm = global_norm(sg)
+        res["norm_calls"] = len(calls)
+        clip = O.clip_by_global_norm(0.5)
+        clipped, _ = clip.update(sg, clip.init(sg))
+        res["clip_calls"] = len(calls) - res["norm_calls"]
+        global_norm(grads[0])
+        res["plain_calls"] = len(calls) - res["norm_calls"] - res["clip_calls"]
+    finally:
+        dist.all_reduce = real
+    res["norm_err"] = abs(norm.item() - global_norm(grads[0]).item()) / global_norm(grads[0]).item()
+    ref_clip, _ = clip.update(grads[0], clip.init(grads[0]))
+    res["clip_err"] = rel_err({k: v.full_tensor() for k, v in clipped.items()}, ref_clip)
+    res["placements_ok"] &= same_layout(clipped, sg)
+    return res
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made = {}
+
+    def get(world):
+        if world not in made:
+            made[world] = RankPool(world)
+        return made[world]
+
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_trees(pools, world):
+    results = pools(world).run(_rank_sharded_check, world)
+    rows = [r["local_rows"]["one"][0] for r in results]
+    assert 0 in rows, "some rank must hold an empty shard"
+    assert [r["local_rows"]["rows5"][0] for r in results] != [5] * world
+    for r in results:
+        assert r["placements_ok"]
+        assert r["dtensor_ops"] == 0, "optimizer math must run on local tensors, not through DTensor dispatch"
+        assert max(r["err"].values()) < 1e-5, r["err"]
+        assert r["norm_calls"] == 1 and r["clip_calls"] == 1 and r["plain_calls"] == 0
+        assert r["norm_err"] < 1e-6 and r["clip_err"] < 1e-6

@@ -1,0 +1,223 @@
+"""The train step: parity with a single-process reference, collectives per step, memory behaviour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardfn as sf
+from reference import OPT, Reference, compare_params, global_batch, local_batch, make_loss_fn, make_model, units_of
+
+STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
+STEPS = 4
+
+
+def _setup(kind, strategy, **kw):
+    model = make_model(kind)
+    ref = Reference(model, kind, max_grad_norm=kw.get("max_grad_norm"))
+    apply, params = sf.functionalize(model, units=units_of(kind))
+    mesh = sf.mesh(dp=-1)
+    step = sf.train_step(make_loss_fn(kind, apply), sf.optim.adamw(**OPT), mesh, strategy=strategy, **kw)
+    return ref, apply, step, step.init(params), mesh
+
+
+def rank_parity(strategy: str, **kw) -> dict:
+    """Several steps of the sharded step and of the reference; the worst relative errors seen."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for kind in ("gpt", "mlp"):
+        ref, apply, step, state, _ = _setup(kind, strategy, **kw)
+        loss_err = norm_err = param_err = 0.0
+        for i in range(STEPS):
+            batch = global_batch(kind, i, world, per_rank=4)
+            state, m = step(state, local_batch(batch, rank, world))
+            ref_loss, ref_norm = ref.step(batch)
+            loss_err = max(loss_err, abs(m["loss"].item() - ref_loss) / abs(ref_loss))
+            norm_err = max(norm_err, abs(m["grad_norm"].item() - ref_norm) / ref_norm)
+            param_err = max(param_err, compare_params(state.params, apply, ref))
+        assert state.step == STEPS
+        leaves = sf.tree_paths(state.params)
+        assert all(isinstance(x, torch.distributed.tensor.DTensor) for x in torch.utils._pytree.tree_leaves(state.params))
+        out[kind] = (loss_err, norm_err, param_err, len(leaves))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_parity_with_single_process_reference(pools, world, strategy):
+    for rank_result in pools(world).run(rank_parity, strategy):
+        for kind, (loss_err, norm_err, param_err, n) in rank_result.items():
+            assert loss_err < 1e-5, (kind, loss_err)
+            assert norm_err < 1e-5, (kind, norm_err)
+            assert param_err < 1e-5, (kind, param_err)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parity_with_clipping_and_accumulation(pools, world):
+    for rank_result in pools(world).run(rank_parity, "full_shard", max_grad_norm=0.5, accumulation_steps=2):
+        for kind, (loss_err, norm_err, param_err, _) in rank_result.items():
+            assert max(loss_err, norm_err, param_err) < 1e-5, (kind, loss_err, norm_err, param_err)
+
+
+def rank_count_collectives(strategy: str) -> dict:
+    """Counts the process-group calls of one step, by collective and by phase (forward/backward)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, apply, step, state, mesh = _setup("gpt", strategy)
+    batch = local_batch(global_batch("gpt", 0, world), rank, world)
+    state, _ = step(state, batch)  # first step learns the unit order
+
+    counts: dict[tuple[str, str], int] = {}
+    live_seen: list[int] = []
+    originals = {n: getattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_gather")}
+
+    def wrap(name):
+        def counted(*args, **kwargs):
+            key = (name, step.engine.phase)
+            counts[key] = counts.get(key, 0) + 1
+            live_seen.append(sum(u.full.untyped_storage().nbytes() > 0 for u in step.engine.units))
+            return originals[name](*args, **kwargs)
+
+        return counted
+
+    for n in originals:
+        setattr(dist, n, wrap(n))
+    try:
+        step.engine.stats.reset()
+        state, _ = step(state, batch)
+    finally:
+        for n, f in originals.items():
+            setattr(dist, n, f)
+    storage_left = [
+        (u.name, t.untyped_storage().nbytes())
+        for u in [*step.engine.units, step.engine.root]
+        for t in (u.full, u.gathered, u.rs_in, u.cast_in)
+        if t.untyped_storage().nbytes()
+    ]
+    grads_left = [u.name for u in [*step.engine.units, step.engine.root] for p in u.proxies if p.grad is not None]
+    return dict(
+        counts=counts,
+        units=len(step.engine.units),
+        max_live=step.engine.stats.max_live_units,
+        live_seen=max(live_seen) if live_seen else 0,
+        storage_left=storage_left,
+        grads_left=grads_left,
+    )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_per_step(pools, world):
+    for strategy in STRATEGIES:
+        for r in pools(world).run(rank_count_collectives, strategy):
+            c, U = r["counts"], r["units"]
+            assert U == 3
+            ag_f, ag_b = c.get(("all_gather_single", "forward"), 0), c.get(("all_gather_single", "backward"), 0)
+            rs = c.get(("reduce_scatter_single", "forward"), 0) + c.get(("reduce_scatter_single", "backward"), 0)
+            ar = sum(v for (n, _), v in c.items() if n == "all_reduce")
+            others = {k: v for k, v in c.items() if k[0] not in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
+            assert not others, others  # no per-leaf or fallback collectives
+            if strategy == "full_shard":
+                assert (ag_f, ag_b, rs, ar) == (U + 1, U, U + 1, 1), (strategy, c)
+            elif strategy == "shard_grad_op":
+                assert (ag_f, ag_b, rs, ar) == (U + 1, 0, U + 1, 1), (strategy, c)
+            else:  # one all-reduce per unit (+ root) for gradients, one for the metrics
+                assert (ag_f, ag_b, rs, ar) == (0, 0, 0, U + 2), (strategy, c)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_memory_at_most_two_units_and_nothing_left(pools, world):
+    for r in pools(world).run(rank_count_collectives, "full_shard"):
+        # The engine's own counter, and the storage observed at every collective call.
+        assert r["max_live"] == 2, r
+        assert r["live_seen"] <= 2, r
+        assert r["storage_left"] == [], r
+        assert r["grads_left"] == [], r
+    for r in pools(world).run(rank_count_collectives, "shard_grad_op"):
+        assert r["storage_left"] == [] and r["grads_left"] == [], r
+        assert r["max_live"] == r["units"], r  # kept from forward to backward, by design
+
+
+def rank_local_shards() -> list:
+    """Each DTensor's local shard is a view into its unit's flat buffer, with DTensor's chunking."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _, _, step, state, _ = _setup("gpt", "full_shard")
+    out = []
+    flats = {id(u.local.untyped_storage()) for u in [*step.engine.units, step.engine.root]}
+    for path, leaf in zip(sf.tree_paths(state.params), torch.utils._pytree.tree_leaves(state.params)):
+        local = leaf._local_tensor
+        rows = leaf.shape[0]
+        chunk = -(-rows // world)
+        want = max(0, min(rows - rank * chunk, chunk))
+        out.append((path, tuple(local.shape), want, id(local.untyped_storage()) in flats))
+    return out
+
+
+def test_local_shards_live_in_flat_buffers(pools):
+    for shards in pools(3).run(rank_local_shards):
+        for path, shape, want_rows, in_flat in shards:
+            assert shape[0] == want_rows if shape else True, (path, shape, want_rows)
+            assert in_flat, path
+
+
+def rank_bad_step() -> str:
+    """A loss_fn that raises leaves the step usable and the state intact."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, apply, step, state, _ = _setup("gpt", "full_shard")
+    before = {k: v.full_tensor().clone() for k, v in sf.to_state_dict(state.params).items()}
+    good = step.loss_fn
+
+    def bad(params, batch):
+        good(params, batch)
+        raise RuntimeError("user error")
+
+    step.loss_fn = bad
+    batch = local_batch(global_batch("gpt", 0, world), rank, world)
+    try:
+        step(state, batch)
+    except RuntimeError as e:
+        assert "user error" in str(e)
+    else:
+        raise AssertionError("no error")
+    after = {k: v.full_tensor() for k, v in sf.to_state_dict(state.params).items()}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    step.loss_fn = good
+    state, m = step(state, batch)
+    ref_loss, _ = ref.step(global_batch("gpt", 0, world))
+    return abs(m["loss"].item() - ref_loss)
+
+
+def test_failed_step_loses_nothing(pools):
+    assert all(err < 1e-5 for err in pools(2).run(rank_bad_step))
+
+
+def rank_errors() -> list[str]:
+    model = make_model("mlp")
+    apply, params = sf.functionalize(model, units=units_of("mlp"))
+    mesh = sf.mesh(dp=-1)
+    msgs = []
+    loss_fn = make_loss_fn("mlp", apply)
+    bad_specs = sf.specs(params, mesh)
+    del bad_specs["0"]["bias"]
+    for call in (
+        lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, specs=bad_specs).init(params),
+        lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, strategy="zero3"),
+        lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, accumulation_steps=0),
+        lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, max_grad_norm=-1.0),
+        lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh)(None, None),
+    ):
+        try:
+            call()
+        except ValueError as e:
+            msgs.append(str(e))
+        else:
+            msgs.append("NO ERROR")
+    return msgs
+
+
+def test_user_errors_are_value_errors(pools):
+    msgs = pools(2).run(rank_errors)[0]
+    assert "0.bias" in msgs[0] and "spec tree" in msgs[0], msgs[0]
+    assert "strategy" in msgs[1]
+    assert "accumulation_steps" in msgs[2]
+    assert "max_grad_norm" in msgs[3]
+    assert "init" in msgs[4]
