@@ -269,8 +269,10 @@ def to_state_dict(tree: Any, apply: Apply | None = None) -> dict[str, torch.Tens
             raise ValueError(f"the tree has no leaf {path!r} of the model")
         for name in apply.info.aliases[path]:
             full[name] = out[path]
-    for name, b in apply.info.module.named_buffers():
-        full[name] = b
+    buffers = dict(apply.info.module.named_buffers())
+    for name in apply.info.module.state_dict(keep_vars=True):  # persistent buffers only, as state_dict
+        if name in buffers:
+            full[name] = buffers[name]
     return full
 
 

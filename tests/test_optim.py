@@ -244,6 +244,8 @@ def test_schedules():
         lambda: O.sgd(-0.1),
         lambda: O.sgd(0.1, momentum=-0.5),
         lambda: O.sgd(0.1, nesterov=True),
+        lambda: O.trace(0.9, nesterov=True, dampening=0.1),
+        lambda: O.scale_by_learning_rate(-1.0),
         lambda: O.sgd(0.1, momentum=0.9, dampening=0.5, nesterov=True),
         lambda: O.sgd(0.1, momentum=0.9, dampening=1.5),
         lambda: O.clip_by_global_norm(0.0),
@@ -282,6 +284,8 @@ SHARDED_OPTS = {
     "sgd": lambda: O.sgd(0.1, momentum=0.9, dampening=0.1, weight_decay=0.05),
     "sgd_nesterov": lambda: O.sgd(0.1, momentum=0.9, nesterov=True),
     "clip_adamw": lambda: O.chain(O.clip_by_global_norm(0.5), O.adamw(1e-2)),
+    "adamw_masked": lambda: O.adamw(1e-2, weight_decay=0.5, mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p)),
+    "from_torch_adamw": lambda: O.from_torch(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
 }
 
 
@@ -321,6 +325,7 @@ def _rank_sharded_check(world: int) -> dict:
     res = {"err": {}, "dtensor_ops": 0, "placements_ok": True, "local_rows": None}
     sharded0 = _distribute(full, mesh)
     res["local_rows"] = {k: tuple(v.to_local().shape) for k, v in sharded0.items()}
+    res["counter_works"] = _count_dtensor_ops(lambda: sharded0["rows5"] * 2)[1] > 0
 
     def same_layout(tree, like):
         return all(isinstance(x, DTensor) and x.placements == y.placements and x.shape == y.shape
@@ -376,6 +381,9 @@ def _rank_sharded_check(world: int) -> dict:
     ref_clip, _ = clip.update(grads[0], clip.init(grads[0]))
     res["clip_err"] = rel_err({k: v.full_tensor() for k, v in clipped.items()}, ref_clip)
     res["placements_ok"] &= same_layout(clipped, sg)
+    # plain leaves in a sharded tree count as replicated on every rank
+    mixed = global_norm({**sg, "plain": torch.full((3,), 2.0)})
+    res["mixed_err"] = abs(mixed.item() - global_norm({**grads[0], "plain": torch.full((3,), 2.0)}).item())
     return res
 
 
@@ -401,7 +409,8 @@ def test_sharded_trees(pools, world):
     assert 0 in rows, "some rank must hold an empty shard"
     assert [r["local_rows"]["rows5"][0] for r in results] != [5] * world
     for r in results:
-        assert r["placements_ok"]
+        assert r["placements_ok"] and r["counter_works"]
+        assert r["mixed_err"] < 1e-5
         assert r["dtensor_ops"] == 0, "optimizer math must run on local tensors, not through DTensor dispatch"
         assert max(r["err"].values()) < 1e-5, r["err"]
         assert r["norm_calls"] == 1 and r["clip_calls"] == 1 and r["plain_calls"] == 0

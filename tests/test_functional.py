@@ -1,0 +1,131 @@
+"""Models as pure functions: functionalize, apply, ties, buffers, units, state-dict names."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import shardfn as sf
+from reference import GPT_CFG, make_model
+
+
+def test_apply_equals_module_and_module_keeps_no_params():
+    model = make_model("gpt")
+    twin = copy.deepcopy(model)
+    x = torch.randint(0, GPT_CFG.vocab, (2, 8))
+    apply, params = sf.functionalize(model, units=r"blocks\.\d+")
+    assert torch.equal(apply(params, x), twin(x))
+    assert all(p.is_meta for p in model.parameters())
+    assert set(params) == {"wte", "wpe", "blocks", "ln_f"}  # head.weight is tied to wte.weight
+    assert list(params["blocks"]) == ["0", "1", "2"]
+    assert params["blocks"]["0"]["attn"]["qkv"]["weight"].shape == (105, 35)
+    assert not any(p.requires_grad for p in torch.utils._pytree.tree_leaves(params))
+
+
+def test_params_take_the_module_storage():
+    model = nn.Linear(3, 2)
+    ptr = model.weight.data_ptr()
+    _, params = sf.functionalize(model)
+    assert params["weight"].data_ptr() == ptr
+
+
+def test_tied_weight_appears_once_and_stays_tied():
+    model = make_model("gpt")
+    twin = copy.deepcopy(model)
+    apply, params = sf.functionalize(model)
+    assert "head" not in params
+    x = torch.randint(0, GPT_CFG.vocab, (2, 8))
+    params = torch.utils._pytree.tree_map(lambda t: t.clone().requires_grad_(), params)
+    apply(params, x).sum().backward()
+    twin(x).sum().backward()
+    # The embedding's gradient has both uses: lookup and output head.
+    assert torch.allclose(params["wte"]["weight"].grad, twin.wte.weight.grad, rtol=1e-5, atol=1e-6)
+    new = torch.utils._pytree.tree_map(lambda t: t.detach(), params)
+    new["wte"]["weight"] = torch.zeros_like(new["wte"]["weight"])
+    # The head reads the same tensor: a zero embedding makes every logit zero.
+    assert torch.count_nonzero(apply(new, x)) == 0
+
+
+def test_buffers_are_the_modules_and_can_be_overridden():
+    model = make_model("gpt")
+    apply, params = sf.functionalize(model)
+    assert apply.buffers["pos"] is model.pos
+    assert apply.buffers["blocks"]["0"]["attn"]["mask"] is model.blocks[0].attn.mask
+    x = torch.randint(0, GPT_CFG.vocab, (1, 4))
+    bufs = torch.utils._pytree.tree_map(lambda b: b.clone(), apply.buffers)
+    bufs["pos"] = torch.zeros_like(bufs["pos"])  # every token at position 0
+    out = apply(params, x, buffers=bufs)
+    twin = make_model("gpt")
+    twin.pos.zero_()
+    assert torch.allclose(out, twin(x))
+    assert not torch.allclose(out, apply(params, x))
+
+
+def test_method():
+    model = make_model("gpt")
+    twin = copy.deepcopy(model)
+    apply, params = sf.functionalize(model)
+    gen = apply.method("generate")
+    x = torch.randint(0, GPT_CFG.vocab, (2, 3))
+    assert torch.equal(gen(params, x, 4), twin.generate(x, 4))
+    with pytest.raises(ValueError, match="no method"):
+        apply.method("nope")
+
+
+def test_units_and_root():
+    model = make_model("gpt")
+    apply, _ = sf.functionalize(model, units=[r"blocks\.\d+"])
+    info = apply.info
+    assert apply.units == ["blocks.0", "blocks.1", "blocks.2"]
+    assert info.unit_of["blocks.1.fc.weight"] == 1
+    assert info.unit_of["wte.weight"] == -1 and info.unit_of["ln_f.bias"] == -1
+
+
+def test_parameter_tied_across_units_goes_to_root():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = nn.Linear(3, 3)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    apply, params = sf.functionalize(Shared(), units=r"a|b")
+    assert apply.info.unit_of["a.weight"] == -1
+    assert apply.info.unit_of["a.bias"] == 0 and apply.info.unit_of["b.bias"] == 1
+
+
+def test_user_errors():
+    model = make_model("mlp")
+    with pytest.raises(ValueError, match="match no submodule"):
+        sf.functionalize(copy.deepcopy(model), units=r"blocks\.\d+")
+    apply, params = sf.functionalize(model)
+    with pytest.raises(ValueError, match="already functionalized"):
+        sf.functionalize(model)
+    with pytest.raises(ValueError, match="missing"):
+        apply({"0": params["0"]}, torch.zeros(1, 7))
+
+
+def test_tree_paths_and_state_dict_round_trip():
+    model = make_model("gpt")
+    sd = copy.deepcopy(model.state_dict())
+    apply, params = sf.functionalize(model)
+    paths = sf.tree_paths(params)
+    assert "blocks.0.attn.qkv.weight" in paths and "head.weight" not in paths
+    full = sf.to_state_dict(params, apply)
+    assert set(full) == set(sd)
+    assert all(torch.equal(full[k], sd[k]) for k in sd)
+    twin = make_model("gpt", seed=1)
+    twin.load_state_dict(full)
+    x = torch.randint(0, GPT_CFG.vocab, (2, 8))
+    assert torch.equal(twin(x), apply(params, x))
+    back = sf.from_state_dict(apply, sd)
+    assert sf.tree_paths(back) == paths
+    assert all(torch.equal(a, b) for a, b in zip(torch.utils._pytree.tree_leaves(back), torch.utils._pytree.tree_leaves(params)))
+    with pytest.raises(ValueError, match="missing"):
+        sf.from_state_dict(apply, {k: v for k, v in sd.items() if k != "ln_f.weight"})
