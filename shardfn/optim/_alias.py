@@ -1,0 +1,262 @@
+"""Named optimizers (`sgd`, `adam`, `adamw`) as chains, with fused in-place ``step_`` hot paths."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from ._base import GradientTransformation, OptState, Params, generic_step
+from ._combine import Mask, chain, masked, resolve_mask
+from ._local import flatten, flatten_as, locals_
+from ._transforms import (
+    ScalarOrSchedule,
+    _check_beta,
+    _check_lr,
+    _check_nonneg,
+    add_decayed_weights,
+    lr_at,
+    scale_by_adam,
+    scale_by_learning_rate,
+    trace,
+)
+
+__all__ = ["sgd", "adam", "adamw"]
+
+_FUSED_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
+
+
+def _fusable(lists: tuple[list[torch.Tensor], ...]) -> bool:
+    """Whether torch's fused kernels take these local lists (same float dtype and device per leaf)."""
+    first = lists[0]
+    for i, p in enumerate(first):
+        if not p.dtype.is_floating_point or p.device.type not in _FUSED_DEVICE_TYPES:
+            return False
+        for other in lists[1:]:
+            if other[i].dtype != p.dtype or other[i].device != p.device:
+                return False
+    return True
+
+
+def _groups(weight_decay: float, mask: Optional[Mask], params: Params, lists: tuple[list, ...]):
+    """Yields (weight_decay, device, per-list sublists) for each mask group and device/dtype."""
+    n = len(lists[0])
+    if weight_decay == 0 or mask is None:
+        parts = [(weight_decay, lists)]
+    else:
+        flags = resolve_mask(mask, params)
+        parts = [
+            (wd, tuple([l[i] for i in range(n) if flags[i] == keep] for l in lists))
+            for wd, keep in ((weight_decay, True), (0.0, False))
+        ]
+    for wd, sub in parts:
+        if not sub[0]:
+            continue
+        for (device, _), (grouped, _) in _group_tensors_by_device_and_dtype(list(sub)).items():
+            yield wd, device, grouped
+
+
+def _chain_state(state: OptState, n: int) -> tuple:
+    if not isinstance(state, tuple) or len(state) != n:
+        raise ValueError(f"expected the optimizer's state, a tuple of {n} states, got {type(state).__name__}")
+    return state
+
+
+def _with_wd(weight_decay: float, mask: Optional[Mask]) -> list[GradientTransformation]:
+    if weight_decay == 0:
+        return []
+    wd = add_decayed_weights(weight_decay)
+    return [wd if mask is None else masked(wd, mask)]
+
+
+def _check_adam(lr: ScalarOrSchedule, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    _check_lr(lr)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (b1, b2), got {betas!r}")
+    _check_beta("betas[0]", betas[0])
+    _check_beta("betas[1]", betas[1])
+    _check_nonneg("eps", eps)
+    _check_nonneg("weight_decay", weight_decay)
+
+
+def _adam_family(
+    lr: ScalarOrSchedule,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    mask: Optional[Mask],
+    decoupled: bool,
+) -> GradientTransformation:
+    _check_adam(lr, betas, eps, weight_decay)
+    b1, b2 = float(betas[0]), float(betas[1])
+    wd = _with_wd(weight_decay, mask)
+    adam_t = scale_by_adam(b1, b2, eps)
+    parts = [adam_t, *wd] if decoupled else [*wd, adam_t]
+    parts.append(scale_by_learning_rate(lr))
+    i_adam = parts.index(adam_t)
+    opt = chain(*parts)
+    fallback = generic_step(opt.update._update_)
+    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+
+    @torch.no_grad()
+    def step_(grads: Any, state: OptState, params: Params) -> OptState:
+        state = _chain_state(state, len(parts))
+        st = state[i_adam]
+        g_leaves, spec = flatten(grads)
+        lists = (
+            locals_(flatten_as(spec, params, "params")),
+            locals_(g_leaves),
+            locals_(flatten_as(spec, st.mu, "adam state mu")),
+            locals_(flatten_as(spec, st.nu, "adam state nu")),
+        )
+        if not _fusable(lists):
+            return fallback(grads, state, params)
+        t = float(int(st.count) + 1)
+        lr_t = lr_at(lr, state[-1])
+        for wd_g, device, (p, g, m, v) in _groups(weight_decay, mask, params, lists):
+            step_t = torch.full((), t, dtype=torch.float32, device=device)
+            fused(p, g, m, v, [], [step_t] * len(p), lr=lr_t, beta1=b1, beta2=b2, weight_decay=wd_g,
+                  eps=eps, amsgrad=False, maximize=False)
+        st.count.add_(1)
+        if callable(lr):
+            state[-1].count.add_(1)
+        return state
+
+    opt.update.step_ = step_
+    return opt
+
+
+def adam(
+    lr: ScalarOrSchedule,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    mask: Optional[Mask] = None,
+) -> GradientTransformation:
+    """Adam, matching ``torch.optim.Adam`` (coupled L2 weight decay: ``g + weight_decay * p``).
+
+    Built as ``chain(add_decayed_weights(weight_decay), scale_by_adam(*betas, eps),
+    scale_by_learning_rate(lr))``; ``update.step_`` calls ``torch._fused_adam_`` on the local leaves.
+
+    Args:
+        lr: learning rate >= 0, or a schedule ``step -> float``.
+        betas: decays of the first and second moments, each in [0, 1).
+        eps: added to the denominator, >= 0.
+        weight_decay: L2 coefficient, >= 0.
+        mask: which leaves get weight decay (a pytree of bools like the params, or ``params -> mask``);
+            None decays all.
+
+    Returns:
+        A GradientTransformation.
+
+    Example:
+        >>> opt = adam(1e-3, weight_decay=1e-4)
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update(grads, state, params)
+    """
+    return _adam_family(lr, betas, eps, weight_decay, mask, decoupled=False)
+
+
+def adamw(
+    lr: ScalarOrSchedule,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    *,
+    mask: Optional[Mask] = None,
+) -> GradientTransformation:
+    """AdamW, matching ``torch.optim.AdamW`` (decoupled decay: ``p -= lr * weight_decay * p``).
+
+    Built as ``chain(scale_by_adam(*betas, eps), add_decayed_weights(weight_decay),
+    scale_by_learning_rate(lr))``; ``update.step_`` calls ``torch._fused_adamw_`` on the local leaves.
+
+    Args:
+        lr: learning rate >= 0, or a schedule ``step -> float``.
+        betas: decays of the first and second moments, each in [0, 1).
+        eps: added to the denominator, >= 0.
+        weight_decay: decoupled decay coefficient, >= 0.
+        mask: which leaves get weight decay (a pytree of bools like the params, or ``params -> mask``);
+            None decays all.
+
+    Returns:
+        A GradientTransformation.
+
+    Example:
+        >>> opt = adamw(1e-3, weight_decay=0.01)
+        >>> state = opt.init(params)
+        >>> state = opt.update.step_(grads, state, params)    # in place, fused
+    """
+    return _adam_family(lr, betas, eps, weight_decay, mask, decoupled=True)
+
+
+def sgd(
+    lr: ScalarOrSchedule,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    *,
+    mask: Optional[Mask] = None,
+) -> GradientTransformation:
+    """SGD with optional momentum, matching ``torch.optim.SGD`` (first momentum buffer = gradient).
+
+    Built as ``chain(add_decayed_weights(weight_decay), trace(momentum, nesterov, dampening),
+    scale_by_learning_rate(lr))`` (parts with a zero coefficient left out); ``update.step_`` calls
+    ``torch._fused_sgd_`` on the local leaves.
+
+    Args:
+        lr: learning rate >= 0, or a schedule ``step -> float``.
+        momentum: momentum factor, >= 0.
+        dampening: dampening of new gradients in the momentum buffer, in [0, 1].
+        nesterov: Nesterov momentum (needs momentum > 0 and dampening == 0).
+        weight_decay: L2 coefficient, >= 0.
+        mask: which leaves get weight decay (a pytree of bools like the params, or ``params -> mask``).
+
+    Returns:
+        A GradientTransformation.
+
+    Example:
+        >>> opt = sgd(0.1, momentum=0.9, nesterov=True)
+    """
+    _check_lr(lr)
+    _check_nonneg("momentum", momentum)
+    _check_nonneg("weight_decay", weight_decay)
+    parts = _with_wd(weight_decay, mask)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum needs momentum > 0 and dampening == 0")
+    trace_t = trace(momentum, nesterov, dampening) if momentum > 0 else None  # dampening alone is a no-op
+    if trace_t is not None:
+        parts.append(trace_t)
+    parts.append(scale_by_learning_rate(lr))
+    opt = chain(*parts)
+    fallback = generic_step(opt.update._update_)
+    i_trace = parts.index(trace_t) if trace_t is not None else None
+
+    @torch.no_grad()
+    def step_(grads: Any, state: OptState, params: Params) -> OptState:
+        state = _chain_state(state, len(parts))
+        g_leaves, spec = flatten(grads)
+        lists = (locals_(flatten_as(spec, params, "params")), locals_(g_leaves))
+        first = False
+        if i_trace is not None:
+            ts = state[i_trace]
+            lists = (*lists, locals_(flatten_as(spec, ts.trace, "sgd momentum state")))
+            first = int(ts.count) == 0
+        if not _fusable(lists):
+            return fallback(grads, state, params)
+        lr_t = lr_at(lr, state[-1])
+        for wd_g, _, grouped in _groups(weight_decay, mask, params, lists):
+            p, g = grouped[0], grouped[1]
+            bufs = grouped[2] if i_trace is not None else []
+            torch._fused_sgd_(p, g, bufs, weight_decay=wd_g, momentum=float(momentum), lr=lr_t,
+                              dampening=float(dampening), nesterov=nesterov, maximize=False, is_first_step=first)
+        if i_trace is not None:
+            state[i_trace].count.add_(1)
+        if callable(lr):
+            state[-1].count.add_(1)
+        return state
+
+    opt.update.step_ = step_
+    return opt

@@ -1,0 +1,117 @@
+"""The GradientTransformation type, the in-place ``step_`` protocol, and ``apply_updates``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Protocol
+
+import torch
+
+from ._local import flatten, flatten_as, locals_, wrap
+
+__all__ = ["GradientTransformation", "EmptyState", "apply_updates"]
+
+Params = Any
+Updates = Any
+OptState = Any
+
+
+class TransformInitFn(Protocol):
+    def __call__(self, params: Params) -> OptState: ...
+
+
+class TransformUpdateFn(Protocol):
+    def __call__(
+        self, updates: Updates, state: OptState, params: Optional[Params] = None
+    ) -> tuple[Updates, OptState]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure functions, as in optax.
+
+    ``init(params) -> state`` builds the state (a pytree of NamedTuples of tensors);
+    ``update(updates, state, params=None) -> (updates, new_state)`` transforms gradients into updates
+    without mutating any input.
+
+    Every ``update`` built by this package also carries ``update.step_(grads, state, params) -> state``,
+    the in-place hot path: it updates ``params`` in place (their local tensors), may overwrite
+    ``grads``, updates the state tensors in place and returns the state (the same tensors). Callers
+    must fall back to ``update`` + ``apply_updates`` when ``step_`` is absent (user transforms).
+
+    Example:
+        >>> init, update = chain(scale_by_adam(), scale(-1e-3))
+        >>> state = init(params)
+        >>> updates, state = update(grads, state, params)
+    """
+
+    init: TransformInitFn
+    update: TransformUpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+def donating(update: Callable) -> Callable:
+    """The donating variant of `update` (may overwrite its updates and state), or `update` itself."""
+    return getattr(update, "_update_", update)
+
+
+def add_updates_(params: Params, updates: Updates) -> None:
+    """``params += updates`` leafwise, in place on the local tensors (one foreach call)."""
+    p_leaves, spec = flatten(params)
+    u_leaves = flatten_as(spec, updates, "updates")
+    if p_leaves:
+        torch._foreach_add_(locals_(p_leaves), locals_(u_leaves))
+
+
+def generic_step(update_: Callable) -> Callable:
+    """``step_`` made of a donating update followed by an in-place add of the updates to the params."""
+
+    @torch.no_grad()
+    def step_(grads: Updates, state: OptState, params: Params) -> OptState:
+        updates, state = update_(grads, state, params)
+        add_updates_(params, updates)
+        return state
+
+    return step_
+
+
+def transformation(
+    init: Callable, update: Callable, update_: Optional[Callable] = None, step_: Optional[Callable] = None
+) -> GradientTransformation:
+    """Builds a GradientTransformation whose ``update`` carries ``_update_`` (donating) and ``step_``.
+
+    `update` and `update_` are run under ``torch.no_grad()``.
+    """
+    pure = torch.no_grad()(update)
+    pure._update_ = torch.no_grad()(update_) if update_ is not None else pure
+    pure.step_ = step_ if step_ is not None else generic_step(pure._update_)
+    return GradientTransformation(init, pure)
+
+
+@torch.no_grad()
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """Returns ``params + updates`` leafwise, without mutating either.
+
+    Each new leaf keeps the dtype (and, for DTensors, the mesh, placements, shape and stride) of its
+    parameter, and its ``requires_grad`` flag.
+
+    Args:
+        params: a pytree of tensors or DTensors.
+        updates: a pytree of the same structure, e.g. from ``opt.update``.
+
+    Returns:
+        The updated parameters, a new pytree.
+
+    Example:
+        >>> updates, state = opt.update(grads, state, params)
+        >>> params = apply_updates(params, updates)
+    """
+    p_leaves, spec = flatten(params)
+    u_leaves = flatten_as(spec, updates, "updates (in apply_updates)")
+    if not p_leaves:
+        return params
+    p_loc = locals_(p_leaves)
+    outs = torch._foreach_add(p_loc, locals_(u_leaves))
+    outs = [o if o.dtype == p.dtype else o.to(p.dtype) for o, p in zip(outs, p_loc)]
+    return spec.unflatten([wrap(o, p, p.requires_grad) for o, p in zip(outs, p_leaves)])

@@ -1,0 +1,84 @@
+"""The global L2 norm of a (possibly sharded) pytree, with one all-reduce."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ._local import flatten, locals_
+
+__all__: list[str] = []
+
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def _group(mesh: DeviceMesh) -> Any:
+    """A process group spanning every rank of `mesh`."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
+    if ranks == tuple(range(dist.get_world_size())):
+        return dist.group.WORLD
+    if ranks not in _GROUPS:
+        _GROUPS[ranks] = mesh._flatten().get_group()
+    return _GROUPS[ranks]
+
+
+def _replicas(x: DTensor) -> int:
+    n = 1
+    for dim, placement in enumerate(x.placements):
+        if placement.is_partial():
+            raise ValueError(
+                f"global_norm needs reduced leaves, got a DTensor with placements {x.placements}; "
+                "redistribute Partial leaves to Shard or Replicate first"
+            )
+        if placement.is_replicate():
+            n *= x.device_mesh.size(dim)
+    return n
+
+
+def global_norm(tree: Any) -> torch.Tensor:
+    """The L2 norm of all leaves of `tree` together, as a 0-d fp32 tensor.
+
+    On a sharded tree (DTensor leaves) it is the norm of the full tree: each leaf's local sum of squares
+    is divided by its number of replicas (the product of the mesh sizes along its `Replicate` dims),
+    and the sum goes through exactly one ``torch.distributed.all_reduce`` over all ranks of the mesh.
+    Plain-tensor leaves of a sharded tree count as replicated on every rank of the mesh. A tree without
+    DTensor leaves needs no communication.
+
+    Args:
+        tree: a pytree of tensors and/or DTensors (all DTensors on meshes spanning the same ranks).
+
+    Returns:
+        A 0-d float32 tensor on the leaves' device, equal on every rank.
+
+    Example:
+        >>> global_norm({"w": torch.ones(2, 2), "b": torch.zeros(3)})
+        tensor(2.)
+    """
+    leaves, _ = flatten(tree)
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32)
+    locs = locals_(leaves)
+    device = locs[0].device
+    norms = torch._foreach_norm(locs, 2, dtype=torch.float32)
+    sq = torch.stack([n if n.device == device else n.to(device) for n in norms]).square_()
+    meshes = {x.device_mesh for x in leaves if isinstance(x, DTensor)}
+    if not meshes:
+        return sq.sum().sqrt_()
+    mesh = next(iter(meshes))
+    ranks = set(mesh.mesh.flatten().tolist())
+    for other in meshes:
+        if set(other.mesh.flatten().tolist()) != ranks:
+            raise ValueError(f"global_norm needs all DTensor leaves on meshes over the same ranks, got {meshes}")
+    weights = [1.0 / (_replicas(x) if isinstance(x, DTensor) else len(ranks)) for x in leaves]
+    if any(w != 1.0 for w in weights):
+        sq = sq * torch.tensor(weights, dtype=torch.float32).to(device, non_blocking=True)
+    total = sq.sum()
+    if len(ranks) > 1:
+        dist.all_reduce(total, group=_group(mesh))
+    return total.sqrt_()
