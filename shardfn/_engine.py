@@ -61,14 +61,27 @@ class Engine:
         root: the root unit.
         reshard_after_forward: free units after their forward (`full_shard`).
         max_live: the most non-root units gathered at once under `reshard_after_forward`.
+        cast_dtype: floating-point inputs of the model and of each unit are cast to this dtype
+            (mixed precision), or None.
     """
 
-    def __init__(self, info, units: list[FlatUnit], root: FlatUnit, reshard_after_forward: bool, max_live: int = 2):
+    def __init__(
+        self,
+        info,
+        units: list[FlatUnit],
+        root: FlatUnit,
+        reshard_after_forward: bool,
+        max_live: int = 2,
+        cast_dtype: torch.dtype | None = None,
+    ):
         self.info = info
         self.units = units
         self.root = root
         self.reshard_after_forward = reshard_after_forward
         self.max_live = max_live
+        self.cast_dtype = cast_dtype
+        self.remat_units: set[int] = set()  # read by the remat wrappers (shardfn/_remat.py)
+        self._reduce_now = True
         n = len(units)
         self.order: list[int] = list(range(n))  # forward order (guess until the first step)
         self._order_known = False
@@ -146,10 +159,17 @@ class Engine:
         self._start(u)
 
     # -- the step -----------------------------------------------------------------------------
-    def begin(self, accumulate: bool) -> None:
-        """Starts one forward/backward: gathers the root and prefetches the first unit."""
+    def begin(self, accumulate: bool, reduce: bool = True) -> None:
+        """Starts one forward/backward: gathers the root and prefetches the first unit.
+
+        Args:
+            accumulate: add this backward's reduced gradients to the sharded ones already there.
+            reduce: reduce at all; False keeps the full gradients for a later backward (local
+                accumulation of micro-batches).
+        """
         self.phase = "forward"
         self._accumulate = accumulate
+        self._reduce_now = reduce
         self._seen = []
         self._remaining = [u.num_trained for u in self.units]
         self._root_remaining = self.root.num_trained
@@ -159,14 +179,25 @@ class Engine:
             self._prefetch(self.order[0])
         self._ensure(ROOT)
 
-    def pre_forward(self, info, u: int) -> None:
+    def cast_inputs(self, info, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Mixed precision: floating-point inputs of the model's forward in the compute dtype."""
+        if self.cast_dtype is None or info is not self.info:
+            return args, kwargs
+        return self._cast(args), self._cast(kwargs)
+
+    def _cast(self, tree: Any) -> Any:
+        dt = self.cast_dtype
+        return optree.tree_map(lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+    def pre_forward(self, info, u: int, args: tuple) -> tuple | None:
         if info is not self.info or self.phase == "idle":
-            return
+            return None
         if self.phase == "forward" and u not in self._seen:
             self._seen.append(u)
         self._ensure(u)
         if self.phase == "forward":
             self._prefetch(self._next.get(u))
+        return self._cast(args) if self.cast_dtype is not None else None
 
     def post_forward(self, info, u: int, output: Any) -> None:
         if info is not self.info or self.phase != "forward":
@@ -213,19 +244,21 @@ class Engine:
         if u in self._reduced:
             return
         self._reduced.add(u)
-        if unit.num_trained == 0:  # frozen: nothing to reduce
-            if u != ROOT:
-                self._free(u)
-            return
-        self._event("reduce", u)
-        pending = unit.start_reduce(self._accumulate)
-        # At most two reductions in flight: their full-size inputs are memory too.
-        while len(self._in_flight) >= 2:
-            done, p = self._in_flight.pop(0)
-            done.finish_reduce(p)
-        self._in_flight.append((unit, pending))
+        if unit.num_trained and self._reduce_now:
+            self._event("reduce", u)
+            pending = unit.start_reduce(self._accumulate)
+            # At most two reductions in flight: their full-size inputs are memory too.
+            while len(self._in_flight) >= 2:
+                self._finish_oldest()
+            self._in_flight.append((unit, pending))
         if u != ROOT:
             self._free(u)
+
+    def _finish_oldest(self) -> None:
+        unit, pending = self._in_flight.pop(0)
+        again = unit.finish_reduce(pending)
+        if again is not None:  # hybrid: the replicate-axis all-reduce is now in flight
+            self._in_flight.append((unit, again))
 
     def end(self) -> None:
         """Ends one forward/backward: reduces what got no gradient, waits, frees everything."""
@@ -234,9 +267,8 @@ class Engine:
         for u in [*range(len(self.units)), ROOT]:
             if u not in self._reduced:
                 self._reduce(u)
-        for unit, p in self._in_flight:
-            unit.finish_reduce(p)
-        self._in_flight = []
+        while self._in_flight:
+            self._finish_oldest()
         self._free(ROOT)
         for u in list(self._live):
             self._free(u)
@@ -248,12 +280,10 @@ class Engine:
         for u, w in list(self._works.items()):
             self._unit(u).finish_gather(w)
         self._works.clear()
-        for unit, p in self._in_flight:
-            unit.finish_reduce(p)
-        self._in_flight = []
+        while self._in_flight:
+            self._finish_oldest()
         for unit in [*self.units, self.root]:
-            for p in unit.proxies:
-                p.grad = None
+            unit.take_grads()
             unit.free()
         self._live.clear()
         self._deferred = []

@@ -88,10 +88,11 @@ def _unit_index(owner: str, unit_names: list[str]) -> int:
 
 
 def _unit_hooks(info: ModelInfo, index: int):
-    def pre(mod: nn.Module, args: Any) -> None:
+    def pre(mod: nn.Module, args: Any) -> Any:
         rt = _runtime.current()
         if rt is not None:
-            rt.pre_forward(info, index)
+            return rt.pre_forward(info, index, args)
+        return None
 
     def post(mod: nn.Module, args: Any, output: Any) -> Any:
         rt = _runtime.current()
@@ -153,6 +154,9 @@ class Apply:
             with ShardedForward(self, params) as (gathered, runtime):
                 with _runtime.activate(runtime):
                     return self._call_flat(gathered, args, buffers, kwargs)
+        rt = _runtime.current()
+        if rt is not None and hasattr(rt, "cast_inputs"):
+            args, kwargs = rt.cast_inputs(self.info, args, kwargs)
         return self._call_flat(self.flat_params(params), args, buffers, kwargs)
 
     def _call_flat(self, flat: dict[str, torch.Tensor], args: tuple, buffers: Any, kwargs: dict) -> Any:

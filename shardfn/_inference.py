@@ -73,9 +73,10 @@ class ShardedForward:
             unit.free()
 
     # runtime protocol (see shardfn/_runtime.py)
-    def pre_forward(self, info, u: int) -> None:
+    def pre_forward(self, info, u: int, args: Any) -> None:
         if info is self.apply.info and u in self.units:
             self.units[u].gather()
+        return None
 
     def post_forward(self, info, u: int, output: Any) -> None:
         if info is self.apply.info and u in self.units:

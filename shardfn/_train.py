@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import optree
 import torch
@@ -14,8 +15,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from . import _collectives as C
 from . import _runtime
 from ._engine import Engine
-from ._flat import FlatUnit, LeafSlot
+from ._flat import FlatUnit, LeafSlot, LeafSpec
 from ._functional import find_apply
+from ._remat import install as install_remat
+from ._remat import select_units
 from ._spec import P, match_specs, placements_for, specs as make_specs
 from ._tree import tree_flatten_with_paths
 
@@ -89,35 +92,53 @@ def _split_batch(batch: Any, k: int) -> list[Any]:
 class TrainStep:
     """A sharded train step; see `train_step`. Call `init(params)` once, then `step(state, batch)`."""
 
-    def __init__(self, loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm, apply=None):
+    def __init__(self, loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
+                 apply=None, frozen=None, offload=None, accumulation="sharded"):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if strategy == "hybrid_shard":
-            raise NotImplementedError("strategy='hybrid_shard' is not supported yet; use 'full_shard' on a 1-D mesh")
-        if remat:
-            raise NotImplementedError("remat=True is not supported yet")
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}")
+        if accumulation not in ("sharded", "local"):
+            raise ValueError(f"accumulation must be 'sharded' (reduce every micro-batch) or 'local' (reduce once), got {accumulation!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise ValueError("mixed_precision must be an sf.MixedPrecision(...) or None")
+        if offload not in (None, "cpu"):
+            raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"mesh must be a DeviceMesh (see sf.mesh), got {type(mesh).__name__}")
-        if mesh.ndim != 1:
-            raise NotImplementedError(f"train_step supports 1-D meshes for now; got axes {mesh.mesh_dim_names}")
+        names = tuple(mesh.mesh_dim_names or ())
+        if strategy == "hybrid_shard":
+            if mesh.ndim != 2:
+                raise ValueError(
+                    f"strategy='hybrid_shard' needs a 2-D mesh (replicate, shard), e.g. sf.mesh(replicate=2, shard=-1); got axes {names}"
+                )
+            self.shard_axis, self.replicate_axis = names[1], names[0]
+        else:
+            if mesh.ndim != 1:
+                raise ValueError(
+                    f"strategy={strategy!r} shards over a 1-D mesh; got axes {names}. For a 2-D mesh use strategy='hybrid_shard'"
+                )
+            self.shard_axis, self.replicate_axis = names[0], None
         self.loss_fn = loss_fn
         self.opt = opt
         self.mesh = mesh
         self.specs = specs
         self.strategy = strategy
         self.mp = mixed_precision or MixedPrecision()
+        self.remat = remat
         self.accumulation_steps = accumulation_steps
+        self.accumulation = accumulation
         self.max_grad_norm = max_grad_norm
         self.apply = apply
-        self.group = mesh.get_group()
+        self.frozen = _compile(frozen, "frozen")
+        self.offload = offload
+        self.group = mesh.get_group(self.shard_axis)
+        self.replicate_group = mesh.get_group(self.replicate_axis) if self.replicate_axis else None
+        self.shard_world = mesh.size(names.index(self.shard_axis))
         self.world = mesh.size()
-        self.rank = mesh.get_local_rank()
+        self.rank = mesh.get_local_rank(self.shard_axis)
         self.engine: Engine | None = None
 
     # -- init -----------------------------------------------------------------------------------
@@ -128,29 +149,31 @@ class TrainStep:
             params: the full parameter tree (same values on every rank), or a DTensor tree.
 
         Returns:
-            `TrainState(params=<DTensor tree>, opt_state=..., step=0)`.
+            `TrainState(params=<DTensor tree>, opt_state=..., step=0)`; frozen leaves get no
+            optimizer state.
         """
-        spec_tree = self.specs if self.specs is not None else make_specs(params, self.mesh)
+        spec_tree = self.specs if self.specs is not None else make_specs(params, self.mesh, default=P(self.shard_axis))
         paths, leaves, spec_list, treespec = match_specs(params, spec_tree, self.mesh)
         if self.strategy == "no_shard":
             spec_list = [P() for _ in leaves]
         for path, leaf, spec in zip(paths, leaves, spec_list):
-            if any(spec.axes_of(d) for d in range(1, len(spec))):
+            bad_dim = any(spec.axes_of(d) for d in range(1, len(spec)))
+            if bad_dim or spec.axes_of(0) not in ((), (self.shard_axis,)):
                 raise NotImplementedError(
-                    f"leaf {path!r} (shape {tuple(leaf.shape)}) has spec {spec!r}: the train step shards dim 0 "
-                    "only for now; use P('dp') or P()"
+                    f"leaf {path!r} (shape {tuple(leaf.shape)}) has spec {spec!r}: the train step shards dim 0 over "
+                    f"{self.shard_axis!r} only for now; use P({self.shard_axis!r}) or P()"
                 )
         info = self.apply.info if self.apply is not None else find_apply(paths)
         unit_of = [info.unit_of[p] if info is not None else -1 for p in paths]
         n_units = len(info.unit_names) if info is not None else 0
+        trained = [not any(rx.fullmatch(p) for rx in self.frozen) for p in paths]
         device = self.mesh.device_type
-        W, r = self.world, self.rank
         members: dict[int, list[int]] = {u: [] for u in [*range(n_units), -1]}
         for i, u in enumerate(unit_of):
             members[u].append(i)
 
         units: dict[int, FlatUnit] = {}
-        self._slot_of: list[tuple[int, int]] = [None] * len(leaves)  # type: ignore[list-item]
+        slot_of: list[tuple[int, int]] = [None] * len(leaves)  # type: ignore[list-item]
         for u, idx in members.items():
             dtypes = {leaves[i].dtype for i in idx}
             if len(dtypes) > 1:
@@ -159,76 +182,71 @@ class TrainStep:
                     "give each unit one dtype"
                 )
             dtype = dtypes.pop() if dtypes else torch.float32
-            slots = []
-            off = 0
-            full_off = 0
-            ordered = [i for i in idx if spec_list[i].axes_of(0)] + [i for i in idx if not spec_list[i].axes_of(0)]
-            for i in ordered:
-                leaf, sharded = leaves[i], bool(spec_list[i].axes_of(0))
-                shape = leaf.shape
-                if sharded:
-                    rows = shape[0]
-                    chunk = -(-rows // W)
-                    row_numel = shape[1:].numel()
-                    local_rows = max(0, min(rows - r * chunk, chunk))
-                else:
-                    chunk, row_numel = (shape[0], shape[1:].numel()) if leaf.dim() else (1, 1)
-                    local_rows = chunk
-                s = LeafSlot(i, paths[i], shape, sharded, chunk, row_numel, local_rows, off, full_off)
-                off += s.seg_numel
-                if sharded:
-                    full_off += W * s.seg_numel
-                slots.append(s)
             compute = self.mp.param_dtype or dtype
-            reduce = self.mp.reduce_dtype or compute
-            unit = FlatUnit(
+            units[u] = FlatUnit(
                 name=(info.unit_names[u] if u >= 0 else ""),
-                slots=slots,
+                leaves=[LeafSpec(i, paths[i], leaves[i].shape, bool(spec_list[i].axes_of(0)), trained[i]) for i in idx],
                 dtype=dtype,
                 compute_dtype=compute,
-                reduce_dtype=reduce,
+                reduce_dtype=self.mp.reduce_dtype or compute,
                 group=self.group,
-                world=W,
-                rank=r,
+                world=self.shard_world,
+                rank=self.rank,
                 device=device,
-                requires_grad=[True] * len(slots),
+                replicate_group=self.replicate_group,
+                offload=self.offload == "cpu",
             )
-            units[u] = unit
-            for j, s in enumerate(slots):
-                self._slot_of[s.index] = (u, j)
+            for j, s in enumerate(units[u].slots):
+                slot_of[s.index] = (u, j)
 
         # Fill the local shards and build the user-facing DTensors over them.
         dt_params, dt_grads, proxies = [], [], []
         with torch.no_grad():
             for i, (leaf, spec) in enumerate(zip(leaves, spec_list)):
-                u, j = self._slot_of[i]
+                u, j = slot_of[i]
                 unit, s = units[u], units[u].slots[j]
                 src = leaf.full_tensor() if isinstance(leaf, DTensor) else leaf
                 if src.is_meta:
                     raise ValueError(f"leaf {paths[i]!r} is on the meta device: materialize the parameters before init")
-                src = src.detach().to(device)
+                src = src.detach()
                 if s.sharded:
-                    src = src[r * s.chunk : r * s.chunk + s.local_rows]
+                    src = src[self.rank * s.chunk : self.rank * s.chunk + s.local_rows]
                 unit.local_views[j].copy_(src)
                 placements = placements_for(spec, self.mesh)
                 dt_params.append(self._dtensor(unit.local_views[j], placements, s))
-                dt_grads.append(self._dtensor(unit.grad_views[j], placements, s))
+                dt_grads.append(self._dtensor(unit.grad_views[j], placements, s) if s.trained else None)
                 proxies.append(unit.proxies[j])
+        if info is not None and self.mp.buffer_dtype is not None:
+            _cast_buffers(info.module, self.mp.buffer_dtype)
         self.treespec = treespec
         self.paths = paths
         self._units = units
         self._dt_params = dt_params
-        self._local_params = [unit.local for unit in units.values()]
+        self._trained = trained
         self.grads = optree.tree_unflatten(treespec, dt_grads)
         self.proxy_tree = optree.tree_unflatten(treespec, proxies)
         self.engine = Engine(
             info,
             [units[u] for u in range(n_units)],
             units[-1],
-            reshard_after_forward=self.strategy == "full_shard",
+            reshard_after_forward=self.strategy in ("full_shard", "hybrid_shard"),
+            cast_dtype=self.mp.param_dtype,
         )
+        if self.remat:
+            if info is None:
+                raise ValueError("remat needs units: functionalize the model with units=... (or pass apply=)")
+            self.engine.remat_units = select_units(self.remat, info.unit_names)
+            for u in self.engine.remat_units:
+                install_remat(info, u)
         params_tree = optree.tree_unflatten(treespec, dt_params)
-        return TrainState(params=params_tree, opt_state=self.opt.init(params_tree), step=0)
+        return TrainState(params=params_tree, opt_state=self.opt.init(self._trainable(params_tree)), step=0)
+
+    def _trainable(self, tree: Any) -> Any:
+        """`tree` with frozen leaves replaced by None: what the optimizer sees."""
+        if all(self._trained):
+            return tree
+        leaves = optree.tree_leaves(tree)
+        return optree.tree_unflatten(self.treespec, [x if t else None for x, t in zip(leaves, self._trained)])
 
     def _dtensor(self, local: torch.Tensor, placements, s: LeafSlot) -> DTensor:
         stride = torch.empty(s.shape, device="meta").stride()
@@ -260,6 +278,7 @@ class TrainStep:
             raise ValueError("call step.init(params) before the first step")
         params = self._adopt(state.params)
         k = self.accumulation_steps
+        local = self.accumulation == "local"
         scale = 1.0 / (self.world * k)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device_type)
         aux = None
@@ -267,7 +286,8 @@ class TrainStep:
         try:
             with _runtime.activate(engine):
                 for m, micro in enumerate(_split_batch(batch, k)):
-                    engine.begin(accumulate=m > 0)
+                    last = m == k - 1
+                    engine.begin(accumulate=m > 0 and not local, reduce=last or not local)
                     loss, aux = _split_loss(self.loss_fn(self.proxy_tree, micro))
                     loss_sum += loss.detach().float()
                     torch.autograd.backward(loss * scale)
@@ -275,38 +295,60 @@ class TrainStep:
         except BaseException:
             engine.abort()
             raise
-        grads = [u.grad for u in self._units.values()]
-        # One all-reduce for the loss and the squared gradient norm. Replicated segments are the
-        # same on every rank after their all-reduce, so each rank counts 1/W of them.
+        units = list(self._units.values())
+        # One all-reduce for the loss and the squared gradient norm. Each rank counts its shard of a
+        # sharded segment once per replica group, and a replicated segment 1/world of the time.
+        replicas = self.world // self.shard_world
         sq = torch.zeros((), dtype=torch.float32, device=loss_sum.device)
-        for u in self._units.values():
-            if u.S:
-                sq += u.grad[: u.S].float().square().sum()
-            if u.R:
-                sq += u.grad[u.S :].float().square().sum() / self.world
+        for u in units:
+            g = u.grad.to(loss_sum.device, non_blocking=False) if u.offload else u.grad
+            if u.S_trained:
+                sq += g[u.S_frozen : u.S].float().square().sum() / replicas
+            if u.R_trained:
+                sq += g[u.S : u.S + u.R_trained].float().square().sum() / self.world
         stats = torch.stack([loss_sum / k, sq])
         if self.world > 1:
-            C.all_reduce(stats, self.group)
+            C.all_reduce(stats, None if self.replicate_group is not None else self.group)
         loss_mean = stats[0] / self.world
         grad_norm = stats[1].sqrt()
         if self.max_grad_norm is not None:
             coef = torch.clamp(self.max_grad_norm / (grad_norm + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef)
+            torch._foreach_mul_([u.grad for u in units], coef.to(units[0].grad.device) if units else coef)
         opt_state = self._optimize(params, state.opt_state)
         metrics = {"loss": loss_mean, "grad_norm": grad_norm, "aux": aux}
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
     def _optimize(self, params: Any, opt_state: Any) -> Any:
+        trainable = self._trainable(params)
         step_ = getattr(self.opt.update, "step_", None)
         if step_ is not None:
-            return step_(self.grads, opt_state, params)
+            return step_(self.grads, opt_state, trainable)
         from .optim import apply_updates
 
-        updates, opt_state = self.opt.update(self.grads, opt_state, params)
-        new = optree.tree_leaves(apply_updates(params, updates))
+        updates, opt_state = self.opt.update(self.grads, opt_state, trainable)
+        new = optree.tree_leaves(apply_updates(trainable, updates))
+        old = optree.tree_leaves(trainable)
         with torch.no_grad():
-            torch._foreach_copy_([p._local_tensor for p in self._dt_params], [x._local_tensor if isinstance(x, DTensor) else x for x in new])
+            torch._foreach_copy_([p._local_tensor for p in old], [x._local_tensor if isinstance(x, DTensor) else x for x in new])
         return opt_state
+
+
+def _compile(patterns: Any, what: str) -> list:
+    if patterns is None:
+        return []
+    pats = [patterns] if isinstance(patterns, str) else list(patterns)
+    try:
+        return [re.compile(p) for p in pats]
+    except (re.error, TypeError) as e:
+        raise ValueError(f"{what} must be a regex or a list of regexes over dotted parameter names: {e}") from None
+
+
+def _cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Mixed precision: floating-point buffers of the module, in `dtype` for good."""
+    for mod in module.modules():
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.is_floating_point():
+                mod._buffers[name] = b.to(dtype)
 
 
 def train_step(
@@ -321,6 +363,9 @@ def train_step(
     max_grad_norm: float | None = None,
     *,
     apply: Any = None,
+    frozen: str | Sequence[str] | None = None,
+    offload: str | None = None,
+    accumulation: str = "sharded",
 ) -> TrainStep:
     """Builds a sharded train step around `loss_fn(params, batch)`.
 
@@ -335,12 +380,23 @@ def train_step(
         opt: a `GradientTransformation` (see `sf.optim`).
         mesh: the device mesh (see `sf.mesh`).
         specs: a tree of `P` like `params` (default: `sf.specs(params, mesh)`).
-        strategy: "full_shard", "shard_grad_op" (no re-gather in backward) or "no_shard" (DDP).
-        mixed_precision: dtypes for compute and reduction, or None.
-        remat: recompute each unit's activations in backward.
+        strategy: "full_shard", "shard_grad_op" (no re-gather in backward), "no_shard" (DDP), or
+            "hybrid_shard" (on `sf.mesh(replicate=R, shard=S)`: shard within the shard axis,
+            all-reduce gradients across the replicate axis).
+        mixed_precision: dtypes for compute, reduction and buffers, or None.
+        remat: recompute unit activations in backward: True for every unit, or a regex (or list)
+            over unit names.
         accumulation_steps: micro-batches per step, split from `batch` along dim 0.
         max_grad_norm: clip gradients to this global norm, or None.
         apply: the `sf.functionalize` function whose units to use (default: found by the params' names).
+        frozen: a regex (or list) over dotted parameter names: those leaves are not trained (no
+            gradient, no reduction, no optimizer state).
+        offload: "cpu" keeps sharded params, gradients and optimizer state in pinned CPU memory and
+            steps the optimizer there (CUDA meshes; on a CPU mesh everything already is on the CPU,
+            so it changes nothing).
+        accumulation: "sharded" reduce-scatters every micro-batch into the sharded gradient (memory
+            stays flat); "local" keeps full gradients across micro-batches and reduces once (less
+            communication, more memory).
 
     Returns:
         A `TrainStep`: `state = step.init(params)`, then `state, metrics = step(state, batch)`.
@@ -350,4 +406,7 @@ def train_step(
         >>> state = step.init(params)
         >>> state, metrics = step(state, batch)
     """
-    return TrainStep(loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm, apply)
+    return TrainStep(
+        loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
+        apply=apply, frozen=frozen, offload=offload, accumulation=accumulation,
+    )

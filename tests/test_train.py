@@ -91,7 +91,7 @@ def rank_count_collectives(strategy: str) -> dict:
     storage_left = [
         (u.name, t.untyped_storage().nbytes())
         for u in [*step.engine.units, step.engine.root]
-        for t in (u.full, u.gathered, u.rs_in, u.cast_in)
+        for t in (u.full, u.gathered, u.rs_in, u.rs_out, u.stage)
         if t.untyped_storage().nbytes()
     ]
     grads_left = [u.name for u in [*step.engine.units, step.engine.root] for p in u.proxies if p.grad is not None]

@@ -1,0 +1,68 @@
+"""Recomputation of unit activations in backward (`remat`).
+
+A unit chosen for remat runs its forward under `torch.utils.checkpoint` (non-reentrant): only its
+inputs are saved, and its activations are recomputed when the backward reaches it. The unit is
+gathered by pre-backward before the recompute starts (a hook on its outputs fires first), and stays
+gathered through its backward, so one gather serves both the recompute and the backward.
+
+The recompute runs after `apply`'s re-parametrization has ended, so the wrapper captures the
+tensors the unit's module held when its forward ran and puts them back for the recompute. The
+wrapper is installed once (the unit module's `forward` attribute) and is the plain forward unless
+the active runtime asks for remat of that unit during a forward with grad enabled.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, Sequence
+
+import torch
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils.checkpoint import checkpoint
+
+from . import _runtime
+
+__all__ = ["select_units", "install"]
+
+
+def select_units(remat: bool | str | Sequence[str], unit_names: list[str]) -> set[int]:
+    """The unit indices `remat` chooses: all (True), none (False), or those matching regexes."""
+    if remat is True:
+        return set(range(len(unit_names)))
+    if remat is False or remat is None:
+        return set()
+    pats = [remat] if isinstance(remat, str) else list(remat)
+    try:
+        rx = [re.compile(p) for p in pats]
+    except (re.error, TypeError) as e:
+        raise ValueError(f"remat must be a bool, a regex or a list of regexes over unit names: {e}") from None
+    chosen = {i for i, n in enumerate(unit_names) if any(r.fullmatch(n) for r in rx)}
+    if not chosen:
+        raise ValueError(f"remat={remat!r} matches no unit; the units are {unit_names[:6]}")
+    return chosen
+
+
+def install(info: Any, unit: int) -> None:
+    """Wraps the forward of unit `unit` of `info`'s module once (idempotent)."""
+    module = info.module.get_submodule(info.unit_names[unit])
+    if getattr(module.forward, "_shardfn_remat", False):
+        return
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        rt = _runtime.current()
+        wants = getattr(rt, "remat_units", None)
+        if not wants or unit not in wants or getattr(rt, "info", None) is not info or rt.phase != "forward" or not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        tensors = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+
+        def run(*a: Any, **k: Any) -> Any:
+            with _reparametrize_module(module, tensors):
+                return original(*a, **k)
+
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+    forward._shardfn_remat = True  # type: ignore[attr-defined]
+    module.forward = forward
