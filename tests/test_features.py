@@ -1,0 +1,212 @@
+"""Training options, alone and combined, under every strategy: parity with a single-process reference.
+
+The reference (tests/reference.py) trains the unsharded model on the global batch with
+`torch.optim.AdamW`, freezing, masking, clipping and emulating bf16 as asked.
+"""
+
+from __future__ import annotations
+
+import re
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardfn as sf
+from reference import OPT, Reference, compare_params, global_batch, local_batch, make_loss_fn, make_model, units_of
+
+FROZEN = {"gpt": r"wpe\..*|blocks\.0\..*", "mlp": r"0\..*"}
+NO_DECAY = r".*bias|.*ln.*"
+STEPS = 3
+
+OPTIONS = {
+    "plain": {},
+    "bf16": {"mp": True},
+    "remat": {"remat": True},
+    "accumulate": {"accum": 4},
+    "accumulate_local": {"accum": 2, "accumulation": "local"},
+    "clip": {"clip": 0.05},
+    "frozen": {"frozen": True},
+    "masked": {"no_decay": True},
+    "offload": {"offload": True},
+    "all": {"mp": True, "remat": True, "accum": 2, "clip": 0.05, "frozen": True, "no_decay": True},
+}
+
+
+def _decay_mask(params):
+    paths, leaves, spec = sf._tree.tree_flatten_with_paths(params)
+    return optree.tree_unflatten(spec, [not re.fullmatch(NO_DECAY, p) for p in paths])
+
+
+def rank_case(strategy: str, opts: dict, kinds=("gpt", "mlp")) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = sf.mesh(replicate=2, shard=-1) if strategy == "hybrid_shard" else sf.mesh(dp=-1)
+    out = {}
+    for kind in kinds:
+        model = make_model(kind)
+        ref = Reference(
+            model, kind, max_grad_norm=opts.get("clip"), frozen=FROZEN[kind] if opts.get("frozen") else None,
+            no_decay=NO_DECAY if opts.get("no_decay") else None, bf16=opts.get("mp", False),
+        )
+        apply, params = sf.functionalize(model, units=units_of(kind))
+        opt = sf.optim.adamw(**OPT, mask=_decay_mask) if opts.get("no_decay") else sf.optim.adamw(**OPT)
+        step = sf.train_step(
+            make_loss_fn(kind, apply), opt, mesh, strategy=strategy,
+            mixed_precision=sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if opts.get("mp") else None,
+            remat=opts.get("remat", False), accumulation_steps=opts.get("accum", 1), max_grad_norm=opts.get("clip"),
+            frozen=FROZEN[kind] if opts.get("frozen") else None, offload="cpu" if opts.get("offload") else None,
+            accumulation=opts.get("accumulation", "sharded"),
+        )
+        state = step.init(params)
+        errs = [0.0, 0.0, 0.0]
+        for i in range(STEPS):
+            batch = global_batch(kind, i, world, per_rank=4)
+            state, m = step(state, local_batch(batch, rank, world))
+            ref_loss, ref_norm = ref.step(batch)
+            errs[0] = max(errs[0], abs(m["loss"].item() - ref_loss) / abs(ref_loss))
+            errs[1] = max(errs[1], abs(m["grad_norm"].item() - ref_norm) / ref_norm)
+            errs[2] = max(errs[2], compare_params(state.params, apply, ref, per_leaf=not opts.get("mp")))
+        n_state = len(optree.tree_leaves(state.opt_state))
+        n_trained = sum(1 for p in sf.tree_paths(state.params) if not (opts.get("frozen") and re.fullmatch(FROZEN[kind], p)))
+        out[kind] = (errs, n_state, n_trained)
+    return out
+
+
+def _world(strategy):
+    return 4 if strategy == "hybrid_shard" else 2
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"])
+def test_option_matrix(pools, strategy, option):
+    opts = OPTIONS[option]
+    tol = 1e-2 if opts.get("mp") else 1e-5  # bf16 compute: bf16 tolerances, whole-model error
+    for rank_result in pools(_world(strategy)).run(rank_case, strategy, opts):
+        for kind, (errs, n_state, n_trained) in rank_result.items():
+            assert max(errs) < tol, (kind, errs)
+            # AdamW state: mu and nu per trained leaf, plus counts: frozen leaves get none.
+            assert 2 * n_trained <= n_state <= 2 * n_trained + 4, (kind, n_state, n_trained)
+
+
+def rank_dtypes_on_the_wire() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model("gpt")
+    apply, params = sf.functionalize(model, units=units_of("gpt"))
+    step = sf.train_step(
+        make_loss_fn("gpt", apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1),
+        mixed_precision=sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
+    state = step.init(params)
+    seen: dict[str, set] = {"all_gather_single": set(), "reduce_scatter_single": set()}
+    orig = {n: getattr(dist, n) for n in seen}
+
+    def spy(name):
+        def f(out, inp, *a, **k):
+            seen[name].add((str(out.dtype), str(inp.dtype)))
+            return orig[name](out, inp, *a, **k)
+
+        return f
+
+    for n in seen:
+        setattr(dist, n, spy(n))
+    try:
+        state, _ = step(state, local_batch(global_batch("gpt", 0, world), rank, world))
+    finally:
+        for n, f in orig.items():
+            setattr(dist, n, f)
+    master = {str(x._local_tensor.dtype) for x in optree.tree_leaves(state.params)}
+    moments = {str(x._local_tensor.dtype) for x in optree.tree_leaves(state.opt_state) if hasattr(x, "_local_tensor")}
+    return {k: sorted(v) for k, v in seen.items()} | {"master": sorted(master), "moments": sorted(moments)}
+
+
+def test_bf16_gathers_and_fp32_reduces(pools):
+    for r in pools(2).run(rank_dtypes_on_the_wire):
+        assert r["all_gather_single"] == [("torch.bfloat16", "torch.bfloat16")], r
+        assert r["reduce_scatter_single"] == [("torch.float32", "torch.float32")], r
+        assert r["master"] == ["torch.float32"] and r["moments"] == ["torch.float32"], r
+
+
+def rank_count(strategy: str, opts: dict) -> dict:
+    """Collectives of one step with options on (after a first step)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model("gpt")
+    apply, params = sf.functionalize(model, units=units_of("gpt"))
+    step = sf.train_step(
+        make_loss_fn("gpt", apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1), strategy=strategy,
+        remat=opts.get("remat", False), max_grad_norm=opts.get("clip"), frozen=opts.get("frozen"),
+        accumulation_steps=opts.get("accum", 1), accumulation=opts.get("accumulation", "sharded"),
+    )
+    state = step.init(params)
+    batch = local_batch(global_batch("gpt", 0, world, per_rank=4), rank, world)
+    state, _ = step(state, batch)
+    counts: dict[str, int] = {}
+    orig = {n: getattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
+
+    def spy(name):
+        def f(*a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            return orig[name](*a, **k)
+
+        return f
+
+    for n in orig:
+        setattr(dist, n, spy(n))
+    try:
+        step(state, batch)
+    finally:
+        for n, f in orig.items():
+            setattr(dist, n, f)
+    return counts
+
+
+def test_collectives_with_options(pools):
+    pool = pools(2)
+    U = 3
+    # remat: the unit is gathered once for both the recompute and the backward.
+    assert pool.run(rank_count, "full_shard", {"remat": True})[0] == {"all_gather_single": 2 * U + 1, "reduce_scatter_single": U + 1, "all_reduce": 1}
+    # clipping: the norm costs no collective beyond the one metrics all-reduce.
+    assert pool.run(rank_count, "full_shard", {"clip": 0.1})[0]["all_reduce"] == 1
+    # frozen: a fully frozen unit (blocks.0) is gathered but never reduced.
+    c = pool.run(rank_count, "full_shard", {"frozen": r"blocks\.0\..*"})[0]
+    assert c["reduce_scatter_single"] == U, c
+    # accumulation: sharded reduces every micro-batch, local once.
+    assert pool.run(rank_count, "full_shard", {"accum": 2})[0]["reduce_scatter_single"] == 2 * (U + 1)
+    assert pool.run(rank_count, "full_shard", {"accum": 2, "accumulation": "local"})[0]["reduce_scatter_single"] == U + 1
+
+
+def rank_hybrid_groups() -> dict:
+    model = make_model("mlp")
+    apply, params = sf.functionalize(model, units=units_of("mlp"))
+    mesh = sf.mesh(replicate=2, shard=-1)
+    step = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), mesh, strategy="hybrid_shard")
+    state = step.init(params)
+    leaf = state.params["0"]["weight"]
+    return dict(placements=[str(p) for p in leaf.placements], local=tuple(leaf._local_tensor.shape), shape=tuple(leaf.shape))
+
+
+def test_hybrid_shards_within_the_shard_axis(pools):
+    res = pools(4).run(rank_hybrid_groups)
+    assert all(r["placements"] == ["R", "S(0)"] for r in res), res
+    assert [r["local"] for r in res] == [(3, 7), (2, 7), (3, 7), (2, 7)], res  # 5 rows over 2 shards
+
+
+def rank_remat_recomputes(remat) -> int:
+    """How many times an inner layer of each unit runs in one step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model("gpt")
+    calls = []
+    for b in model.blocks:
+        b.fc.register_forward_hook(lambda *_: calls.append(1))
+    apply, params = sf.functionalize(model, units=units_of("gpt"))
+    step = sf.train_step(make_loss_fn("gpt", apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1), remat=remat)
+    state = step.init(params)
+    step(state, local_batch(global_batch("gpt", 0, world), rank, world))
+    return len(calls)
+
+
+def test_remat_recomputes_the_chosen_units(pools):
+    pool = pools(2)
+    assert pool.run(rank_remat_recomputes, False) == [3, 3]
+    assert pool.run(rank_remat_recomputes, True) == [6, 6]  # forward + recompute, per unit
+    assert pool.run(rank_remat_recomputes, r"blocks\.[01]") == [5, 5]
