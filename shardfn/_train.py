@@ -300,12 +300,11 @@ class TrainStep:
         # sharded segment once per replica group, and a replicated segment 1/world of the time.
         replicas = self.world // self.shard_world
         sq = torch.zeros((), dtype=torch.float32, device=loss_sum.device)
-        for u in units:
-            g = u.grad.to(loss_sum.device, non_blocking=False) if u.offload else u.grad
+        for u in units:  # on each unit's own device (CPU under offload), one scalar moved
             if u.S_trained:
-                sq += g[u.S_frozen : u.S].float().square().sum() / replicas
+                sq += (u.grad[u.S_frozen : u.S].float().square().sum() / replicas).to(sq.device)
             if u.R_trained:
-                sq += g[u.S : u.S + u.R_trained].float().square().sum() / self.world
+                sq += (u.grad[u.S : u.S + u.R_trained].float().square().sum() / self.world).to(sq.device)
         stats = torch.stack([loss_sum / k, sq])
         if self.world > 1:
             C.all_reduce(stats, None if self.replicate_group is not None else self.group)

@@ -5,7 +5,6 @@ Both are plain `nn.Module`s; nothing in them knows about shardfn.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -46,16 +45,12 @@ class Attention(nn.Module):
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.d, 3 * cfg.d)
         self.proj = nn.Linear(cfg.d, cfg.d)
-        mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
-        self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.n_head)
-        att = att.masked_fill(~self.mask[:T, :T], float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
         return self.proj(y)
 
 
@@ -87,6 +82,7 @@ class GPT(nn.Module):
         if cfg.tie:
             self.head.weight = self.wte.weight
         self.register_buffer("pos", torch.arange(cfg.block_size), persistent=True)
+        self.register_buffer("emb_scale", torch.ones(()), persistent=False)  # a float buffer, for buffer_dtype
         self.apply(self._init)
 
     @staticmethod
@@ -98,7 +94,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
-        x = self.wte(idx) + self.wpe(self.pos[:T])
+        x = self.wte(idx) * self.emb_scale + self.wpe(self.pos[:T])
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))

@@ -13,7 +13,7 @@ import shardfn as sf
 from shardfn.models import GPT, GPTConfig
 
 # Dims that neither 2 nor 3 divide (35, 53, 5, 7), a leaf with fewer rows than ranks (2 < 3), a tied
-# embedding/head, and buffers (a causal mask and a position index).
+# embedding/head, and buffers (a position index, and a float scale that buffer_dtype casts).
 GPT_CFG = GPTConfig(vocab=53, block_size=8, n_layer=3, n_head=5, d=35)
 GPT_UNITS = r"blocks\.\d+"
 MLP_UNITS = r"\d+"

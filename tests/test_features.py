@@ -53,7 +53,7 @@ def rank_case(strategy: str, opts: dict, kinds=("gpt", "mlp")) -> dict:
         opt = sf.optim.adamw(**OPT, mask=_decay_mask) if opts.get("no_decay") else sf.optim.adamw(**OPT)
         step = sf.train_step(
             make_loss_fn(kind, apply), opt, mesh, strategy=strategy,
-            mixed_precision=sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if opts.get("mp") else None,
+            mixed_precision=sf.MixedPrecision(torch.bfloat16, torch.float32, buffer_dtype=torch.bfloat16) if opts.get("mp") else None,
             remat=opts.get("remat", False), accumulation_steps=opts.get("accum", 1), max_grad_norm=opts.get("clip"),
             frozen=FROZEN[kind] if opts.get("frozen") else None, offload="cpu" if opts.get("offload") else None,
             accumulation=opts.get("accumulation", "sharded"),

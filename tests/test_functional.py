@@ -53,7 +53,7 @@ def test_buffers_are_the_modules_and_can_be_overridden():
     model = make_model("gpt")
     apply, params = sf.functionalize(model)
     assert apply.buffers["pos"] is model.pos
-    assert apply.buffers["blocks"]["0"]["attn"]["mask"] is model.blocks[0].attn.mask
+    assert apply.buffers["emb_scale"] is model.emb_scale
     x = torch.randint(0, GPT_CFG.vocab, (1, 4))
     bufs = torch.utils._pytree.tree_map(lambda b: b.clone(), apply.buffers)
     bufs["pos"] = torch.zeros_like(bufs["pos"])  # every token at position 0
