@@ -43,7 +43,7 @@ ROOT = -1
 class EngineStats:
     """What the runtime did in the last step; for tests and benchmarks."""
 
-    events: list[tuple[str, int]] = field(default_factory=list)  # (what, unit) in order; ROOT is -1
+    events: list[tuple[str, int, str]] = field(default_factory=list)  # (what, unit, phase); ROOT is -1
     max_live_units: int = 0  # most non-root units gathered (or gathering) at once
     record_events: bool = False
 
@@ -112,7 +112,7 @@ class Engine:
 
     def _event(self, what: str, u: int) -> None:
         if self.stats.record_events:
-            self.stats.events.append((what, u))
+            self.stats.events.append((what, u, self.phase))
 
     def _hook_grads(self, unit: FlatUnit, u: int) -> None:
         def hook(_: torch.Tensor) -> None:

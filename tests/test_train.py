@@ -221,3 +221,33 @@ def test_user_errors_are_value_errors(pools):
     assert "accumulation_steps" in msgs[2]
     assert "max_grad_norm" in msgs[3]
     assert "init" in msgs[4]
+
+
+def rank_schedule(strategy: str) -> list:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _, _, step, state, _ = _setup("gpt", strategy)
+    batch = local_batch(global_batch("gpt", 0, world), rank, world)
+    state, _ = step(state, batch)
+    step.engine.stats.record_events = True
+    step.engine.stats.reset()
+    step(state, batch)
+    return step.engine.stats.events
+
+
+def test_schedule_prefetches_in_forward_and_reverse_order(pools):
+    ev = pools(2).run(rank_schedule, "full_shard")[0]
+    R = -1
+    fwd = [(w, u) for w, u, ph in ev if ph == "forward"]
+    bwd = [(w, u) for w, u, ph in ev if ph == "backward"]
+    assert [u for w, u in fwd if w == "gather"] == [R, 0, 1, 2]
+    assert [u for w, u in bwd if w == "gather"] == [2, 1, 0]
+    assert [u for w, u in bwd if w == "reduce"] == [2, 1, 0, R]
+    # Prefetch: the next unit's gather starts before the current one is done with.
+    assert fwd.index(("gather", 1)) < fwd.index(("free", 0))
+    assert fwd.index(("gather", 2)) < fwd.index(("free", 1))
+    assert bwd.index(("gather", 1)) < bwd.index(("reduce", 2))
+    assert bwd.index(("gather", 0)) < bwd.index(("reduce", 1))
+    # shard_grad_op: no gather in backward; units freed right after their reduction, the root last.
+    ev = pools(2).run(rank_schedule, "shard_grad_op")[0]
+    assert [u for w, u, ph in ev if w == "gather" and ph == "backward"] == []
+    assert [u for w, u, ph in ev if w == "free" and ph == "backward"] == [2, 1, 0, R]
