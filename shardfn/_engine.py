@@ -32,7 +32,7 @@ from typing import Any
 import optree
 import torch
 
-from ._flat import FlatUnit
+from ._flat import Arena, FlatUnit
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -63,6 +63,9 @@ class Engine:
         max_live: the most non-root units gathered at once under `reshard_after_forward`.
         cast_dtype: floating-point inputs of the model and of each unit are cast to this dtype
             (mixed precision), or None.
+        slot_of: unit -> slot, for units that share slot arenas (Note [slot arenas]), or None.
+        reduce_arenas: two (rs_in, rs_out) arena pairs that reductions take in turn.
+        arenas: every arena, released when a step ends.
     """
 
     def __init__(
@@ -73,6 +76,9 @@ class Engine:
         reshard_after_forward: bool,
         max_live: int = 2,
         cast_dtype: torch.dtype | None = None,
+        slot_of: dict[int, int] | None = None,
+        reduce_arenas: list[tuple[Arena, Arena]] | None = None,
+        arenas: list[Arena] = (),
     ):
         self.info = info
         self.units = units
@@ -80,6 +86,10 @@ class Engine:
         self.reshard_after_forward = reshard_after_forward
         self.max_live = max_live
         self.cast_dtype = cast_dtype
+        self.slot_of = slot_of or {}
+        self.reduce_arenas = reduce_arenas
+        self.arenas = list(arenas)
+        self._in_use: set[int] = set()  # running forward, or between pre-backward and reduction
         self.remat_units: set[int] = set()  # read by the remat wrappers (shardfn/_remat.py)
         self._reduce_now = True
         n = len(units)
@@ -95,7 +105,7 @@ class Engine:
         self._remaining = [0] * n
         self._root_remaining = 0
         self._reduced: set[int] = set()
-        self._in_flight: list[tuple[FlatUnit, Any]] = []
+        self._in_flight: list[tuple[FlatUnit, Any, int]] = []  # (unit, pending, arena pair)
         self._accumulate = False
         self.phase = "idle"
         for u, unit in enumerate(units):
@@ -123,10 +133,32 @@ class Engine:
                 p.register_post_accumulate_grad_hook(hook)
 
     # -- gather / free ------------------------------------------------------------------------
+    def _slot_holder(self, u: int) -> int | None:
+        """The live unit other than `u` that holds `u`'s slot arena, if any."""
+        slot = self.slot_of.get(u)
+        if slot is None:
+            return None
+        for v in self._live:
+            if v != u and self.slot_of.get(v) == slot:
+                return v
+        return None
+
     def _start(self, u: int) -> None:
         unit = self._unit(u)
         if u in self._works or (u != ROOT and u in self._live):
             return
+        v = self._slot_holder(u)
+        if v is not None:  # see Note [slot arenas]
+            if v not in self._in_use:
+                self._free(v)  # a prefetch that came too early (execution order != module order)
+            elif self.phase == "backward":
+                self._reduce(v)  # its remaining gradients never come (unused parameters)
+            else:
+                raise RuntimeError(
+                    f"unit {self.units[u].name!r} runs while unit {self.units[v].name!r}, which shares its "
+                    "buffers, is still running; give units that run inside one another distinct slots "
+                    "(nest them as submodules) or use strategy='shard_grad_op'"
+                )
         if u != ROOT:
             self._live.add(u)
             self.stats.max_live_units = max(self.stats.max_live_units, len(self._live))
@@ -146,13 +178,14 @@ class Engine:
             self._event("free", u)
             self._unit(u).free()
             self._live.discard(u)
-        while self._deferred and len(self._live) < self.max_live:
-            self._prefetch(self._deferred.pop(0))
+        deferred, self._deferred = self._deferred, []
+        for w in deferred:
+            self._prefetch(w)
 
     def _prefetch(self, u: int | None) -> None:
         if u is None or u in self._live or u in self._reduced:
             return
-        if self.reshard_after_forward and len(self._live) >= self.max_live:
+        if self.reshard_after_forward and (len(self._live) >= self.max_live or self._slot_holder(u) is not None):
             if u not in self._deferred:
                 self._deferred.append(u)
             return
@@ -196,6 +229,8 @@ class Engine:
             self._seen.append(u)
         self._ensure(u)
         if self.phase == "forward":
+            self._in_use.add(u)
+        if self.phase == "forward":
             self._prefetch(self._next.get(u))
         return self._cast(args) if self.cast_dtype is not None else None
 
@@ -205,6 +240,7 @@ class Engine:
         tensors = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g, u=u: self._pre_backward(u), mode="any")
+        self._in_use.discard(u)
         if self.reshard_after_forward:
             self._free(u)
         return None
@@ -215,6 +251,7 @@ class Engine:
         if u in self._reduced:
             return
         self._ensure(u)
+        self._in_use.add(u)
         self._prefetch(self._prev.get(u))
 
     def _end_forward(self) -> None:
@@ -235,6 +272,12 @@ class Engine:
             if self._root_remaining == 0:
                 self._reduce(ROOT)
             return
+        if u in self._reduced and self._reduce_now:
+            raise RuntimeError(
+                f"unit {self.units[u].name!r} got a gradient after its reduction: its buffers were needed by "
+                "another unit first. Units must finish their backward before the unit two places "
+                "earlier in module order begins its own."
+            )
         self._remaining[u] -= 1
         if self._remaining[u] == 0:
             self._reduce(u)
@@ -244,21 +287,25 @@ class Engine:
         if u in self._reduced:
             return
         self._reduced.add(u)
+        self._in_use.discard(u)
         if unit.num_trained and self._reduce_now:
             self._event("reduce", u)
-            pending = unit.start_reduce(self._accumulate)
-            # At most two reductions in flight: their full-size inputs are memory too.
+            # At most two reductions in flight (their full-size inputs are memory too): wait for the
+            # oldest before this one takes an arena pair.
             while len(self._in_flight) >= 2:
                 self._finish_oldest()
-            self._in_flight.append((unit, pending))
+            busy = {pair for _, _, pair in self._in_flight}
+            pair = 0 if 0 not in busy else 1
+            pending = unit.start_reduce(self._accumulate, *self.reduce_arenas[pair])
+            self._in_flight.append((unit, pending, pair))
         if u != ROOT:
             self._free(u)
 
     def _finish_oldest(self) -> None:
-        unit, pending = self._in_flight.pop(0)
+        unit, pending, pair = self._in_flight.pop(0)
         again = unit.finish_reduce(pending)
         if again is not None:  # hybrid: the replicate-axis all-reduce is now in flight
-            self._in_flight.append((unit, again))
+            self._in_flight.append((unit, again, pair))
 
     def end(self) -> None:
         """Ends one forward/backward: reduces what got no gradient, waits, frees everything."""
@@ -273,6 +320,9 @@ class Engine:
         for u in list(self._live):
             self._free(u)
         self._deferred = []
+        self._in_use.clear()
+        for a in self.arenas:
+            a.release()
         self.phase = "idle"
 
     def abort(self) -> None:
@@ -285,6 +335,9 @@ class Engine:
         for unit in [*self.units, self.root]:
             unit.take_grads()
             unit.free()
+        for a in self.arenas:
+            a.release()
         self._live.clear()
+        self._in_use.clear()
         self._deferred = []
         self.phase = "idle"

@@ -29,11 +29,27 @@ buffer in the reduce dtype (rank-major again), and reduce-scattered straight int
 gradient buffer `grad` (or into `rs_out` first, when a cast, an accumulation or offload is needed).
 Trained replicated leaves are all-reduced in their segment. Because the trained segments touch, a
 hybrid mesh's replicate-axis all-reduce covers both in ONE call. Frozen leaves are never reduced.
+
+Note [slot arenas]
+------------------
+Allocating and freeing a unit-sized buffer for every gather costs page faults (on CPU with glibc's
+mmap threshold, every large free returns pages to the OS and every allocation faults them back in,
+which cost more than the copies themselves). Under `full_shard` at most two non-root units are
+gathered at once, the running one and the prefetched one, which in a sequential model are always
+neighbours in module order. So units 0, 2, 4, ... share one "slot" arena for their full parameters
+(and their all-gather output), units 1, 3, 5, ... another: a unit's full parameters are fixed views
+into its slot, and gathering unit i+2 overwrites unit i, which by then is freed. Each slot is
+allocated once per step and released when the step ends, so memory is that of two units, as the
+bound says, and nothing survives the step. The engine checks slot conflicts (a unit needed while
+the other unit of its slot is still live) and resolves or reports them. Gradient reductions use
+two more arenas, in turn, since at most two are in flight. Nested units, and strategies that keep
+units gathered (`shard_grad_op`, `no_shard`), give each unit arenas of its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,6 +107,41 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
+class Arena:
+    """Storage for buffers that are never in use at the same time, e.g. the full parameters of
+    units 0, 2, 4, ... (see Note [slot arenas]).
+
+    Its storage is allocated on first use and kept until `release()`; buffers are views of it.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: Any, shared: bool):
+        self.base = torch.empty(numel, dtype=dtype, device=device)
+        self.writer = _alias(self.base)
+        self.nbytes = self.base.untyped_storage().nbytes()
+        self.shared = shared
+        _storage_free(self.base)
+
+    def alloc(self) -> None:
+        _storage_alloc(self.base, self.nbytes)
+
+    def release(self) -> None:
+        _storage_free(self.base)
+
+    @property
+    def allocated(self) -> bool:
+        return self.base.untyped_storage().nbytes() > 0
+
+
+def buffer_sizes(leaves: list[LeafSpec], world: int, rank: int) -> dict[str, int]:
+    """Element counts of a unit's transient buffers, to size the arenas it will use."""
+    slots = place(leaves, world, rank)
+    S = sum(s.seg_numel for s in slots if s.sharded)
+    R = sum(s.seg_numel for s in slots if not s.sharded)
+    trained = sum(s.seg_numel for s in slots if s.trained)
+    S_trained = sum(s.seg_numel for s in slots if s.sharded and s.trained)
+    return {"full": world * S, "gathered": world * S if world > 1 else 0, "stage": S + R, "rs_in": world * S_trained if world > 1 else 0, "rs_out": trained}
+
+
 def place(leaves: list[LeafSpec], world: int, rank: int) -> list[LeafSlot]:
     """Lays leaves out in the order of Note [flat unit layout] and computes their offsets."""
     order = (
@@ -129,10 +180,12 @@ class FlatUnit:
         replicate_group: for hybrid sharding, the group gradients are all-reduced over after the
             reduce-scatter (None otherwise).
         device: where the unit computes.
+        arenas: the "full", "gathered" and "stage" arenas it computes in (see Note [slot arenas]),
+            each at least `buffer_sizes(...)` long, in `compute_dtype`.
         offload: keep `local` and `grad` (and so the optimizer) in pinned CPU memory.
     """
 
-    def __init__(self, name, leaves, dtype, compute_dtype, reduce_dtype, group, world, rank, device, replicate_group=None, offload=False):
+    def __init__(self, name, leaves, dtype, compute_dtype, reduce_dtype, group, world, rank, device, arenas, replicate_group=None, offload=False):
         self.name = name
         self.slots: list[LeafSlot] = place(leaves, world, rank)
         self.dtype, self.compute_dtype, self.reduce_dtype = dtype, compute_dtype, reduce_dtype
@@ -148,7 +201,6 @@ class FlatUnit:
         self.full_numel = world * self.S
         offload = offload and torch.device(device).type != "cpu"
         store = dict(device="cpu", pin_memory=True) if offload else dict(device=device)
-        kw = dict(device=device)
         self.local = torch.zeros(self.S + self.R, dtype=dtype, **store)
         self.grad = torch.zeros(self.S + self.R, dtype=dtype, **store)
         self.staged = compute_dtype != dtype or offload  # all-gather input needs a copy-in
@@ -160,18 +212,20 @@ class FlatUnit:
         self.local_views = [local_view(self.local, s) for s in slots]
         self.grad_views = [local_view(self.grad, s) for s in slots]
 
-        # Storage-resizable buffers, empty between uses.
-        self.full = torch.empty(self.full_numel, dtype=compute_dtype, **kw)
-        self.gathered = torch.empty(world * self.S if world > 1 else 0, dtype=compute_dtype, **kw)
-        self.stage = torch.empty(self.S + self.R if self.staged else 0, dtype=compute_dtype, **kw)
-        n_trained = self.S_trained + self.R_trained
-        self.rs_in = torch.empty(world * self.S_trained if world > 1 else 0, dtype=reduce_dtype, **kw)
+        # Transient buffers: views of arenas, whose storage exists only while in use.
+        self.arenas = arenas
+        for a in arenas.values():  # views are built over allocated storage, which is then released
+            a.alloc()
+        n_gathered, n_stage = (world * self.S if world > 1 else 0), (self.S + self.R if self.staged else 0)
+        self.full = arenas["full"].base[: self.full_numel]
+        self.gathered = arenas["gathered"].base[:n_gathered]
+        self.stage = arenas["stage"].base[:n_stage]
+        full_w = arenas["full"].writer[: self.full_numel]
+        gathered_w = arenas["gathered"].writer[:n_gathered]
+        self._stage_w = arenas["stage"].writer[:n_stage]
         self.direct = reduce_dtype == dtype and not offload  # reduce straight into `grad`
-        self.rs_out = torch.empty(n_trained if not self.direct else 0, dtype=reduce_dtype, **kw)
-        self._bytes = {id(t): t.untyped_storage().nbytes() for t in (self.full, self.gathered, self.stage, self.rs_in, self.rs_out)}
-        for t in (self.full, self.gathered, self.stage, self.rs_in, self.rs_out):
-            _storage_free(t)
-        full_w, gathered_w, self._stage_w = _alias(self.full), _alias(self.gathered), _alias(self.stage)
+        self.n_trained = self.S_trained + self.R_trained
+        self._device = device
 
         rep_src = self.stage if self.staged else self.local
         self.proxies: list[torch.Tensor] = []
@@ -190,28 +244,23 @@ class FlatUnit:
             src = (self._stage_w if self.staged else self.local)[: self.S].view(1, self.S)
         self._copy_dst = [full_w[s.full_offset : s.full_offset + world * s.seg_numel].view(world, s.seg_numel) for s in sh]
         self._copy_src = [src[:, s.offset : s.offset + s.seg_numel] for s in sh]
+        for a in arenas.values():
+            a.release()
         self._sh_trained = [i for i, s in enumerate(slots) if s.sharded and s.trained]
         self._rep_trained = [i for i, s in enumerate(slots) if not s.sharded and s.trained]
         self.num_trained = len(self._sh_trained) + len(self._rep_trained)
 
-    def _alloc(self, t: torch.Tensor) -> None:
-        _storage_alloc(t, self._bytes[id(t)])
-
     # -- gather -------------------------------------------------------------------------------
-    @property
-    def is_allocated(self) -> bool:
-        return any(t.untyped_storage().nbytes() > 0 for t in (self.full, self.gathered, self.stage))
-
     def start_gather(self):
         """Allocates the full buffer and starts the all-gather; returns the pending work (or None)."""
-        self._alloc(self.full)
+        self.arenas["full"].alloc()
         if self.staged:
-            self._alloc(self.stage)
+            self.arenas["stage"].alloc()
             with torch.no_grad():
                 self._stage_w.copy_(self.local, non_blocking=True)
         if self.world == 1 or self.S == 0:
             return None
-        self._alloc(self.gathered)
+        self.arenas["gathered"].alloc()
         src = self.stage[: self.S] if self.staged else self.local[: self.S]
         return C.all_gather(self.gathered, src, self.group, async_op=True)
 
@@ -222,17 +271,17 @@ class FlatUnit:
         if self._copy_dst:
             with torch.no_grad():
                 torch._foreach_copy_(self._copy_dst, self._copy_src)
-        if self.world > 1:
-            _storage_free(self.gathered)
-        if self.staged and not self.R:
-            _storage_free(self.stage)  # replicated leaves compute from `stage`; else it is spent
+        if not self.arenas["gathered"].shared:
+            self.arenas["gathered"].release()
+            if self.staged and not self.R:
+                self.arenas["stage"].release()  # replicated leaves compute from `stage`; else it is spent
 
     def free(self) -> None:
-        """Drops the full parameters' storage (the tensors stay, empty, for the next gather)."""
-        _storage_free(self.full)
-        _storage_free(self.gathered)
-        if self.staged:
-            _storage_free(self.stage)
+        """Drops the full parameters (their storage, unless an arena shared with other units keeps
+        it for the next of them until the step ends)."""
+        for name in ("full", "gathered", "stage"):
+            if not self.arenas[name].shared:
+                self.arenas[name].release()
 
     # -- gradients ----------------------------------------------------------------------------
     def take_grads(self) -> None:
@@ -240,10 +289,11 @@ class FlatUnit:
         for p in self.proxies:
             p.grad = None
 
-    def start_reduce(self, accumulate: bool):
+    def start_reduce(self, accumulate: bool, rs_in: Arena, rs_out: Arena):
         """Starts reducing the trained full gradients into this rank's `grad` shard.
 
         Leaves without a gradient count as zero. With `accumulate`, the result is added to `grad`.
+        `rs_in` / `rs_out` are the arenas (reduce dtype) this reduction may use until it finishes.
         Returns the pending state for `finish_reduce`.
         """
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.proxies]
@@ -251,11 +301,9 @@ class FlatUnit:
         direct = self.direct and not accumulate
         if direct:
             out = self.grad[self.S_frozen : self.S + self.R_trained]
-        elif not self.direct:
-            self._alloc(self.rs_out)
-            out = self.rs_out
-        else:  # accumulating in the master dtype without offload: a temporary
-            out = torch.empty(self.S_trained + self.R_trained, dtype=self.reduce_dtype, device=self.full.device)
+        else:
+            rs_out.alloc()
+            out = rs_out.base[: self.n_trained]
         works = []
         with torch.no_grad():
             if self.S_trained:
@@ -263,9 +311,10 @@ class FlatUnit:
                 if self.world == 1:
                     torch._chunk_cat(sh, dim=0, num_chunks=1, out=out[: self.S_trained].view(1, -1))
                 else:
-                    self._alloc(self.rs_in)
-                    torch._chunk_cat(sh, dim=0, num_chunks=self.world, out=self.rs_in.view(self.world, -1))
-                    works.append(C.reduce_scatter(out[: self.S_trained], self.rs_in, self.group, async_op=True))
+                    rs_in.alloc()
+                    inp = rs_in.base[: self.world * self.S_trained]
+                    torch._chunk_cat(sh, dim=0, num_chunks=self.world, out=inp.view(self.world, -1))
+                    works.append(C.reduce_scatter(out[: self.S_trained], inp, self.group, async_op=True))
             if self.R_trained:
                 rep = out[self.S_trained :]
                 torch._foreach_copy_(
@@ -281,8 +330,6 @@ class FlatUnit:
         works, out, direct, accumulate, replicate = pending
         for w in works:
             w.wait()
-        if self.world > 1:
-            _storage_free(self.rs_in)
         if replicate is not None:
             return [[C.all_reduce(out, replicate, async_op=True)], out, direct, accumulate, None]
         if not direct:
@@ -292,6 +339,4 @@ class FlatUnit:
                     dst.add_(out.to(dst.device, non_blocking=False))
                 else:
                     dst.copy_(out)
-            if out is self.rs_out:
-                _storage_free(self.rs_out)
         return None

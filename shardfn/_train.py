@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from . import _collectives as C
 from . import _runtime
 from ._engine import Engine
-from ._flat import FlatUnit, LeafSlot, LeafSpec
+from ._flat import Arena, FlatUnit, LeafSlot, LeafSpec, buffer_sizes
 from ._functional import find_apply
 from ._remat import install as install_remat
 from ._remat import select_units
@@ -172,8 +172,8 @@ class TrainStep:
         for i, u in enumerate(unit_of):
             members[u].append(i)
 
-        units: dict[int, FlatUnit] = {}
-        slot_of: list[tuple[int, int]] = [None] * len(leaves)  # type: ignore[list-item]
+        specs_of = {u: [LeafSpec(i, paths[i], leaves[i].shape, bool(spec_list[i].axes_of(0)), trained[i]) for i in idx] for u, idx in members.items()}
+        dtype_of = {}
         for u, idx in members.items():
             dtypes = {leaves[i].dtype for i in idx}
             if len(dtypes) > 1:
@@ -181,18 +181,24 @@ class TrainStep:
                     f"unit {info.unit_names[u] if u >= 0 else '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
                     "give each unit one dtype"
                 )
-            dtype = dtypes.pop() if dtypes else torch.float32
-            compute = self.mp.param_dtype or dtype
+            dtype_of[u] = dtypes.pop() if dtypes else torch.float32
+        arenas, unit_slot, reduce_arenas = self._arenas(info, specs_of, dtype_of, device)
+
+        units: dict[int, FlatUnit] = {}
+        slot_of: list[tuple[int, int]] = [None] * len(leaves)  # type: ignore[list-item]
+        for u, idx in members.items():
+            compute = self.mp.param_dtype or dtype_of[u]
             units[u] = FlatUnit(
                 name=(info.unit_names[u] if u >= 0 else ""),
-                leaves=[LeafSpec(i, paths[i], leaves[i].shape, bool(spec_list[i].axes_of(0)), trained[i]) for i in idx],
-                dtype=dtype,
+                leaves=specs_of[u],
+                dtype=dtype_of[u],
                 compute_dtype=compute,
                 reduce_dtype=self.mp.reduce_dtype or compute,
                 group=self.group,
                 world=self.shard_world,
                 rank=self.rank,
                 device=device,
+                arenas=arenas[u],
                 replicate_group=self.replicate_group,
                 offload=self.offload == "cpu",
             )
@@ -218,6 +224,19 @@ class TrainStep:
                 proxies.append(unit.proxies[j])
         if info is not None and self.mp.buffer_dtype is not None:
             _cast_buffers(info.module, self.mp.buffer_dtype)
+        # Gradient segments for the norm, and how often each rank counts them: a sharded segment
+        # once per replica group (hybrid), a replicated one 1/world of the time.
+        replicas = self.world // self.shard_world
+        segs, weights = [], []
+        for u in units.values():
+            if u.S_trained:
+                segs.append(u.grad[u.S_frozen : u.S])
+                weights.append(1.0 / replicas)
+            if u.R_trained:
+                segs.append(u.grad[u.S : u.S + u.R_trained])
+                weights.append(1.0 / self.world)
+        self._norm_segments = segs
+        self._norm_weights = torch.tensor(weights or [0.0], dtype=torch.float32, device=device)
         self.treespec = treespec
         self.paths = paths
         self._units = units
@@ -231,6 +250,9 @@ class TrainStep:
             units[-1],
             reshard_after_forward=self.strategy in ("full_shard", "hybrid_shard"),
             cast_dtype=self.mp.param_dtype,
+            slot_of=unit_slot,
+            reduce_arenas=reduce_arenas,
+            arenas=_unique([*(a for d in arenas.values() for a in d.values()), *(a for p in reduce_arenas for a in p)]),
         )
         if self.remat:
             if info is None:
@@ -240,6 +262,43 @@ class TrainStep:
                 install_remat(info, u)
         params_tree = optree.tree_unflatten(treespec, dt_params)
         return TrainState(params=params_tree, opt_state=self.opt.init(self._trainable(params_tree)), step=0)
+
+    def _arenas(self, info, specs_of: dict, dtype_of: dict, device) -> tuple[dict, dict, list]:
+        """Arenas per unit (shared by slot under full_shard, see Note [slot arenas]) and for reductions."""
+        W, r = self.shard_world, self.rank
+        sizes = {u: buffer_sizes(specs_of[u], W, r) for u in specs_of}
+        compute = {u: self.mp.param_dtype or dtype_of[u] for u in specs_of}
+        reduce = {u: self.mp.reduce_dtype or compute[u] for u in specs_of}
+        names = info.unit_names if info is not None else []
+        nested = any(b.startswith(a + ".") for a in names for b in names)
+        share = (
+            self.strategy in ("full_shard", "hybrid_shard")
+            and not nested
+            and len({compute[u] for u in range(len(names))}) <= 1
+        )
+        unit_slot = {u: u % 2 for u in range(len(names))} if share else {}
+        arenas: dict[int, dict[str, Arena]] = {}
+        slots: dict[int, dict[str, Arena]] = {}
+        for u in specs_of:
+            if u in unit_slot:
+                k = unit_slot[u]
+                if k not in slots:
+                    members = [v for v in unit_slot if unit_slot[v] == k]
+                    slots[k] = {
+                        name: Arena(max(sizes[v][name] for v in members), compute[u], device, shared=True)
+                        for name in ("full", "gathered", "stage")
+                    }
+                arenas[u] = slots[k]
+            else:
+                arenas[u] = {name: Arena(sizes[u][name], compute[u], device, shared=False) for name in ("full", "gathered", "stage")}
+        rdt = {reduce[u] for u in specs_of}
+        if len(rdt) > 1:
+            raise NotImplementedError(f"units reduce in different dtypes {sorted(map(str, rdt))}; give every unit one dtype")
+        rdt_one = rdt.pop()
+        n_in = max(sizes[u]["rs_in"] for u in specs_of)
+        n_out = max(sizes[u]["rs_out"] for u in specs_of)
+        reduce_arenas = [(Arena(n_in, rdt_one, device, shared=True), Arena(n_out, rdt_one, device, shared=True)) for _ in range(2)]
+        return arenas, unit_slot, reduce_arenas
 
     def _trainable(self, tree: Any) -> Any:
         """`tree` with frozen leaves replaced by None: what the optimizer sees."""
@@ -296,15 +355,10 @@ class TrainStep:
             engine.abort()
             raise
         units = list(self._units.values())
-        # One all-reduce for the loss and the squared gradient norm. Each rank counts its shard of a
-        # sharded segment once per replica group, and a replicated segment 1/world of the time.
-        replicas = self.world // self.shard_world
-        sq = torch.zeros((), dtype=torch.float32, device=loss_sum.device)
-        for u in units:  # on each unit's own device (CPU under offload), one scalar moved
-            if u.S_trained:
-                sq += (u.grad[u.S_frozen : u.S].float().square().sum() / replicas).to(sq.device)
-            if u.R_trained:
-                sq += (u.grad[u.S : u.S + u.R_trained].float().square().sum() / self.world).to(sq.device)
+        # One all-reduce for the loss and the squared gradient norm (one foreach kernel over the
+        # trained gradient segments, on their own device: the CPU under offload).
+        norms = torch.stack(torch._foreach_norm(self._norm_segments, 2)).to(loss_sum.device) if self._norm_segments else loss_sum.new_zeros(1)
+        sq = (norms.float().square() * self._norm_weights).sum()
         stats = torch.stack([loss_sum / k, sq])
         if self.world > 1:
             C.all_reduce(stats, None if self.replicate_group is not None else self.group)
@@ -330,6 +384,15 @@ class TrainStep:
         with torch.no_grad():
             torch._foreach_copy_([p._local_tensor for p in old], [x._local_tensor if isinstance(x, DTensor) else x for x in new])
         return opt_state
+
+
+def _unique(items: list) -> list:
+    out, seen = [], set()
+    for x in items:
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
 
 
 def _compile(patterns: Any, what: str) -> list:
