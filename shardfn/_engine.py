@@ -64,7 +64,7 @@ class Engine:
         cast_dtype: floating-point inputs of the model and of each unit are cast to this dtype
             (mixed precision), or None.
         slot_of: unit -> slot, for units that share slot arenas (Note [slot arenas]), or None.
-        reduce_arenas: two (rs_in, rs_out) arena pairs that reductions take in turn.
+        reduce_arenas: `max_reductions` (rs_in, rs_out) arena pairs that reductions take in turn.
         arenas: every arena, released when a step ends.
     """
 
@@ -79,6 +79,7 @@ class Engine:
         slot_of: dict[int, int] | None = None,
         reduce_arenas: list[tuple[Arena, Arena]] | None = None,
         arenas: list[Arena] = (),
+        max_reductions: int = 1,
     ):
         self.info = info
         self.units = units
@@ -88,6 +89,7 @@ class Engine:
         self.cast_dtype = cast_dtype
         self.slot_of = slot_of or {}
         self.reduce_arenas = reduce_arenas
+        self.max_reductions = max_reductions
         self.arenas = list(arenas)
         self._in_use: set[int] = set()  # running forward, or between pre-backward and reduction
         self.remat_units: set[int] = set()  # read by the remat wrappers (shardfn/_remat.py)
@@ -159,6 +161,10 @@ class Engine:
                     "buffers, is still running; give units that run inside one another distinct slots "
                     "(nest them as submodules) or use strategy='shard_grad_op'"
                 )
+        if u != ROOT and self.slot_of:  # one shared all-gather output: one unit gather in flight
+            for w in [w for w in self._works if w != ROOT]:
+                self._drain_slot(w)
+                self._unit(w).finish_gather(self._works.pop(w))
         if u != ROOT:
             self._live.add(u)
             self.stats.max_live_units = max(self.stats.max_live_units, len(self._live))
@@ -169,10 +175,18 @@ class Engine:
         if u != ROOT and u not in self._live and u not in self._works:
             self._start(u)
         if u in self._works:
+            self._drain_slot(u)
             self._unit(u).finish_gather(self._works.pop(u))
+
+    def _drain_slot(self, u: int) -> None:
+        """Finishes reductions whose input lives in the arena that `u`'s gather is about to fill."""
+        full = self._unit(u).arenas["full"]
+        while any(w.reduce_in_full and w.arenas["full"] is full for w, _, _ in self._in_flight):
+            self._finish_oldest()
 
     def _free(self, u: int) -> None:
         if u in self._works:  # a prefetch nobody used: finish it before dropping the buffers
+            self._drain_slot(u)
             self._unit(u).finish_gather(self._works.pop(u))
         if u == ROOT or u in self._live:
             self._event("free", u)
@@ -290,12 +304,12 @@ class Engine:
         self._in_use.discard(u)
         if unit.num_trained and self._reduce_now:
             self._event("reduce", u)
-            # At most two reductions in flight (their full-size inputs are memory too): wait for the
-            # oldest before this one takes an arena pair.
-            while len(self._in_flight) >= 2:
+            # At most `max_reductions` in flight (their full-size inputs are memory too): wait for
+            # the oldest before this one takes a free arena pair.
+            while len(self._in_flight) >= self.max_reductions:
                 self._finish_oldest()
             busy = {pair for _, _, pair in self._in_flight}
-            pair = 0 if 0 not in busy else 1
+            pair = min(set(range(self.max_reductions)) - busy)
             pending = unit.start_reduce(self._accumulate, *self.reduce_arenas[pair])
             self._in_flight.append((unit, pending, pair))
         if u != ROOT:

@@ -41,9 +41,11 @@ neighbours in module order. So units 0, 2, 4, ... share one "slot" arena for the
 into its slot, and gathering unit i+2 overwrites unit i, which by then is freed. Each slot is
 allocated once per step and released when the step ends, so memory is that of two units, as the
 bound says, and nothing survives the step. The engine checks slot conflicts (a unit needed while
-the other unit of its slot is still live) and resolves or reports them. Gradient reductions use
-two more arenas, in turn, since at most two are in flight. Nested units, and strategies that keep
-units gathered (`shard_grad_op`, `no_shard`), give each unit arenas of its own.
+the other unit of its slot is still live) and resolves or reports them. All units share one
+all-gather output arena (one unit gather is in flight at a time). A unit's reduce-scatter input is
+built in its own slot, whose parameters are dead once its gradients are complete; the engine
+finishes that reduction before the slot is refilled. Nested units, and strategies that keep units
+gathered (`shard_grad_op`, `no_shard`), give each unit arenas of its own.
 """
 
 from __future__ import annotations
@@ -183,9 +185,12 @@ class FlatUnit:
         arenas: the "full", "gathered" and "stage" arenas it computes in (see Note [slot arenas]),
             each at least `buffer_sizes(...)` long, in `compute_dtype`.
         offload: keep `local` and `grad` (and so the optimizer) in pinned CPU memory.
+        reduce_in_full: build the reduce-scatter input in the unit's own "full" arena (its full
+            parameters are dead once its gradients are complete): no arena of its own for it. The
+            engine must keep the arena alive until the reduction finishes (Note [slot arenas]).
     """
 
-    def __init__(self, name, leaves, dtype, compute_dtype, reduce_dtype, group, world, rank, device, arenas, replicate_group=None, offload=False):
+    def __init__(self, name, leaves, dtype, compute_dtype, reduce_dtype, group, world, rank, device, arenas, replicate_group=None, offload=False, reduce_in_full=False):
         self.name = name
         self.slots: list[LeafSlot] = place(leaves, world, rank)
         self.dtype, self.compute_dtype, self.reduce_dtype = dtype, compute_dtype, reduce_dtype
@@ -211,6 +216,10 @@ class FlatUnit:
 
         self.local_views = [local_view(self.local, s) for s in slots]
         self.grad_views = [local_view(self.grad, s) for s in slots]
+        self._grad_bytes = self.grad.untyped_storage().nbytes()
+        # Gradient shards are dropped between steps when parameters are sharded (as FSDP's
+        # zero_grad(set_to_none=True)); replicated (DDP-like) and offloaded ones stay.
+        self._grad_transient = not offload and self.S > 0
 
         # Transient buffers: views of arenas, whose storage exists only while in use.
         self.arenas = arenas
@@ -224,6 +233,8 @@ class FlatUnit:
         gathered_w = arenas["gathered"].writer[:n_gathered]
         self._stage_w = arenas["stage"].writer[:n_stage]
         self.direct = reduce_dtype == dtype and not offload  # reduce straight into `grad`
+        self.reduce_in_full = reduce_in_full and reduce_dtype == compute_dtype and world > 1
+        self._rs_in_full = arenas["full"].writer[: world * self.S_trained] if self.reduce_in_full else None
         self.n_trained = self.S_trained + self.R_trained
         self._device = device
 
@@ -289,6 +300,15 @@ class FlatUnit:
         for p in self.proxies:
             p.grad = None
 
+    def alloc_grad(self) -> None:
+        """Gives the gradient shard storage again (its trained segments are then overwritten)."""
+        _storage_alloc(self.grad, self._grad_bytes)
+
+    def release_grad(self) -> None:
+        """Drops the gradient shard's storage until the next reduction (as `zero_grad(set_to_none=True)`)."""
+        if self._grad_transient:
+            _storage_free(self.grad)
+
     def start_reduce(self, accumulate: bool, rs_in: Arena, rs_out: Arena):
         """Starts reducing the trained full gradients into this rank's `grad` shard.
 
@@ -300,6 +320,7 @@ class FlatUnit:
         self.take_grads()
         direct = self.direct and not accumulate
         if direct:
+            self.alloc_grad()
             out = self.grad[self.S_frozen : self.S + self.R_trained]
         else:
             rs_out.alloc()
@@ -311,8 +332,12 @@ class FlatUnit:
                 if self.world == 1:
                     torch._chunk_cat(sh, dim=0, num_chunks=1, out=out[: self.S_trained].view(1, -1))
                 else:
-                    rs_in.alloc()
-                    inp = rs_in.base[: self.world * self.S_trained]
+                    if self.reduce_in_full:
+                        self.arenas["full"].alloc()
+                        inp = self._rs_in_full
+                    else:
+                        rs_in.alloc()
+                        inp = rs_in.base[: self.world * self.S_trained]
                     torch._chunk_cat(sh, dim=0, num_chunks=self.world, out=inp.view(self.world, -1))
                     works.append(C.reduce_scatter(out[: self.S_trained], inp, self.group, async_op=True))
             if self.R_trained:
@@ -334,6 +359,7 @@ class FlatUnit:
             return [[C.all_reduce(out, replicate, async_op=True)], out, direct, accumulate, None]
         if not direct:
             with torch.no_grad():
+                self.alloc_grad()
                 dst = self.grad[self.S_frozen : self.S + self.R_trained]
                 if accumulate:
                     dst.add_(out.to(dst.device, non_blocking=False))

@@ -140,6 +140,7 @@ class TrainStep:
         self.world = mesh.size()
         self.rank = mesh.get_local_rank(self.shard_axis)
         self.engine: Engine | None = None
+        self.max_reductions = 1  # gradient reductions in flight at once (each holds a full-size input)
 
     # -- init -----------------------------------------------------------------------------------
     def init(self, params: Any) -> TrainState:
@@ -201,6 +202,7 @@ class TrainStep:
                 arenas=arenas[u],
                 replicate_group=self.replicate_group,
                 offload=self.offload == "cpu",
+                reduce_in_full=u == -1 or u in unit_slot,
             )
             for j, s in enumerate(units[u].slots):
                 slot_of[s.index] = (u, j)
@@ -252,6 +254,7 @@ class TrainStep:
             cast_dtype=self.mp.param_dtype,
             slot_of=unit_slot,
             reduce_arenas=reduce_arenas,
+            max_reductions=self.max_reductions,
             arenas=_unique([*(a for d in arenas.values() for a in d.values()), *(a for p in reduce_arenas for a in p)]),
         )
         if self.remat:
@@ -279,6 +282,8 @@ class TrainStep:
         unit_slot = {u: u % 2 for u in range(len(names))} if share else {}
         arenas: dict[int, dict[str, Arena]] = {}
         slots: dict[int, dict[str, Arena]] = {}
+        if share:  # one all-gather output for all units: the engine has one unit gather in flight
+            gathered = Arena(max(sizes[v]["gathered"] for v in unit_slot), compute[0], device, shared=True)
         for u in specs_of:
             if u in unit_slot:
                 k = unit_slot[u]
@@ -286,8 +291,9 @@ class TrainStep:
                     members = [v for v in unit_slot if unit_slot[v] == k]
                     slots[k] = {
                         name: Arena(max(sizes[v][name] for v in members), compute[u], device, shared=True)
-                        for name in ("full", "gathered", "stage")
+                        for name in ("full", "stage")
                     }
+                    slots[k]["gathered"] = gathered
                 arenas[u] = slots[k]
             else:
                 arenas[u] = {name: Arena(sizes[u][name], compute[u], device, shared=False) for name in ("full", "gathered", "stage")}
@@ -295,9 +301,10 @@ class TrainStep:
         if len(rdt) > 1:
             raise NotImplementedError(f"units reduce in different dtypes {sorted(map(str, rdt))}; give every unit one dtype")
         rdt_one = rdt.pop()
-        n_in = max(sizes[u]["rs_in"] for u in specs_of)
+        in_full = {u for u in specs_of if (u == -1 or u in unit_slot) and reduce[u] == compute[u]}
+        n_in = max([sizes[u]["rs_in"] for u in specs_of if u not in in_full], default=0)
         n_out = max(sizes[u]["rs_out"] for u in specs_of)
-        reduce_arenas = [(Arena(n_in, rdt_one, device, shared=True), Arena(n_out, rdt_one, device, shared=True)) for _ in range(2)]
+        reduce_arenas = [(Arena(n_in, rdt_one, device, shared=True), Arena(n_out, rdt_one, device, shared=True)) for _ in range(self.max_reductions)]
         return arenas, unit_slot, reduce_arenas
 
     def _trainable(self, tree: Any) -> Any:
@@ -336,6 +343,8 @@ class TrainStep:
         if self.engine is None:
             raise ValueError("call step.init(params) before the first step")
         params = self._adopt(state.params)
+        for u in self._units.values():  # the last step's gradient shards are spent
+            u.release_grad()
         k = self.accumulation_steps
         local = self.accumulation == "local"
         scale = 1.0 / (self.world * k)
@@ -354,7 +363,6 @@ class TrainStep:
         except BaseException:
             engine.abort()
             raise
-        units = list(self._units.values())
         # One all-reduce for the loss and the squared gradient norm (one foreach kernel over the
         # trained gradient segments, on their own device: the CPU under offload).
         norms = torch.stack(torch._foreach_norm(self._norm_segments, 2)).to(loss_sum.device) if self._norm_segments else loss_sum.new_zeros(1)
@@ -366,7 +374,8 @@ class TrainStep:
         grad_norm = stats[1].sqrt()
         if self.max_grad_norm is not None:
             coef = torch.clamp(self.max_grad_norm / (grad_norm + 1e-6), max=1.0)
-            torch._foreach_mul_([u.grad for u in units], coef.to(units[0].grad.device) if units else coef)
+            if self._norm_segments:  # the trained segments: frozen ones hold no gradient
+                torch._foreach_mul_(self._norm_segments, coef.to(self._norm_segments[0].device))
         opt_state = self._optimize(params, state.opt_state)
         metrics = {"loss": loss_mean, "grad_norm": grad_norm, "aux": aux}
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
