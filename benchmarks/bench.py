@@ -68,7 +68,7 @@ WARMUP = 3  # untimed steps per round
 MEM_WARMUP = 2  # profile run: steps before VmHWM is reset
 MEM_STEPS = 3  # profile run: steps whose peak is measured
 FLOOR_REPS = 2  # repetitions of each part of the floor per round (the floor runs in every round too)
-REMAT = False  # pass remat=True to shardfn (skipped with a note if the library raises NotImplementedError)
+REMAT = False  # pass remat=True to shardfn
 OUT = "benchmarks/results.png"
 THREADS = 1  # torch threads per rank
 SEED = 0
@@ -155,13 +155,7 @@ class _Shardfn(_Impl):
 
         mesh = sf.mesh(dp=-1)
         opt = sf.optim.adamw(cfg["lr"], weight_decay=cfg["weight_decay"])
-        try:
-            self.ts = sf.train_step(loss_fn, opt, mesh, strategy=strategy, remat=cfg["remat"], apply=apply)
-        except NotImplementedError as e:
-            if not cfg["remat"]:
-                raise
-            self.note = f"remat=True raised NotImplementedError ({e}); measured without remat"
-            self.ts = sf.train_step(loss_fn, opt, mesh, strategy=strategy, apply=apply)
+        self.ts = sf.train_step(loss_fn, opt, mesh, strategy=strategy, remat=cfg["remat"], apply=apply)
         self.state = self.ts.init(params)
         del params
 
