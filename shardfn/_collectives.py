@@ -47,9 +47,49 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = Tru
     return dist.all_gather_single(out, inp, group=group, async_op=async_op)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
-    """`out` (n) <- the sum over ranks of this rank's chunk of `inp` (W * n)."""
-    STATS.add("reduce_scatter", _ring_bytes(inp, dist.get_world_size(group)))
+# gloo implements reduce-scatter as an all-reduce of a clone of the input, then a copy of this
+# rank's chunk. When the input is scratch, shardfn runs that all-reduce in place instead: the same
+# algorithm and bytes, without a full-size clone alive for the whole collective.
+GLOO_REDUCE_SCATTER_IN_PLACE = True
+_BACKENDS: dict = {}
+
+
+def _backend(group) -> str:
+    key = id(group)
+    if key not in _BACKENDS:
+        _BACKENDS[key] = str(dist.get_backend(group))
+    return _BACKENDS[key]
+
+
+class _ChunkOfAllReduce:
+    """The work of a reduce-scatter run as an in-place all-reduce: `wait()` also copies the chunk."""
+
+    def __init__(self, work, out: torch.Tensor, chunk: torch.Tensor):
+        self.work, self.out, self.chunk = work, out, chunk
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            with torch.no_grad():
+                self.out.copy_(self.chunk)
+            self.work = None
+        return True
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True, scratch: bool = False):
+    """`out` (n) <- the sum over ranks of this rank's chunk of `inp` (W * n).
+
+    With `scratch`, the caller gives up `inp` (it may be overwritten); on gloo the reduction then
+    runs in place (see GLOO_REDUCE_SCATTER_IN_PLACE). Bytes are counted as a reduce-scatter either way.
+    """
+    world = dist.get_world_size(group)
+    STATS.add("reduce_scatter", _ring_bytes(inp, world))
+    if scratch and GLOO_REDUCE_SCATTER_IN_PLACE and _backend(group) == "gloo":
+        work = dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        pending = _ChunkOfAllReduce(work, out, inp.view(world, -1)[dist.get_rank(group)])
+        if not async_op:
+            pending.wait()
+        return pending
     return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 

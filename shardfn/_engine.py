@@ -266,7 +266,10 @@ class Engine:
             return
         self._ensure(u)
         self._in_use.add(u)
-        self._prefetch(self._prev.get(u))
+        prev = self._prev.get(u)
+        self._prefetch(prev)
+        if prev is None and self.slot_of and not any(w != ROOT for w in self._works):
+            self.units[u].arenas["gathered"].release()  # the last unit gather of the step is done
 
     def _end_forward(self) -> None:
         self.phase = "backward"

@@ -325,8 +325,14 @@ class FlatUnit:
         else:
             rs_out.alloc()
             out = rs_out.base[: self.n_trained]
-        works = []
+        works, inp = [], None
         with torch.no_grad():
+            rep = out[self.S_trained :]
+            if self.R_trained:
+                torch._foreach_copy_(
+                    [rep[s.offset - self.S : s.offset - self.S + s.seg_numel].view(s.shape) for s in (self.slots[i] for i in self._rep_trained)],
+                    [grads[i] for i in self._rep_trained],
+                )
             if self.S_trained:
                 sh = [grads[i] for i in self._sh_trained]
                 if self.world == 1:
@@ -339,15 +345,12 @@ class FlatUnit:
                         rs_in.alloc()
                         inp = rs_in.base[: self.world * self.S_trained]
                     torch._chunk_cat(sh, dim=0, num_chunks=self.world, out=inp.view(self.world, -1))
-                    works.append(C.reduce_scatter(out[: self.S_trained], inp, self.group, async_op=True))
-            if self.R_trained:
-                rep = out[self.S_trained :]
-                torch._foreach_copy_(
-                    [rep[s.offset - self.S : s.offset - self.S + s.seg_numel].view(s.shape) for s in (self.slots[i] for i in self._rep_trained)],
-                    [grads[i] for i in self._rep_trained],
-                )
-                if self.world > 1:
-                    works.append(C.all_reduce(rep, self.group, async_op=True))
+                del sh
+            del grads  # the full gradients are spent: free them before the collectives allocate
+            if inp is not None:
+                works.append(C.reduce_scatter(out[: self.S_trained], inp, self.group, async_op=True, scratch=True))
+            if self.R_trained and self.world > 1:
+                works.append(C.all_reduce(rep, self.group, async_op=True))
         return [works, out, direct, accumulate, self.replicate_group]
 
     def finish_reduce(self, pending) -> list | None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import shardfn as sf
+from shardfn import _collectives as C
 from reference import OPT, Reference, compare_params, global_batch, local_batch, make_loss_fn, make_model, units_of
 
 FROZEN = {"gpt": r"wpe\..*|blocks\.0\..*", "mlp": r"0\..*"}
@@ -41,6 +42,7 @@ def _decay_mask(params):
 
 def rank_case(strategy: str, opts: dict, kinds=("gpt", "mlp")) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
+    C.GLOO_REDUCE_SCATTER_IN_PLACE = True  # the default (other checks here turn it off)
     mesh = sf.mesh(replicate=2, shard=-1) if strategy == "hybrid_shard" else sf.mesh(dp=-1)
     out = {}
     for kind in kinds:
@@ -91,6 +93,7 @@ def test_option_matrix(pools, strategy, option):
 
 def rank_dtypes_on_the_wire() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
+    C.GLOO_REDUCE_SCATTER_IN_PLACE = False  # see the reduce-scatter itself
     model = make_model("gpt")
     apply, params = sf.functionalize(model, units=units_of("gpt"))
     step = sf.train_step(
@@ -130,6 +133,7 @@ def test_bf16_gathers_and_fp32_reduces(pools):
 def rank_count(strategy: str, opts: dict) -> dict:
     """Collectives of one step with options on (after a first step)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    C.GLOO_REDUCE_SCATTER_IN_PLACE = False  # count reduce-scatters as such
     model = make_model("gpt")
     apply, params = sf.functionalize(model, units=units_of("gpt"))
     step = sf.train_step(

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import shardfn as sf
+from shardfn import _collectives as C
 from reference import OPT, Reference, compare_params, global_batch, local_batch, make_loss_fn, make_model, units_of
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
@@ -22,9 +23,17 @@ def _setup(kind, strategy, **kw):
     return ref, apply, step, step.init(params), mesh
 
 
-def rank_parity(strategy: str, **kw) -> dict:
+def rank_parity(strategy: str, gloo_in_place: bool = True, **kw) -> dict:
     """Several steps of the sharded step and of the reference; the worst relative errors seen."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    C.GLOO_REDUCE_SCATTER_IN_PLACE = gloo_in_place
+    try:
+        return _parity(strategy, rank, world, **kw)
+    finally:
+        C.GLOO_REDUCE_SCATTER_IN_PLACE = True
+
+
+def _parity(strategy, rank, world, **kw) -> dict:
     out = {}
     for kind in ("gpt", "mlp"):
         ref, apply, step, state, _ = _setup(kind, strategy, **kw)
@@ -54,15 +63,24 @@ def test_parity_with_single_process_reference(pools, world, strategy):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_parity_with_reduce_scatter_collective(pools, world):
+    """The reduce-scatter path NCCL takes (on gloo, shardfn otherwise runs it as an in-place all-reduce)."""
+    for rank_result in pools(world).run(rank_parity, "full_shard", gloo_in_place=False):
+        for kind, (loss_err, norm_err, param_err, _) in rank_result.items():
+            assert max(loss_err, norm_err, param_err) < 1e-5, (kind, loss_err, norm_err, param_err)
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_parity_with_clipping_and_accumulation(pools, world):
     for rank_result in pools(world).run(rank_parity, "full_shard", max_grad_norm=0.5, accumulation_steps=2):
         for kind, (loss_err, norm_err, param_err, _) in rank_result.items():
             assert max(loss_err, norm_err, param_err) < 1e-5, (kind, loss_err, norm_err, param_err)
 
 
-def rank_count_collectives(strategy: str) -> dict:
+def rank_count_collectives(strategy: str, gloo_in_place: bool = False) -> dict:
     """Counts the process-group calls of one step, by collective and by phase (forward/backward)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    C.GLOO_REDUCE_SCATTER_IN_PLACE = gloo_in_place
     ref, apply, step, state, mesh = _setup("gpt", strategy)
     batch = local_batch(global_batch("gpt", 0, world), rank, world)
     state, _ = step(state, batch)  # first step learns the unit order
@@ -90,6 +108,7 @@ def rank_count_collectives(strategy: str) -> dict:
     finally:
         for n, f in originals.items():
             setattr(dist, n, f)
+        C.GLOO_REDUCE_SCATTER_IN_PLACE = True
     storage_left = [(a.base.shape, a.nbytes) for a in step.engine.arenas if a.allocated]
     storage_left += [(u.name, t.untyped_storage().nbytes()) for u in [*step.engine.units, step.engine.root] for t in (u.full, u.gathered, u.stage) if t.untyped_storage().nbytes()]
     grads_left = [u.name for u in [*step.engine.units, step.engine.root] for p in u.proxies if p.grad is not None]
@@ -121,6 +140,10 @@ def test_collectives_per_step(pools, world):
                 assert (ag_f, ag_b, rs, ar) == (U + 1, 0, U + 1, 1), (strategy, c)
             else:  # one all-reduce per unit (+ root) for gradients, one for the metrics
                 assert (ag_f, ag_b, rs, ar) == (0, 0, 0, U + 2), (strategy, c)
+        # On gloo the default runs each unit's reduce-scatter as gloo does, an all-reduce, in place.
+        c = pools(world).run(rank_count_collectives, "full_shard", True)[0]["counts"]
+        assert c == {("all_gather_single", "forward"): U + 1, ("all_gather_single", "backward"): U,
+                     ("all_reduce", "backward"): U + 1, ("all_reduce", "idle"): 1}, c
 
 
 @pytest.mark.parametrize("world", [2, 3])
