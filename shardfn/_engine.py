@@ -92,6 +92,7 @@ class Engine:
         self.max_reductions = max_reductions
         self.arenas = list(arenas)
         self._in_use: set[int] = set()  # running forward, or between pre-backward and reduction
+        self._slot_arenas = list({id(a): a for v in self.slot_of for a in units[v].arenas.values()}.values())
         self.remat_units: set[int] = set()  # read by the remat wrappers (shardfn/_remat.py)
         self._reduce_now = True
         n = len(units)
@@ -257,6 +258,12 @@ class Engine:
         self._in_use.discard(u)
         if self.reshard_after_forward:
             self._free(u)
+            if self.slot_of and self._order_known and u not in self._next and not self._live:
+                # The last unit's forward is done: until the first unit backward, the slots hold
+                # only freed parameters, while the loss and its gradient take their largest
+                # activations. Give the memory back; the backward allocates the slots again.
+                for a in self._slot_arenas:
+                    a.release()
         return None
 
     def _pre_backward(self, u: int) -> None:
