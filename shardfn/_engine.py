@@ -11,10 +11,15 @@ This follows the FSDP paper (Zhao et al., 2023), for units u_0 .. u_n in forward
                  runs pre-backward.
   pre-backward   wait for / start u_i's gather; start gathering u_{i-1} (prefetch, reverse order).
   grads ready    a post-accumulate-grad hook on each full parameter counts u_i's gradients; when the
-                 last one lands, u_i's reduce-scatter starts (async) and u_i is freed. The previous
-                 unit's reduce-scatter is waited for then, so at most two are in flight.
+                 last one lands, the previous unit's reduction is waited for, u_i's reduce-scatter
+                 starts (async) and u_i is freed: one reduction in flight, overlapping the backward
+                 of the next unit.
   backward end   units whose parameters got no gradient are reduced as zeros; all pending
                  reductions are waited for; everything still gathered is freed.
+
+Under `full_shard` the units' buffers are two slot arenas (Note [slot arenas] in `_flat.py`); they
+are given back when the last unit's forward ends (the loss and its gradient, the step's largest
+activations, come next) and when the step ends.
 
 Memory bound: at most two units besides the root are gathered (or being gathered) at any time under
 `full_shard`: a prefetch that would make three waits until a unit is freed. `shard_grad_op` keeps
