@@ -236,7 +236,6 @@ class FlatUnit:
         self.reduce_in_full = reduce_in_full and reduce_dtype == compute_dtype and world > 1
         self._rs_in_full = arenas["full"].writer[: world * self.S_trained] if self.reduce_in_full else None
         self.n_trained = self.S_trained + self.R_trained
-        self._device = device
 
         rep_src = self.stage if self.staged else self.local
         self.proxies: list[torch.Tensor] = []

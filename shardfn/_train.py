@@ -8,9 +8,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import optree
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
 from . import _runtime

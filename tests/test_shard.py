@@ -57,7 +57,6 @@ def test_shard_and_gather(pools, world):
 
 
 def rank_sharded_apply() -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model("gpt")
     twin = make_model("gpt")
     apply, params = sf.functionalize(model, units=r"blocks\.\d+")
@@ -73,7 +72,6 @@ def rank_sharded_apply() -> dict:
         return orig(self, *a, **k)
 
     live = []
-    first_block_buf = []
 
     def spy(mod, args):
         # While block 1 runs, block 0's full parameters are gone.
