@@ -139,7 +139,7 @@ class TrainStep:
         self.world = mesh.size()
         self.rank = mesh.get_local_rank(self.shard_axis)
         self.engine: Engine | None = None
-        self.max_reductions = 1  # gradient reductions in flight at once (each holds a full-size input)
+        self.max_reductions = 1  # gradient reductions in flight at once (each may hold a full-size input)
 
     # -- init -----------------------------------------------------------------------------------
     def init(self, params: Any) -> TrainState:
@@ -182,6 +182,11 @@ class TrainStep:
                     "give each unit one dtype"
                 )
             dtype_of[u] = dtypes.pop() if dtypes else torch.float32
+        direct = (self.mp.reduce_dtype or self.mp.param_dtype or dtype_of[-1]) == dtype_of[-1] and self.offload is None
+        if self.strategy == "no_shard" and direct and (self.accumulation_steps == 1 or self.accumulation == "local"):
+            # Replicated gradients are all-reduced in place in their flat buffers, which need no
+            # scratch: let every unit's all-reduce run while the backward goes on, as DDP does.
+            self.max_reductions = n_units + 1
         arenas, unit_slot, reduce_arenas = self._arenas(info, specs_of, dtype_of, device)
 
         units: dict[int, FlatUnit] = {}
