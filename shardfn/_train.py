@@ -280,6 +280,7 @@ class TrainStep:
         nested = any(b.startswith(a + ".") for a in names for b in names)
         share = (
             self.strategy in ("full_shard", "hybrid_shard")
+            and bool(names)
             and not nested
             and len({compute[u] for u in range(len(names))}) <= 1
         )
