@@ -12,9 +12,10 @@ This follows the FSDP paper (Zhao et al., 2023), for units u_0 .. u_n in forward
   pre-backward   wait for / start u_i's gather; start gathering u_{i-1} (prefetch, reverse order).
   grads ready    a post-accumulate-grad hook on each full parameter counts u_i's gradients; when the
                  last one lands, the previous unit's reduction is waited for, u_i's reduce-scatter
-                 starts (async) and u_i is freed: one reduction in flight, overlapping the backward
-                 of the next unit (under `no_shard`, whose all-reduces need no scratch buffer,
-                 every unit's may be in flight, as DDP's buckets).
+                 starts (async) and u_i is freed. Reductions overlap the backward of the next
+                 units: two in flight under `full_shard` when their inputs live in the units' own
+                 slots, every unit's under `no_shard` (in-place all-reduces, as DDP's buckets),
+                 else one.
   backward end   units whose parameters got no gradient are reduced as zeros; all pending
                  reductions are waited for; everything still gathered is freed.
 

@@ -285,6 +285,12 @@ class TrainStep:
             and len({compute[u] for u in range(len(names))}) <= 1
         )
         unit_slot = {u: u % 2 for u in range(len(names))} if share else {}
+        no_cast = self.mp.param_dtype in (None, dtype_of[-1]) and self.mp.reduce_dtype in (None, dtype_of[-1])
+        if share and no_cast and self.offload is None and self.accumulation_steps == 1 and len(set(dtype_of.values())) == 1:
+            # Each reduction's input then lives in its own unit's slot and neighbours use different
+            # slots: two reductions can be in flight with no other buffer (the engine finishes a
+            # slot's reduction before the slot is refilled).
+            self.max_reductions = 2
         arenas: dict[int, dict[str, Arena]] = {}
         slots: dict[int, dict[str, Arena]] = {}
         if share:  # one all-gather output for all units: the engine has one unit gather in flight
