@@ -182,11 +182,6 @@ class TrainStep:
                     "give each unit one dtype"
                 )
             dtype_of[u] = dtypes.pop() if dtypes else torch.float32
-        direct = (self.mp.reduce_dtype or self.mp.param_dtype or dtype_of[-1]) == dtype_of[-1] and self.offload is None
-        if self.strategy == "no_shard" and direct and (self.accumulation_steps == 1 or self.accumulation == "local"):
-            # Replicated gradients are all-reduced in place in their flat buffers, which need no
-            # scratch: let every unit's all-reduce run while the backward goes on, as DDP does.
-            self.max_reductions = n_units + 1
         arenas, unit_slot, reduce_arenas = self._arenas(info, specs_of, dtype_of, device)
 
         units: dict[int, FlatUnit] = {}
@@ -285,12 +280,7 @@ class TrainStep:
             and len({compute[u] for u in range(len(names))}) <= 1
         )
         unit_slot = {u: u % 2 for u in range(len(names))} if share else {}
-        no_cast = self.mp.param_dtype in (None, dtype_of[-1]) and self.mp.reduce_dtype in (None, dtype_of[-1])
-        if share and no_cast and self.offload is None and self.accumulation_steps == 1 and len(set(dtype_of.values())) == 1:
-            # Each reduction's input then lives in its own unit's slot and neighbours use different
-            # slots: two reductions can be in flight with no other buffer (the engine finishes a
-            # slot's reduction before the slot is refilled).
-            self.max_reductions = 2
+        self.max_reductions = self._reductions_in_flight(share, dtype_of, len(names))
         arenas: dict[int, dict[str, Arena]] = {}
         slots: dict[int, dict[str, Arena]] = {}
         if share:  # one all-gather output for all units: the engine has one unit gather in flight
@@ -317,6 +307,21 @@ class TrainStep:
         n_out = max(sizes[u]["rs_out"] for u in specs_of)
         reduce_arenas = [(Arena(n_in, rdt_one, device, shared=True), Arena(n_out, rdt_one, device, shared=True)) for _ in range(self.max_reductions)]
         return arenas, unit_slot, reduce_arenas
+
+    def _reductions_in_flight(self, share: bool, dtype_of: dict, n_units: int) -> int:
+        """How many gradient reductions may overlap the backward without any extra buffer."""
+        master = dtype_of[-1]
+        one_dtype = len(set(dtype_of.values())) == 1 and self.offload is None
+        reduce_in_master = one_dtype and (self.mp.reduce_dtype or self.mp.param_dtype or master) == master
+        if self.strategy == "no_shard" and reduce_in_master and (self.accumulation_steps == 1 or self.accumulation == "local"):
+            # Replicated gradients are all-reduced in place in their flat buffers, which need no
+            # scratch: every unit's all-reduce may run while the backward goes on, as DDP's buckets.
+            return n_units + 1
+        if share and reduce_in_master and self.mp.param_dtype in (None, master) and self.accumulation_steps == 1:
+            # Each reduction's input lives in its own unit's slot and neighbours use different
+            # slots: two can be in flight (the engine finishes a slot's reduction before refilling it).
+            return 2
+        return 1
 
     def _trainable(self, tree: Any) -> Any:
         """`tree` with frozen leaves replaced by None: what the optimizer sees."""

@@ -310,3 +310,31 @@ def rank_unusual_order() -> float:
 def test_units_out_of_module_order_and_reused(pools):
     """Execution order other than module order, and a unit run twice, stay exact (Note [slot arenas])."""
     assert max(pools(2).run(rank_unusual_order)) < 1e-5
+
+
+def rank_pure_function() -> float:
+    """A hand-written pure function (no functionalize): the whole tree is the root unit."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    params = {"w": torch.randn(7, 5), "b": torch.zeros(5)}
+    ref = {k: v.clone().requires_grad_() for k, v in params.items()}
+    x, y = torch.randn(4 * world, 7), torch.randn(4 * world, 5)
+
+    def loss_fn(p, batch):
+        xb, yb = batch
+        return ((xb @ p["w"] + p["b"] - yb) ** 2).mean()
+
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.1, momentum=0.9), sf.mesh(dp=-1))
+    state = step.init(params)
+    opt = torch.optim.SGD(ref.values(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        state, _ = step(state, (x.chunk(world)[rank], y.chunk(world)[rank]))
+        opt.zero_grad()
+        loss_fn(ref, (x, y)).backward()
+        opt.step()
+    full = sf.gather(state.params)
+    return max(((full[k] - ref[k].detach()).norm() / ref[k].detach().norm()).item() for k in full)
+
+
+def test_train_step_on_a_plain_pure_function(pools):
+    assert max(pools(3).run(rank_pure_function)) < 1e-6
