@@ -224,6 +224,8 @@ class _CommLog:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
+        import shardfn._collectives as C
+
         self.active = False
         self.depth = 0
         self.calls: list[tuple[str, int, int, str]] = []  # (name, input numel, output numel, dtype)
@@ -235,6 +237,12 @@ class _CommLog:
                 fn = getattr(mod, name, None)
                 if fn is not None and not getattr(fn, "_bench_wrapped", False):
                     setattr(mod, name, self._wrap(name, fn))
+        # shardfn's own entry points, outermost: on gloo they run as point-to-point messages
+        # (Note [gloo collectives]), which the floor replays through the same functions.
+        for name in ("all_gather", "all_gather_pieces", "reduce_scatter", "all_reduce"):
+            fn = getattr(C, name)
+            if not getattr(fn, "_bench_wrapped", False):
+                setattr(C, name, self._wrap("shardfn." + name, fn))
 
     def _wrap(self, name, fn):
         def wrapper(*args, **kwargs):
@@ -257,13 +265,19 @@ class _CommLog:
         lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
         nb = lambda t: t.numel() * t.element_size()  # noqa: E731
         W = self.world
-        if name in ("all_gather_into_tensor", "all_gather_single", "_all_gather_base"):
+        if name == "shardfn.all_gather_pieces":  # [(out, inp), ...]: one collective of several buffers
+            pieces = args[0]
+            self.calls.append((name, tuple(i.numel() for _, i in pieces), tuple(o.numel() for o, _ in pieces), str(pieces[0][1].dtype)))
+            self.bytes += sum(nb(o) * (W - 1) // W for o, _ in pieces)
+            self.names[name] = self.names.get(name, 0) + 1
+            return
+        if name in ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "shardfn.all_gather"):
             out, inp = ts[0], ts[1]
             sent = nb(out) * (W - 1) // W
-        elif name in ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base"):
+        elif name in ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "shardfn.reduce_scatter"):
             out, inp = ts[0], ts[1]
             sent = nb(inp) * (W - 1) // W
-        elif name == "all_reduce":
+        elif name in ("all_reduce", "shardfn.all_reduce"):
             out = inp = ts[0]
             sent = 2 * nb(inp) * (W - 1) // W
         else:  # rare here: count the tensors' bytes once
@@ -433,11 +447,27 @@ def floor(model: str, calls: list, shard_numels: list[int], cfg: dict) -> dict:
     # 1. The collectives of one shardfn step, same sizes and order, synchronous.
     bufs = []
     for name, n_in, n_out, dtype in calls:
-        bufs.append((name, torch.randn(n_in, dtype=dt[dtype]), torch.empty(n_out, dtype=dt[dtype])))
+        if name == "shardfn.all_gather_pieces":
+            pieces = [(torch.empty(o, dtype=dt[dtype]), torch.randn(i, dtype=dt[dtype])) for i, o in zip(n_in, n_out)]
+            bufs.append((name, pieces, None))
+        else:
+            bufs.append((name, torch.randn(n_in, dtype=dt[dtype]), torch.empty(n_out, dtype=dt[dtype])))
+
+    import shardfn._collectives as C
+
+    group = dist.group.WORLD
 
     def comm():
         for name, inp, out in bufs:
-            if name in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base",
+            if name == "shardfn.all_gather":  # the functions shardfn called, synchronous
+                C.all_gather(out, inp, group, async_op=False)
+            elif name == "shardfn.all_gather_pieces":
+                C.all_gather_pieces(inp, group).wait()
+            elif name == "shardfn.reduce_scatter":
+                C.reduce_scatter(out, inp, group, async_op=False, scratch=True)
+            elif name == "shardfn.all_reduce":
+                C.all_reduce(inp, group)
+            elif name in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base",
                         "reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"):
                 getattr(dist, name)(out, inp)  # the same function shardfn called, synchronous
             elif name == "all_reduce":

@@ -4,17 +4,20 @@ Each call goes through `torch.distributed` by attribute lookup at call time (so 
 them by patching `torch.distributed`), and adds to `STATS`, the bytes each rank sends, which the
 benchmarks read. On CUDA (NCCL) an async collective runs on the process group's stream and
 `Work.wait()` makes the current stream wait for it, without a host sync; on gloo it runs on gloo's
-own threads and `wait()` blocks.
+own threads and `wait()` blocks. On gloo with CPU tensors the all-gather and the reduce-scatter run
+as point-to-point exchanges: see Note [gloo collectives].
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["STATS", "all_gather", "reduce_scatter", "all_reduce"]
+__all__ = ["STATS", "all_gather", "all_gather_pieces", "reduce_scatter", "all_reduce", "gloo_collectives", "point_to_point"]
 
 
 @dataclass
@@ -41,56 +44,199 @@ def _ring_bytes(t: torch.Tensor, world: int) -> int:
     return t.numel() * t.element_size() * (world - 1) // world
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
-    """`out` (W * n) <- every rank's `inp` (n), rank-major."""
-    STATS.add("all_gather", _ring_bytes(out, dist.get_world_size(group)))
-    return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+# Note [gloo collectives]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# gloo's all-gather (`all_gather_single`) receives into a temporary as large as the whole output
+# and then copies it out; its reduce-scatter (`reduce_scatter_single`) all-reduces a clone of the
+# whole input and copies this rank's chunk. Both allocate a full-size buffer per call, alive for
+# the whole collective, and the all-reduce sends twice the bytes a reduce-scatter needs. For the
+# flat unit buffers (Note [flat unit layout]) that is a second unit's worth of memory at the
+# moment of the step's peak, and page faults and copies that compete with compute for the cores.
+#
+# The same exchanges as point-to-point messages need none of it. All-gather: each rank sends its
+# contiguous shard to every peer (`isend`) and receives each peer's shard straight into that
+# peer's chunk of the output (`irecv`); its own chunk is a local copy. Reduce-scatter: each rank
+# sends chunk p of its input to rank p and receives every peer's chunk of *its* index; the first
+# arrives in the output itself, the others (W > 2) in shard-sized scratch, and `wait()` adds them
+# and the rank's own chunk. Each rank sends (W - 1) shards either way, exactly a ring's bytes, and
+# measured on two CPU ranks, a 16 MB all-gather took 5.5 ms instead of 15 ms, a reduce-scatter
+# 10 ms instead of 25 ms, with no temporary (see benchmarks/README.md).
+#
+# The messages of one call share a tag, taken from a counter per process group that every rank
+# advances in the same order (the order of collectives is the same on all ranks, as for any
+# collective). Were that order ever broken, tags would not match and the ranks would wait until
+# the process group's timeout instead of silently mixing buffers, which is what mismatched
+# collectives do on gloo.
+#
+# Limits: CPU tensors only (gloo's point-to-point is host memory); the reduce-scatter's scratch is
+# W - 2 shards, so for W > 3 a reduce-scatter whose caller gives up the input (`scratch=True`)
+# runs as an in-place all-reduce instead, gloo's own algorithm without its clone. NCCL keeps its
+# native collectives, which write into the output directly.
+GLOO_COLLECTIVES = "p2p"
+"""How flat-buffer collectives run on gloo with CPU tensors: "p2p" (Note [gloo collectives]),
+"in_place" (native all-gather; a scratch reduce-scatter as an in-place all-reduce) or "native"
+(torch.distributed's own collectives, the path NCCL takes)."""
+
+_MODES = ("p2p", "in_place", "native")
+_TAG_BASE, _TAG_SPAN = 1 << 24, 1 << 29  # clear of small user tags; wraps well inside 32 bits
+_GROUPS: dict = {}  # id(group) -> [group, backend, rank, world, next tag]
 
 
-# gloo implements reduce-scatter as an all-reduce of a clone of the input, then a copy of this
-# rank's chunk. When the input is scratch, shardfn runs that all-reduce in place instead: the same
-# algorithm and bytes, without a full-size clone alive for the whole collective.
-GLOO_REDUCE_SCATTER_IN_PLACE = True
-_BACKENDS: dict = {}
+@contextlib.contextmanager
+def gloo_collectives(mode: str) -> Iterator[None]:
+    """Runs the block with `GLOO_COLLECTIVES = mode` (tests and benchmarks compare the modes)."""
+    global GLOO_COLLECTIVES
+    if mode not in _MODES:
+        raise ValueError(f"gloo collectives mode must be one of {_MODES}, got {mode!r}")
+    old, GLOO_COLLECTIVES = GLOO_COLLECTIVES, mode
+    try:
+        yield
+    finally:
+        GLOO_COLLECTIVES = old
 
 
-def _backend(group) -> str:
+def _info(group) -> list:
     key = id(group)
-    if key not in _BACKENDS:
-        _BACKENDS[key] = str(dist.get_backend(group))
-    return _BACKENDS[key]
+    info = _GROUPS.get(key)
+    if info is None or info[0] is not group:
+        info = _GROUPS[key] = [group, str(dist.get_backend(group)), dist.get_rank(group), dist.get_world_size(group), 0]
+    return info
 
 
-class _ChunkOfAllReduce:
-    """The work of a reduce-scatter run as an in-place all-reduce: `wait()` also copies the chunk."""
+def _p2p(group, t: torch.Tensor) -> list | None:
+    """The group's info if this call runs point to point (gloo, CPU, "p2p"), else None."""
+    if GLOO_COLLECTIVES != "p2p" or t.device.type != "cpu":
+        return None
+    info = _info(group)
+    return info if info[1] == "gloo" else None
 
-    def __init__(self, work, out: torch.Tensor, chunk: torch.Tensor):
-        self.work, self.out, self.chunk = work, out, chunk
+
+def point_to_point(group, device) -> bool:
+    """Whether all-gathers and reduce-scatters over `group` of tensors on `device` run point to
+    point now (Note [gloo collectives])."""
+    return GLOO_COLLECTIVES == "p2p" and torch.device(device).type == "cpu" and _info(group)[1] == "gloo"
+
+
+def _next_tag(info: list) -> int:
+    tag = _TAG_BASE + info[4]
+    info[4] = (info[4] + 1) % _TAG_SPAN
+    return tag
+
+
+class _Exchange:
+    """The pending messages of one point-to-point collective; `wait()` also runs its epilogue."""
+
+    def __init__(self, works: list, epilogue=None):
+        self.works, self.epilogue = works, epilogue
 
     def wait(self) -> bool:
-        if self.work is not None:
-            self.work.wait()
-            with torch.no_grad():
-                self.out.copy_(self.chunk)
-            self.work = None
+        if self.works is not None:
+            for w in self.works:
+                w.wait()
+            self.works = None
+            if self.epilogue is not None:
+                with torch.no_grad():
+                    self.epilogue()
+                self.epilogue = None
         return True
 
 
+def _exchange(group, sends: list, recvs: list, epilogue=None) -> _Exchange:
+    """Posts `recvs` [(tensor, src, tag)], then `sends` [(tensor, dst, tag)] (group ranks; empty
+    tensors skipped, the same on every rank); returns the pending exchange."""
+    works = [dist.irecv(t, group=group, group_src=src, tag=tag) for t, src, tag in recvs if t.numel()]
+    works += [dist.isend(t, group=group, group_dst=dst, tag=tag) for t, dst, tag in sends if t.numel()]
+    return _Exchange(works, epilogue)
+
+
+def _done(pending, async_op: bool):
+    if not async_op:
+        pending.wait()
+        return None
+    return pending
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
+    """`out` (W * n) <- every rank's `inp` (n), rank-major. `inp` must stay untouched until done."""
+    world = dist.get_world_size(group)
+    STATS.add("all_gather", _ring_bytes(out, world))
+    info = _p2p(group, out)
+    if info is None:
+        return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+    _, _, rank, world, _ = info
+    tag, chunks = _next_tag(info), out.view(world, -1)
+    peers = [((rank + k) % world, (rank - k) % world) for k in range(1, world)]  # staggered
+    pending = _exchange(group, [(inp, dst, tag) for dst, _ in peers], [(chunks[src], src, tag) for _, src in peers])
+    if chunks[rank].data_ptr() != inp.data_ptr():
+        with torch.no_grad():
+            chunks[rank].copy_(inp)
+    return _done(pending, async_op)
+
+
+def all_gather_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], group):
+    """For each `(out, inp)`: `out` (W * n) <- every rank's `inp` (n), as ONE collective (async).
+
+    Point to point, the pieces share a tag and the returned work; each `out` may be anywhere, so
+    a unit's large leaves are received straight into their full parameters (FlatUnit's
+    `direct_gather`). Otherwise each piece is an all-gather of its own.
+    """
+    world = dist.get_world_size(group)
+    STATS.add("all_gather", sum(_ring_bytes(out, world) for out, _ in pieces))
+    info = _p2p(group, pieces[0][0]) if pieces else None
+    if info is None:
+        return _Exchange([dist.all_gather_single(out, inp, group=group, async_op=True) for out, inp in pieces])
+    _, _, rank, world, _ = info
+    tags = [_next_tag(info) for _ in pieces]
+    peers = [((rank + k) % world, (rank - k) % world) for k in range(1, world)]
+    sends = [(inp, dst, tag) for dst, _ in peers for (_, inp), tag in zip(pieces, tags)]
+    recvs = [(out.view(world, -1)[src], src, tag) for _, src in peers for (out, _), tag in zip(pieces, tags)]
+    pending = _exchange(group, sends, recvs)
+    with torch.no_grad():
+        for out, inp in pieces:
+            own = out.view(world, -1)[rank]
+            if own.data_ptr() != inp.data_ptr():
+                own.copy_(inp)
+    return pending
+
+
+# gloo implements reduce-scatter as an all-reduce of a clone of the input, then a copy of this
+# rank's chunk; in "in_place" mode (or "p2p" with W > 3) a caller's scratch input is all-reduced
+# in place instead: the same algorithm and bytes, without the clone.
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True, scratch: bool = False):
     """`out` (n) <- the sum over ranks of this rank's chunk of `inp` (W * n).
 
-    With `scratch`, the caller gives up `inp` (it may be overwritten); on gloo the reduction then
-    runs in place (see GLOO_REDUCE_SCATTER_IN_PLACE). Bytes are counted as a reduce-scatter either way.
+    With `scratch`, the caller gives up `inp` (it may be overwritten). Bytes are counted as a
+    reduce-scatter whatever runs underneath (Note [gloo collectives]).
     """
     world = dist.get_world_size(group)
     STATS.add("reduce_scatter", _ring_bytes(inp, world))
-    if scratch and GLOO_REDUCE_SCATTER_IN_PLACE and _backend(group) == "gloo":
+    info = _p2p(group, inp)
+    if info is not None and (world <= 3 or not scratch):
+        return _done(_reduce_scatter_p2p(out, inp, group, info), async_op)
+    if scratch and GLOO_COLLECTIVES != "native" and inp.device.type == "cpu" and _info(group)[1] == "gloo":
+        rank = _info(group)[2]
         work = dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        pending = _ChunkOfAllReduce(work, out, inp.view(world, -1)[dist.get_rank(group)])
-        if not async_op:
-            pending.wait()
-        return pending
+        return _done(_Exchange([work], lambda: out.copy_(inp.view(world, -1)[rank])), async_op)
     return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def _reduce_scatter_p2p(out: torch.Tensor, inp: torch.Tensor, group, info: list) -> _Exchange:
+    _, _, rank, world, _ = info
+    tag, chunks = _next_tag(info), inp.view(world, -1)
+    if not out.numel():
+        return _Exchange([])
+    bufs = [out] + [torch.empty_like(out) for _ in range(world - 2)]
+    peers = [((rank + k) % world, (rank - k) % world) for k in range(1, world)]
+    sends = [(chunks[dst], dst, tag) for dst, _ in peers]
+    recvs = [(b, src, tag) for b, (_, src) in zip(bufs, peers)]
+    own = chunks[rank]
+
+    def epilogue():
+        out.add_(own)
+        for b in bufs[1:]:
+            out.add_(b)
+
+    return _exchange(group, sends, recvs, epilogue)
 
 
 def all_reduce(t: torch.Tensor, group, async_op: bool = False):

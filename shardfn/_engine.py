@@ -108,6 +108,7 @@ class Engine:
         self._seen: list[int] = []
         self._next = self._neighbours(+1)
         self._prev = self._neighbours(-1)
+        self._slot_done_after = self._last_of_slot()
         self.stats = EngineStats()
         self._works: dict[int, Any] = {}  # unit -> pending all-gather work
         self._live: set[int] = set()  # non-root units allocated (gathered or gathering)
@@ -126,6 +127,14 @@ class Engine:
     def _neighbours(self, d: int) -> dict[int, int]:
         o = self.order
         return {o[i]: o[i + d] for i in range(len(o)) if 0 <= i + d < len(o)}
+
+    def _last_of_slot(self) -> set[int]:
+        """The units that are the last of their slot to run in the backward (first in forward order)."""
+        first: dict[int, int] = {}
+        for u in self.order:
+            if u in self.slot_of:
+                first.setdefault(self.slot_of[u], u)
+        return set(first.values())
 
     def _unit(self, u: int) -> FlatUnit:
         return self.root if u == ROOT else self.units[u]
@@ -169,6 +178,13 @@ class Engine:
                     "buffers, is still running; give units that run inside one another distinct slots "
                     "(nest them as submodules) or use strategy='shard_grad_op'"
                 )
+        if u != ROOT and self.reshard_after_forward:
+            # A unit runs that nobody prefetched (execution order != the order guessed): drop
+            # prefetches nobody uses yet rather than exceed the bound.
+            for w in [w for w in self._live if w not in self._in_use]:
+                if len(self._live) < self.max_live:
+                    break
+                self._free(w)
         if u != ROOT and self.slot_of:  # one shared all-gather output: one unit gather in flight
             for w in [w for w in self._works if w != ROOT]:
                 self._drain_slot(w)
@@ -176,6 +192,8 @@ class Engine:
         if u != ROOT:
             self._live.add(u)
             self.stats.max_live_units = max(self.stats.max_live_units, len(self._live))
+        if unit.direct_gather:  # its gather writes the slot at once (Note [slot arenas])
+            self._drain_slot(u)
         self._event("gather", u)
         self._works[u] = unit.start_gather()
 
@@ -291,6 +309,7 @@ class Engine:
             rest = [u for u in range(len(self.units)) if u not in self._seen]
             self.order = self._seen + rest
             self._next, self._prev = self._neighbours(+1), self._neighbours(-1)
+            self._slot_done_after = self._last_of_slot()
             self._order_known = True
         # Prefetches issued during the forward for units that never ran are dropped.
         self._deferred = []
@@ -331,12 +350,27 @@ class Engine:
             self._in_flight.append((unit, pending, pair))
         if u != ROOT:
             self._free(u)
+            self._release_spent_slot(u)
 
     def _finish_oldest(self) -> None:
         unit, pending, pair = self._in_flight.pop(0)
         again = unit.finish_reduce(pending)
         if again is not None:  # hybrid: the replicate-axis all-reduce is now in flight
             self._in_flight.append((unit, again, pair))
+        elif unit is not self.root:
+            self._release_spent_slot(self.units.index(unit))
+
+    def _release_spent_slot(self, u: int) -> None:
+        """In the backward, once the last unit of a slot is freed and its reduction (whose input may
+        live in the slot) is done, nothing needs the slot until the next forward: give it back, so
+        that the sharded gradients, which grow as the backward goes on, do not stack on it."""
+        if self.phase != "backward" or u not in self._slot_done_after or u in self._live:
+            return
+        full = self.units[u].arenas["full"]
+        if any(w.arenas["full"] is full for w, _, _ in self._in_flight):
+            return
+        for name in ("full", "stage"):
+            self.units[u].arenas[name].release()
 
     def end(self) -> None:
         """Ends one forward/backward: reduces what got no gradient, waits, frees everything."""

@@ -7,6 +7,11 @@ Each unit keeps this rank's shards of all its parameters in ONE flat buffer, `lo
     local = [ frozen sharded | trained sharded | trained replicated | frozen replicated ]
               <------------- S ------------->   <-------------- R -------------->
 
+and within the sharded part, large segments on the outside and small ones (under SMALL_SEGMENT
+elements) in the middle, so that all small segments are contiguous:
+
+    [ frozen large | frozen small | trained small | trained large ]
+
 A sharded leaf i of shape (n_i, *rest) is split over dim 0 in chunks of c_i = ceil(n_i / W) rows, as
 DTensor's `Shard(0)` splits it: rank r holds rows [r*c_i, min(n_i, (r+1)*c_i)), which may be fewer
 than c_i or none at all. Its segment is always c_i rows long; rows past the end are padding, held at
@@ -17,6 +22,11 @@ All-gather: `local[:S]` is the all-gather input as it is (no copy-in), unless mi
 it or CPU offload moves it to the GPU (then it is first copied into `stage`). The output, `gathered`,
 is rank-major: (W, S). Full parameters are leaf-major, so one batched copy (`_foreach_copy_` over views
 built at init) moves each leaf's (W, c_i * rest) block into `full`, where the full parameters live.
+When the collectives run point to point (gloo, Note [gloo collectives] in `_collectives.py`), a
+message may land anywhere, and a large leaf's (W, c_i * rest) block is exactly the all-gather of its
+segment: each large leaf is received straight into `full` (`direct_gather`), with no copy and no
+unit-sized `gathered`; only the small segments travel together, as one message per peer, through a
+small `gathered` and the copy. (Over NCCL, one collective for the whole unit beats many small ones.)
 
 Free: `full`, `gathered` and `stage` keep their tensor objects for the whole run; only their storage
 is resized to 0 and back (the FSDP paper's mechanism). The full parameters handed to `loss_fn` are
@@ -46,6 +56,14 @@ all-gather output arena (one unit gather is in flight at a time). A unit's reduc
 built in its own slot, whose parameters are dead once its gradients are complete; the engine
 finishes that reduction before the slot is refilled. Nested units, and strategies that keep units
 gathered (`shard_grad_op`, `no_shard`), give each unit arenas of its own.
+
+Gathers that land in place (`direct_gather`) write the slot as soon as they start, not when they
+finish: in the backward, the prefetch of unit i-1 would have to wait for the reduction of unit i+1,
+whose input fills the same slot, before unit i's backward could even start. They get three slots
+(units 0, 3, 6, ... share one) instead: the running unit, the prefetched one and the reduction in
+flight each have their own, which is as much memory as two slots plus a unit-sized `gathered`.
+In the backward, a slot is given back as soon as the last of its units is reduced, so that the
+sharded gradients, which grow as the backward goes on, do not stack on idle slots.
 """
 
 from __future__ import annotations
@@ -134,21 +152,38 @@ class Arena:
         return self.base.untyped_storage().nbytes() > 0
 
 
-def buffer_sizes(leaves: list[LeafSpec], world: int, rank: int) -> dict[str, int]:
-    """Element counts of a unit's transient buffers, to size the arenas it will use."""
+# Sharded segments below this many elements are "small": gathered together in one message when the
+# other leaves are received straight into `full` (see Note [flat unit layout]).
+SMALL_SEGMENT = 16384
+
+
+def buffer_sizes(leaves: list[LeafSpec], world: int, rank: int, direct: bool = False) -> dict[str, int]:
+    """Element counts of a unit's transient buffers, to size the arenas it will use.
+
+    `direct`: the unit gathers its large leaves straight into `full` (FlatUnit's `direct_gather`).
+    """
     slots = place(leaves, world, rank)
     S = sum(s.seg_numel for s in slots if s.sharded)
+    S_small = sum(s.seg_numel for s in slots if s.sharded and s.seg_numel < SMALL_SEGMENT)
     R = sum(s.seg_numel for s in slots if not s.sharded)
     trained = sum(s.seg_numel for s in slots if s.trained)
     S_trained = sum(s.seg_numel for s in slots if s.sharded and s.trained)
-    return {"full": world * S, "gathered": world * S if world > 1 else 0, "stage": S + R, "rs_in": world * S_trained if world > 1 else 0, "rs_out": trained}
+    gathered = 0 if world == 1 else world * (S_small if direct else S)
+    return {"full": world * S, "gathered": gathered, "stage": S + R, "rs_in": world * S_trained if world > 1 else 0, "rs_out": trained}
 
 
 def place(leaves: list[LeafSpec], world: int, rank: int) -> list[LeafSlot]:
     """Lays leaves out in the order of Note [flat unit layout] and computes their offsets."""
+
+    def small(x: LeafSpec) -> bool:
+        return -(-x.shape[0] // world) * x.shape[1:].numel() < SMALL_SEGMENT
+
+    sharded = [x for x in leaves if x.sharded]
     order = (
-        [x for x in leaves if x.sharded and not x.trained]
-        + [x for x in leaves if x.sharded and x.trained]
+        [x for x in sharded if not x.trained and not small(x)]
+        + [x for x in sharded if not x.trained and small(x)]
+        + [x for x in sharded if x.trained and small(x)]
+        + [x for x in sharded if x.trained and not small(x)]
         + [x for x in leaves if not x.sharded and x.trained]
         + [x for x in leaves if not x.sharded and not x.trained]
     )
@@ -188,9 +223,11 @@ class FlatUnit:
         reduce_in_full: build the reduce-scatter input in the unit's own "full" arena (its full
             parameters are dead once its gradients are complete): no arena of its own for it. The
             engine must keep the arena alive until the reduction finishes (Note [slot arenas]).
+        direct_gather: receive each large sharded leaf straight into `full` (the collectives run
+            point to point, Note [gloo collectives]); only the small leaves go through `gathered`.
     """
 
-    def __init__(self, name, leaves, dtype, compute_dtype, reduce_dtype, group, world, rank, device, arenas, replicate_group=None, offload=False, reduce_in_full=False):
+    def __init__(self, name, leaves, dtype, compute_dtype, reduce_dtype, group, world, rank, device, arenas, replicate_group=None, offload=False, reduce_in_full=False, direct_gather=False):
         self.name = name
         self.slots: list[LeafSlot] = place(leaves, world, rank)
         self.dtype, self.compute_dtype, self.reduce_dtype = dtype, compute_dtype, reduce_dtype
@@ -225,7 +262,13 @@ class FlatUnit:
         self.arenas = arenas
         for a in arenas.values():  # views are built over allocated storage, which is then released
             a.alloc()
-        n_gathered, n_stage = (world * self.S if world > 1 else 0), (self.S + self.R if self.staged else 0)
+        small = [s for s in sh if s.seg_numel < SMALL_SEGMENT]
+        self.direct_gather = direct_gather and world > 1
+        # The small sharded leaves are contiguous (Note [flat unit layout]): [small_lo, small_hi).
+        self._small_lo = small[0].offset if small else 0
+        self._small_hi = self._small_lo + sum(s.seg_numel for s in small)
+        n_gather_src = self._small_hi - self._small_lo if self.direct_gather else self.S
+        n_gathered, n_stage = (world * n_gather_src if world > 1 else 0), (self.S + self.R if self.staged else 0)
         self.full = arenas["full"].base[: self.full_numel]
         self.gathered = arenas["gathered"].base[:n_gathered]
         self.stage = arenas["stage"].base[:n_stage]
@@ -247,13 +290,26 @@ class FlatUnit:
             p = v.detach()
             p.requires_grad_(s.trained)
             self.proxies.append(p)
-        # Copy-out plan: gathered (W, S) -> full, one (W, c_i * rest) block per sharded leaf.
-        if world > 1:
-            src = gathered_w.view(world, self.S)
+        # Copy-out plan: gathered (W, S) -> full, one (W, c_i * rest) block per sharded leaf. With
+        # `direct_gather` the large leaves arrive in `full` as they are and only the small ones,
+        # gathered as one (W, small_hi - small_lo) block, are copied.
+        src_flat = self._stage_w if self.staged else self.local
+        self._gather_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if world == 1:
+            src, lo, copied = src_flat[: self.S].view(1, self.S), 0, sh
+        elif self.direct_gather:
+            src, lo, copied = gathered_w.view(world, -1), self._small_lo, small
+            if small:
+                self._gather_pieces.append((self.gathered, src_flat[self._small_lo : self._small_hi]))
+            for s in sh:
+                if s.seg_numel >= SMALL_SEGMENT:
+                    self._gather_pieces.append(
+                        (full_w[s.full_offset : s.full_offset + world * s.seg_numel], src_flat[s.offset : s.offset + s.seg_numel])
+                    )
         else:
-            src = (self._stage_w if self.staged else self.local)[: self.S].view(1, self.S)
-        self._copy_dst = [full_w[s.full_offset : s.full_offset + world * s.seg_numel].view(world, s.seg_numel) for s in sh]
-        self._copy_src = [src[:, s.offset : s.offset + s.seg_numel] for s in sh]
+            src, lo, copied = gathered_w.view(world, self.S), 0, sh
+        self._copy_dst = [full_w[s.full_offset : s.full_offset + world * s.seg_numel].view(world, s.seg_numel) for s in copied]
+        self._copy_src = [src[:, s.offset - lo : s.offset - lo + s.seg_numel] for s in copied]
         for a in arenas.values():
             a.release()
         self._sh_trained = [i for i, s in enumerate(slots) if s.sharded and s.trained]
@@ -271,6 +327,8 @@ class FlatUnit:
         if self.world == 1 or self.S == 0:
             return None
         self.arenas["gathered"].alloc()
+        if self.direct_gather:
+            return C.all_gather_pieces(self._gather_pieces, self.group)
         src = self.stage[: self.S] if self.staged else self.local[: self.S]
         return C.all_gather(self.gathered, src, self.group, async_op=True)
 

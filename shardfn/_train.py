@@ -202,6 +202,7 @@ class TrainStep:
                 replicate_group=self.replicate_group,
                 offload=self.offload == "cpu",
                 reduce_in_full=u == -1 or u in unit_slot,
+                direct_gather=self._direct_gather,
             )
             for j, s in enumerate(units[u].slots):
                 slot_of[s.index] = (u, j)
@@ -268,7 +269,8 @@ class TrainStep:
     def _arenas(self, info, specs_of: dict, dtype_of: dict, device) -> tuple[dict, dict, list]:
         """Arenas per unit (shared by slot under full_shard, see Note [slot arenas]) and for reductions."""
         W, r = self.shard_world, self.rank
-        sizes = {u: buffer_sizes(specs_of[u], W, r) for u in specs_of}
+        self._direct_gather = W > 1 and C.point_to_point(self.group, device)
+        sizes = {u: buffer_sizes(specs_of[u], W, r, self._direct_gather) for u in specs_of}
         compute = {u: self.mp.param_dtype or dtype_of[u] for u in specs_of}
         reduce = {u: self.mp.reduce_dtype or compute[u] for u in specs_of}
         names = info.unit_names if info is not None else []
@@ -279,7 +281,10 @@ class TrainStep:
             and not nested
             and len({compute[u] for u in range(len(names))}) <= 1
         )
-        unit_slot = {u: u % 2 for u in range(len(names))} if share else {}
+        # Gathers that land in place write a slot as soon as they start, while the slot of the unit
+        # two places later may still hold its reduction's input: a third slot (Note [slot arenas]).
+        n_slots = 3 if self._direct_gather else 2
+        unit_slot = {u: u % n_slots for u in range(len(names))} if share else {}
         self.max_reductions = self._reductions_in_flight(share, dtype_of, len(names))
         arenas: dict[int, dict[str, Arena]] = {}
         slots: dict[int, dict[str, Arena]] = {}
@@ -317,9 +322,11 @@ class TrainStep:
             # Replicated gradients are all-reduced in place in their flat buffers, which need no
             # scratch: every unit's all-reduce may run while the backward goes on, as DDP's buckets.
             return n_units + 1
-        if share and reduce_in_master and self.mp.param_dtype in (None, master) and self.accumulation_steps == 1:
+        if share and reduce_in_master and self.mp.param_dtype in (None, master) and self.accumulation_steps == 1 and not self._direct_gather:
             # Each reduction's input lives in its own unit's slot and neighbours use different
             # slots: two can be in flight (the engine finishes a slot's reduction before refilling it).
+            # Not when gathers land in place: their third slot already holds one reduction's input
+            # while the previous unit is gathered, and a second would hold a fourth unit.
             return 2
         return 1
 

@@ -42,7 +42,6 @@ def _decay_mask(params):
 
 def rank_case(strategy: str, opts: dict, kinds=("gpt", "mlp")) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    C.GLOO_REDUCE_SCATTER_IN_PLACE = True  # the default (other checks here turn it off)
     mesh = sf.mesh(replicate=2, shard=-1) if strategy == "hybrid_shard" else sf.mesh(dp=-1)
     out = {}
     for kind in kinds:
@@ -91,9 +90,14 @@ def test_option_matrix(pools, strategy, option):
             assert 2 * n_trained <= n_state <= 2 * n_trained + 4, (kind, n_state, n_trained)
 
 
-def rank_dtypes_on_the_wire() -> dict:
+def rank_dtypes_on_the_wire(gloo: str) -> dict:
+    """The dtypes each collective sends: native gloo collectives, or the point-to-point messages."""
+    with C.gloo_collectives(gloo):
+        return _dtypes_on_the_wire()
+
+
+def _dtypes_on_the_wire() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    C.GLOO_REDUCE_SCATTER_IN_PLACE = False  # see the reduce-scatter itself
     model = make_model("gpt")
     apply, params = sf.functionalize(model, units=units_of("gpt"))
     step = sf.train_step(
@@ -101,13 +105,13 @@ def rank_dtypes_on_the_wire() -> dict:
         mixed_precision=sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     )
     state = step.init(params)
-    seen: dict[str, set] = {"all_gather_single": set(), "reduce_scatter_single": set()}
+    seen: dict[str, set] = {"all_gather_single": set(), "reduce_scatter_single": set(), "isend": set(), "irecv": set()}
     orig = {n: getattr(dist, n) for n in seen}
 
     def spy(name):
-        def f(out, inp, *a, **k):
-            seen[name].add((str(out.dtype), str(inp.dtype)))
-            return orig[name](out, inp, *a, **k)
+        def f(*a, **k):
+            seen[name].add(tuple(str(t.dtype) for t in a if isinstance(t, torch.Tensor)))
+            return orig[name](*a, **k)
 
         return f
 
@@ -124,16 +128,25 @@ def rank_dtypes_on_the_wire() -> dict:
 
 
 def test_bf16_gathers_and_fp32_reduces(pools):
-    for r in pools(2).run(rank_dtypes_on_the_wire):
+    for r in pools(2).run(rank_dtypes_on_the_wire, "native"):
         assert r["all_gather_single"] == [("torch.bfloat16", "torch.bfloat16")], r
         assert r["reduce_scatter_single"] == [("torch.float32", "torch.float32")], r
+        assert r["isend"] == r["irecv"] == [], r
         assert r["master"] == ["torch.float32"] and r["moments"] == ["torch.float32"], r
+    for r in pools(2).run(rank_dtypes_on_the_wire, "p2p"):
+        # Gathers send bf16 shards, reductions fp32 chunks, and nothing else goes point to point.
+        assert r["isend"] == r["irecv"] == [("torch.bfloat16",), ("torch.float32",)], r
+        assert r["all_gather_single"] == r["reduce_scatter_single"] == [], r
 
 
 def rank_count(strategy: str, opts: dict) -> dict:
-    """Collectives of one step with options on (after a first step)."""
+    """Collectives of one step with options on (after a first step), as native collectives."""
+    with C.gloo_collectives("native"):
+        return _count(strategy, opts)
+
+
+def _count(strategy: str, opts: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    C.GLOO_REDUCE_SCATTER_IN_PLACE = False  # count reduce-scatters as such
     model = make_model("gpt")
     apply, params = sf.functionalize(model, units=units_of("gpt"))
     step = sf.train_step(

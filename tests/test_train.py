@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import shardfn as sf
 from shardfn import _collectives as C
+from shardfn import _flat
 from reference import OPT, Reference, compare_params, global_batch, local_batch, make_loss_fn, make_model, units_of
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
@@ -23,14 +26,23 @@ def _setup(kind, strategy, **kw):
     return ref, apply, step, step.init(params), mesh
 
 
-def rank_parity(strategy: str, gloo_in_place: bool = True, **kw) -> dict:
+@contextlib.contextmanager
+def _small_segment(n: int | None):
+    """Sets which sharded leaves count as small (gathered together, the others straight into their
+    full parameters; see Note [flat unit layout]). The test models' leaves are all small by default."""
+    old = _flat.SMALL_SEGMENT
+    _flat.SMALL_SEGMENT = old if n is None else n
+    try:
+        yield
+    finally:
+        _flat.SMALL_SEGMENT = old
+
+
+def rank_parity(strategy: str, gloo: str = "p2p", small_segment: int | None = None, **kw) -> dict:
     """Several steps of the sharded step and of the reference; the worst relative errors seen."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    C.GLOO_REDUCE_SCATTER_IN_PLACE = gloo_in_place
-    try:
+    with C.gloo_collectives(gloo), _small_segment(small_segment):
         return _parity(strategy, rank, world, **kw)
-    finally:
-        C.GLOO_REDUCE_SCATTER_IN_PLACE = True
 
 
 def _parity(strategy, rank, world, **kw) -> dict:
@@ -63,11 +75,24 @@ def test_parity_with_single_process_reference(pools, world, strategy):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_parity_with_reduce_scatter_collective(pools, world):
-    """The reduce-scatter path NCCL takes (on gloo, shardfn otherwise runs it as an in-place all-reduce)."""
-    for rank_result in pools(world).run(rank_parity, "full_shard", gloo_in_place=False):
+@pytest.mark.parametrize("gloo", ["native", "in_place"])
+def test_parity_with_other_gloo_collectives(pools, world, gloo):
+    """The native collectives (the path NCCL takes) and the in-place all-reduce, instead of the
+    default point-to-point exchanges (Note [gloo collectives])."""
+    for rank_result in pools(world).run(rank_parity, "full_shard", gloo=gloo):
         for kind, (loss_err, norm_err, param_err, _) in rank_result.items():
             assert max(loss_err, norm_err, param_err) < 1e-5, (kind, loss_err, norm_err, param_err)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("small_segment", [0, 40])
+def test_parity_with_leaves_gathered_into_place(pools, world, small_segment):
+    """Point to point, large leaves are received straight into their full parameters: all of them
+    (0), or the GPT's weights and biases while its layer norms go together (40)."""
+    for strategy in ("full_shard", "shard_grad_op"):
+        for rank_result in pools(world).run(rank_parity, strategy, small_segment=small_segment):
+            for kind, (loss_err, norm_err, param_err, _) in rank_result.items():
+                assert max(loss_err, norm_err, param_err) < 1e-5, (strategy, kind, loss_err, norm_err, param_err)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -77,17 +102,21 @@ def test_parity_with_clipping_and_accumulation(pools, world):
             assert max(loss_err, norm_err, param_err) < 1e-5, (kind, loss_err, norm_err, param_err)
 
 
-def rank_count_collectives(strategy: str, gloo_in_place: bool = False) -> dict:
+def rank_count_collectives(strategy: str, gloo: str = "native", small_segment: int | None = None) -> dict:
     """Counts the process-group calls of one step, by collective and by phase (forward/backward)."""
+    with C.gloo_collectives(gloo), _small_segment(small_segment):
+        return _count_collectives(strategy)
+
+
+def _count_collectives(strategy: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    C.GLOO_REDUCE_SCATTER_IN_PLACE = gloo_in_place
     ref, apply, step, state, mesh = _setup("gpt", strategy)
     batch = local_batch(global_batch("gpt", 0, world), rank, world)
     state, _ = step(state, batch)  # first step learns the unit order
 
     counts: dict[tuple[str, str], int] = {}
     live_seen: list[int] = []
-    originals = {n: getattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_gather")}
+    originals = {n: getattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_gather", "isend", "irecv", "send", "recv")}
 
     def wrap(name):
         def counted(*args, **kwargs):
@@ -108,7 +137,6 @@ def rank_count_collectives(strategy: str, gloo_in_place: bool = False) -> dict:
     finally:
         for n, f in originals.items():
             setattr(dist, n, f)
-        C.GLOO_REDUCE_SCATTER_IN_PLACE = True
     storage_left = [(a.base.shape, a.nbytes) for a in step.engine.arenas if a.allocated]
     storage_left += [(u.name, t.untyped_storage().nbytes()) for u in [*step.engine.units, step.engine.root] for t in (u.full, u.gathered, u.stage) if t.untyped_storage().nbytes()]
     grads_left = [u.name for u in [*step.engine.units, step.engine.root] for p in u.proxies if p.grad is not None]
@@ -120,6 +148,7 @@ def rank_count_collectives(strategy: str, gloo_in_place: bool = False) -> dict:
         unit_bytes=max(u.full.numel() * u.full.element_size() for u in step.engine.units),
         storage_left=storage_left,
         grads_left=grads_left,
+        pieces={u.name: len(u._gather_pieces) for u in [*step.engine.units, step.engine.root]},
     )
 
 
@@ -140,10 +169,26 @@ def test_collectives_per_step(pools, world):
                 assert (ag_f, ag_b, rs, ar) == (U + 1, 0, U + 1, 1), (strategy, c)
             else:  # one all-reduce per unit (+ root) for gradients, one for the metrics
                 assert (ag_f, ag_b, rs, ar) == (0, 0, 0, U + 2), (strategy, c)
-        # On gloo the default runs each unit's reduce-scatter as gloo does, an all-reduce, in place.
-        c = pools(world).run(rank_count_collectives, "full_shard", True)[0]["counts"]
+        # "in_place": each unit's reduce-scatter as gloo runs it, an all-reduce, but in place.
+        c = pools(world).run(rank_count_collectives, "full_shard", "in_place")[0]["counts"]
         assert c == {("all_gather_single", "forward"): U + 1, ("all_gather_single", "backward"): U,
                      ("all_reduce", "backward"): U + 1, ("all_reduce", "idle"): 1}, c
+        # The default on gloo: every all-gather and reduce-scatter is W - 1 sends and W - 1 receives.
+        c = pools(world).run(rank_count_collectives, "full_shard", "p2p")[0]["counts"]
+        W = world
+        assert c == {("isend", "forward"): (W - 1) * (U + 1), ("irecv", "forward"): (W - 1) * (U + 1),
+                     ("isend", "backward"): (W - 1) * (2 * U + 1), ("irecv", "backward"): (W - 1) * (2 * U + 1),
+                     ("all_reduce", "idle"): 1}, c
+        # Leaves received in place: one message per piece (the small leaves together, each large
+        # leaf alone) per peer, for every gather; reduce-scatters stay one message per peer.
+        r = pools(world).run(rank_count_collectives, "full_shard", "p2p", 40)[0]
+        c, pieces = r["counts"], r["pieces"]
+        per_fwd = sum(pieces.values())
+        per_bwd = per_fwd - pieces[""] + U + 1  # the blocks again (the root stays), and the reductions
+        assert pieces[""] >= 2 and all(n >= 5 for k, n in pieces.items() if k), pieces
+        assert c == {("isend", "forward"): (W - 1) * per_fwd, ("irecv", "forward"): (W - 1) * per_fwd,
+                     ("isend", "backward"): (W - 1) * per_bwd, ("irecv", "backward"): (W - 1) * per_bwd,
+                     ("all_reduce", "idle"): 1}, (c, pieces)
 
 
 @pytest.mark.parametrize("world", [2, 3])
