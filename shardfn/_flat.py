@@ -74,6 +74,7 @@ from typing import Any
 import torch
 
 from . import _collectives as C
+from ._memory import huge_pages
 
 __all__ = ["LeafSlot", "FlatUnit"]
 
@@ -120,6 +121,8 @@ def _storage_free(t: torch.Tensor) -> None:
 def _storage_alloc(t: torch.Tensor, nbytes: int) -> None:
     if t.untyped_storage().nbytes() != nbytes:
         t.untyped_storage().resize_(nbytes)
+        if t.device.type == "cpu":
+            huge_pages(t.untyped_storage())
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
