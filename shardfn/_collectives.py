@@ -11,6 +11,7 @@ as point-to-point exchanges: see Note [gloo collectives].
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -79,7 +80,7 @@ GLOO_COLLECTIVES = "p2p"
 
 _MODES = ("p2p", "in_place", "native")
 _TAG_BASE, _TAG_SPAN = 1 << 24, 1 << 29  # clear of small user tags; wraps well inside 32 bits
-_GROUPS: dict = {}  # id(group) -> [group, backend, rank, world, next tag]
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> _info
 
 
 @contextlib.contextmanager
@@ -96,10 +97,11 @@ def gloo_collectives(mode: str) -> Iterator[None]:
 
 
 def _info(group) -> list:
-    key = id(group)
+    """[backend, rank, world, next tag] of a process group (None: the default group)."""
+    key = dist.group.WORLD if group is None else group
     info = _GROUPS.get(key)
-    if info is None or info[0] is not group:
-        info = _GROUPS[key] = [group, str(dist.get_backend(group)), dist.get_rank(group), dist.get_world_size(group), 0]
+    if info is None:
+        info = _GROUPS[key] = [str(dist.get_backend(group)), dist.get_rank(group), dist.get_world_size(group), 0]
     return info
 
 
@@ -108,18 +110,18 @@ def _p2p(group, t: torch.Tensor) -> list | None:
     if GLOO_COLLECTIVES != "p2p" or t.device.type != "cpu":
         return None
     info = _info(group)
-    return info if info[1] == "gloo" else None
+    return info if info[0] == "gloo" else None
 
 
 def point_to_point(group, device) -> bool:
     """Whether all-gathers and reduce-scatters over `group` of tensors on `device` run point to
     point now (Note [gloo collectives])."""
-    return GLOO_COLLECTIVES == "p2p" and torch.device(device).type == "cpu" and _info(group)[1] == "gloo"
+    return GLOO_COLLECTIVES == "p2p" and torch.device(device).type == "cpu" and _info(group)[0] == "gloo"
 
 
 def _next_tag(info: list) -> int:
-    tag = _TAG_BASE + info[4]
-    info[4] = (info[4] + 1) % _TAG_SPAN
+    tag = _TAG_BASE + info[3]
+    info[3] = (info[3] + 1) % _TAG_SPAN
     return tag
 
 
@@ -163,7 +165,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = Tru
     info = _p2p(group, out)
     if info is None:
         return dist.all_gather_single(out, inp, group=group, async_op=async_op)
-    _, _, rank, world, _ = info
+    _, rank, world, _ = info
     tag, chunks = _next_tag(info), out.view(world, -1)
     peers = [((rank + k) % world, (rank - k) % world) for k in range(1, world)]  # staggered
     pending = _exchange(group, [(inp, dst, tag) for dst, _ in peers], [(chunks[src], src, tag) for _, src in peers])
@@ -185,7 +187,7 @@ def all_gather_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], group):
     info = _p2p(group, pieces[0][0]) if pieces else None
     if info is None:
         return _Exchange([dist.all_gather_single(out, inp, group=group, async_op=True) for out, inp in pieces])
-    _, _, rank, world, _ = info
+    _, rank, world, _ = info
     tags = [_next_tag(info) for _ in pieces]
     peers = [((rank + k) % world, (rank - k) % world) for k in range(1, world)]
     sends = [(inp, dst, tag) for dst, _ in peers for (_, inp), tag in zip(pieces, tags)]
@@ -213,15 +215,15 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool =
     info = _p2p(group, inp)
     if info is not None and (world <= 3 or not scratch):
         return _done(_reduce_scatter_p2p(out, inp, group, info), async_op)
-    if scratch and GLOO_COLLECTIVES != "native" and inp.device.type == "cpu" and _info(group)[1] == "gloo":
-        rank = _info(group)[2]
+    if scratch and GLOO_COLLECTIVES != "native" and inp.device.type == "cpu" and _info(group)[0] == "gloo":
+        rank = _info(group)[1]
         work = dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return _done(_Exchange([work], lambda: out.copy_(inp.view(world, -1)[rank])), async_op)
     return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def _reduce_scatter_p2p(out: torch.Tensor, inp: torch.Tensor, group, info: list) -> _Exchange:
-    _, _, rank, world, _ = info
+    _, rank, world, _ = info
     tag, chunks = _next_tag(info), inp.view(world, -1)
     if not out.numel():
         return _Exchange([])
