@@ -59,9 +59,10 @@ def _ring_bytes(t: torch.Tensor, world: int) -> int:
 # peer's chunk of the output (`irecv`); its own chunk is a local copy. Reduce-scatter: each rank
 # sends chunk p of its input to rank p and receives every peer's chunk of *its* index; the first
 # arrives in the output itself, the others (W > 2) in shard-sized scratch, and `wait()` adds them
-# and the rank's own chunk. Each rank sends (W - 1) shards either way, exactly a ring's bytes, and
-# measured on two CPU ranks, a 16 MB all-gather took 5.5 ms instead of 15 ms, a reduce-scatter
-# 10 ms instead of 25 ms, with no temporary (see benchmarks/README.md).
+# and the rank's own chunk. Each rank sends (W - 1) shards either way, exactly a ring's bytes.
+# Measured on two CPU ranks (benchmarks/collectives.py), a 16.8 MB all-gather took 4.4 ms instead
+# of 14 ms and a reduce-scatter 4.9 ms instead of 21 ms (12 ms as an in-place all-reduce), with no
+# temporary instead of a full-size one.
 #
 # The messages of one call share a tag, taken from a counter per process group that every rank
 # advances in the same order (the order of collectives is the same on all ranks, as for any
