@@ -95,6 +95,15 @@ def test_parity_with_leaves_gathered_into_place(pools, world, small_segment):
                 assert max(loss_err, norm_err, param_err) < 1e-5, (strategy, kind, loss_err, norm_err, param_err)
 
 
+def test_parity_at_four_ranks(pools):
+    """W > 3: each reduce-scatter (whose input is scratch) runs as an in-place all-reduce instead of
+    point to point (Note [gloo collectives]); gathers stay point to point, in place or not."""
+    for small_segment in (None, 0):
+        for rank_result in pools(4).run(rank_parity, "full_shard", small_segment=small_segment):
+            for kind, (loss_err, norm_err, param_err, _) in rank_result.items():
+                assert max(loss_err, norm_err, param_err) < 1e-5, (small_segment, kind, loss_err, norm_err, param_err)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_parity_with_clipping_and_accumulation(pools, world):
     for rank_result in pools(world).run(rank_parity, "full_shard", max_grad_norm=0.5, accumulation_steps=2):
