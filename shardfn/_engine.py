@@ -192,7 +192,7 @@ class Engine:
         if u != ROOT:
             self._live.add(u)
             self.stats.max_live_units = max(self.stats.max_live_units, len(self._live))
-        if unit.direct_gather:  # its gather writes the slot at once (Note [slot arenas])
+        if unit.gathers_in_place:  # its gather writes the slot at once (Note [slot arenas])
             self._drain_slot(u)
         self._event("gather", u)
         self._works[u] = unit.start_gather()

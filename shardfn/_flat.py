@@ -76,7 +76,7 @@ import torch
 from . import _collectives as C
 from ._memory import huge_pages
 
-__all__ = ["LeafSlot", "FlatUnit"]
+__all__ = ["LeafSlot", "LeafSpec", "FlatUnit", "buffer_sizes", "has_large_leaves", "place"]
 
 
 @dataclass(frozen=True)
@@ -155,9 +155,19 @@ class Arena:
         return self.base.untyped_storage().nbytes() > 0
 
 
-# Sharded segments below this many elements are "small": gathered together in one message when the
-# other leaves are received straight into `full` (see Note [flat unit layout]).
-SMALL_SEGMENT = 16384
+# Sharded segments below this many elements (4 MiB in fp32) are "small": when the other leaves are
+# received straight into `full` (see Note [flat unit layout]), the small ones travel together. Each
+# message costs about as much host time as copying a few MB, so only large leaves go alone.
+SMALL_SEGMENT = 1 << 20
+
+
+def has_large_leaves(leaves: list[LeafSpec], world: int) -> bool:
+    """Whether a unit has sharded leaves that a point-to-point gather receives in place."""
+    return world > 1 and any(x.sharded and _segment_numel(x, world) >= SMALL_SEGMENT for x in leaves)
+
+
+def _segment_numel(x: LeafSpec, world: int) -> int:
+    return -(-x.shape[0] // world) * x.shape[1:].numel()
 
 
 def buffer_sizes(leaves: list[LeafSpec], world: int, rank: int, direct: bool = False) -> dict[str, int]:
@@ -179,7 +189,7 @@ def place(leaves: list[LeafSpec], world: int, rank: int) -> list[LeafSlot]:
     """Lays leaves out in the order of Note [flat unit layout] and computes their offsets."""
 
     def small(x: LeafSpec) -> bool:
-        return -(-x.shape[0] // world) * x.shape[1:].numel() < SMALL_SEGMENT
+        return _segment_numel(x, world) < SMALL_SEGMENT
 
     sharded = [x for x in leaves if x.sharded]
     order = (
@@ -267,6 +277,8 @@ class FlatUnit:
             a.alloc()
         small = [s for s in sh if s.seg_numel < SMALL_SEGMENT]
         self.direct_gather = direct_gather and world > 1
+        # Its gather writes `full` as soon as it starts (not only when it finishes).
+        self.gathers_in_place = self.direct_gather and len(small) < len(sh)
         # The small sharded leaves are contiguous (Note [flat unit layout]): [small_lo, small_hi).
         self._small_lo = small[0].offset if small else 0
         self._small_hi = self._small_lo + sum(s.seg_numel for s in small)

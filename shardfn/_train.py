@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from . import _collectives as C
 from . import _runtime
 from ._engine import Engine
-from ._flat import Arena, FlatUnit, LeafSlot, LeafSpec, buffer_sizes
+from ._flat import Arena, FlatUnit, LeafSlot, LeafSpec, buffer_sizes, has_large_leaves
 from ._functional import find_apply
 from ._remat import install as install_remat
 from ._remat import select_units
@@ -283,7 +283,8 @@ class TrainStep:
         )
         # Gathers that land in place write a slot as soon as they start, while the slot of the unit
         # two places later may still hold its reduction's input: a third slot (Note [slot arenas]).
-        n_slots = 3 if self._direct_gather else 2
+        self._slots_in_place = self._direct_gather and any(has_large_leaves(specs_of[u], W) for u in range(len(names)))
+        n_slots = 3 if self._slots_in_place else 2
         unit_slot = {u: u % n_slots for u in range(len(names))} if share else {}
         self.max_reductions = self._reductions_in_flight(share, dtype_of, len(names))
         arenas: dict[int, dict[str, Arena]] = {}
@@ -322,7 +323,7 @@ class TrainStep:
             # Replicated gradients are all-reduced in place in their flat buffers, which need no
             # scratch: every unit's all-reduce may run while the backward goes on, as DDP's buckets.
             return n_units + 1
-        if share and reduce_in_master and self.mp.param_dtype in (None, master) and self.accumulation_steps == 1 and not self._direct_gather:
+        if share and reduce_in_master and self.mp.param_dtype in (None, master) and self.accumulation_steps == 1 and not self._slots_in_place:
             # Each reduction's input lives in its own unit's slot and neighbours use different
             # slots: two can be in flight (the engine finishes a slot's reduction before refilling it).
             # Not when gathers land in place: their third slot already holds one reduction's input
