@@ -64,11 +64,11 @@ def _ring_bytes(t: torch.Tensor, world: int) -> int:
 # of 14 ms and a reduce-scatter 4.9 ms instead of 21 ms (12 ms as an in-place all-reduce), with no
 # temporary instead of a full-size one.
 #
-# The messages of one call share a tag, taken from a counter per process group that every rank
-# advances in the same order (the order of collectives is the same on all ranks, as for any
-# collective). Were that order ever broken, tags would not match and the ranks would wait until
-# the process group's timeout instead of silently mixing buffers, which is what mismatched
-# collectives do on gloo.
+# Each call takes fresh tags from a counter per process group, which every rank advances in the
+# same order, so that calls in flight at once never take each other's messages. As for any
+# collective, all ranks must issue the calls in the same order; if they do not and the sizes
+# differ, gloo stops the process ("Received data size doesn't match expected size"), where its own
+# all-gather returns garbage without a word.
 #
 # Limits: CPU tensors only (gloo's point-to-point is host memory); the reduce-scatter's scratch is
 # W - 2 shards, so for W > 3 a reduce-scatter whose caller gives up the input (`scratch=True`)

@@ -101,3 +101,20 @@ def test_mode_is_validated():
         with C.gloo_collectives("fast"):
             pass
     assert C.GLOO_COLLECTIVES == "p2p"
+
+
+def rank_mismatched_gather() -> list:
+    r = dist.get_rank()
+    n = 4 if r == 0 else 5  # a collective mismatch: the ranks disagree on the size
+    out = torch.zeros(dist.get_world_size() * n)
+    C.all_gather(out, torch.full((n,), float(r + 1)), dist.group.WORLD, async_op=False)
+    return out.tolist()
+
+
+def test_mismatched_sizes_fail_loudly():
+    """Where gloo's own all-gather hands one rank garbage, the point-to-point one stops the ranks."""
+    from shardfn._pool import RankError, RankPool
+
+    with RankPool(2, timeout=60, pg_timeout=10) as pool:
+        with pytest.raises(RankError):
+            pool.run(rank_mismatched_gather)
