@@ -20,7 +20,16 @@ def _data(rank: int, n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(n, generator=g).to(dtype)
 
 
-def rank_exchanges() -> dict:
+def rank_exchanges(thread: bool) -> dict:
+    """Point to point against native, posting from the poster thread or from the calling one."""
+    old, C.POST_FROM_THREAD = C.POST_FROM_THREAD, thread
+    try:
+        return _exchanges()
+    finally:
+        C.POST_FROM_THREAD = old
+
+
+def _exchanges() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     out: dict = {}
@@ -90,8 +99,9 @@ def rank_exchanges() -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_point_to_point_matches_native_collectives(pools, world):
-    for r in pools(world).run(rank_exchanges):
+@pytest.mark.parametrize("thread", [True, False])
+def test_point_to_point_matches_native_collectives(pools, world, thread):
+    for r in pools(world).run(rank_exchanges, thread):
         bad = [k for k, ok in r.items() if not ok]
         assert not bad, bad
 

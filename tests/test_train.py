@@ -112,9 +112,17 @@ def test_parity_with_clipping_and_accumulation(pools, world):
 
 
 def rank_count_collectives(strategy: str, gloo: str = "native", small_segment: int | None = None) -> dict:
-    """Counts the process-group calls of one step, by collective and by phase (forward/backward)."""
-    with C.gloo_collectives(gloo), _small_segment(small_segment):
-        return _count_collectives(strategy)
+    """Counts the process-group calls of one step, by collective and by phase (forward/backward).
+
+    Point-to-point messages are posted from the calling thread here, so that each call is seen in
+    the phase that issued it (from the poster thread it would be a moment later).
+    """
+    old, C.POST_FROM_THREAD = C.POST_FROM_THREAD, False
+    try:
+        with C.gloo_collectives(gloo), _small_segment(small_segment):
+            return _count_collectives(strategy)
+    finally:
+        C.POST_FROM_THREAD = old
 
 
 def _count_collectives(strategy: str) -> dict:
