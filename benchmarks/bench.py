@@ -245,7 +245,11 @@ class _CommLog:
                 setattr(C, name, self._wrap("shardfn." + name, fn))
 
     def _wrap(self, name, fn):
+        import threading
+
         def wrapper(*args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                return fn(*args, **kwargs)  # shardfn's poster thread: inside a call already logged
             outer = self.depth == 0
             if self.active and outer and name != "barrier":
                 self._record(name, args, kwargs)

@@ -226,19 +226,25 @@ class TrainStep:
                 proxies.append(unit.proxies[j])
         if info is not None and self.mp.buffer_dtype is not None:
             _cast_buffers(info.module, self.mp.buffer_dtype)
-        # Gradient segments for the norm, and how often each rank counts them: a sharded segment
-        # once per replica group (hybrid), a replicated one 1/world of the time.
+        # Gradient segments for the clip, and this rank's part of each for the norm: a gradient held
+        # by several ranks (a sharded segment by every replica of a hybrid mesh, a replicated one by
+        # every rank) is identical on all of them once reduced, so each sums the squares of its own
+        # 1/copies of it and the metrics all-reduce adds the parts.
         replicas = self.world // self.shard_world
-        segs, weights = [], []
+        replica_rank = self.mesh.get_local_rank(self.replicate_axis) if self.replicate_axis else 0
+        global_rank = replica_rank * self.shard_world + self.rank if self.replicate_axis else self.rank
+        segs, parts = [], []
         for u in units.values():
-            if u.S_trained:
-                segs.append(u.grad[u.S_frozen : u.S])
-                weights.append(1.0 / replicas)
-            if u.R_trained:
-                segs.append(u.grad[u.S : u.S + u.R_trained])
-                weights.append(1.0 / self.world)
+            for seg, copies, i in (
+                (u.grad[u.S_frozen : u.S], replicas, replica_rank),
+                (u.grad[u.S : u.S + u.R_trained], self.world, global_rank),
+            ):
+                if seg.numel():
+                    c = -(-seg.numel() // copies)
+                    segs.append(seg)
+                    parts.append(seg[i * c : (i + 1) * c])
         self._norm_segments = segs
-        self._norm_weights = torch.tensor(weights or [0.0], dtype=torch.float32, device=device)
+        self._norm_parts = [p for p in parts if p.numel()]
         self.treespec = treespec
         self.paths = paths
         self._units = units
@@ -389,8 +395,8 @@ class TrainStep:
             raise
         # One all-reduce for the loss and the squared gradient norm (one foreach kernel over the
         # trained gradient segments, on their own device: the CPU under offload).
-        norms = torch.stack(torch._foreach_norm(self._norm_segments, 2)).to(loss_sum.device) if self._norm_segments else loss_sum.new_zeros(1)
-        sq = (norms.float().square() * self._norm_weights).sum()
+        norms = torch.stack(torch._foreach_norm(self._norm_parts, 2)).to(loss_sum.device) if self._norm_parts else loss_sum.new_zeros(1)
+        sq = norms.float().square().sum()
         stats = torch.stack([loss_sum / k, sq])
         if self.world > 1:
             C.all_reduce(stats, None if self.replicate_group is not None else self.group)
