@@ -19,9 +19,10 @@ This follows the FSDP paper (Zhao et al., 2023), for units u_0 .. u_n in forward
   backward end   units whose parameters got no gradient are reduced as zeros; all pending
                  reductions are waited for; everything still gathered is freed.
 
-Under `full_shard` the units' buffers are two slot arenas (Note [slot arenas] in `_flat.py`); they
-are given back when the last unit's forward ends (the loss and its gradient, the step's largest
-activations, come next) and when the step ends.
+Under `full_shard` the units' buffers are two slot arenas, three when gathers land in place (Note
+[slot arenas] in `_flat.py`); they are given back when the last unit's forward ends (the loss and its
+gradient, the step's largest activations, come next), each again in the backward once the last of
+its units is reduced, and all when the step ends.
 
 Memory bound: at most two units besides the root are gathered (or being gathered) at any time under
 `full_shard`: a prefetch that would make three waits until a unit is freed. `shard_grad_op` keeps
