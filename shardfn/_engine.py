@@ -110,6 +110,7 @@ class Engine:
         self._next = self._neighbours(+1)
         self._prev = self._neighbours(-1)
         self._slot_done_after = self._last_of_slot()
+        self._slot_done_units = {id(units[v]) for v in self._slot_done_after}
         self.stats = EngineStats()
         self._works: dict[int, Any] = {}  # unit -> pending all-gather work
         self._live: set[int] = set()  # non-root units allocated (gathered or gathering)
@@ -303,6 +304,11 @@ class Engine:
         self._prefetch(prev)
         if prev is None and self.slot_of and not any(w != ROOT for w in self._works):
             self.units[u].arenas["gathered"].release()  # the last unit gather of the step is done
+        # A reduction in flight whose input fills a slot that nothing needs afterwards: finish it
+        # now, so that the slot is given back before this unit's backward allocates its gradients.
+        # Near the end of the backward, where the sharded gradients pile up, this is the step's peak.
+        while any(id(w) in self._slot_done_units for w, _, _ in self._in_flight):
+            self._finish_oldest()
 
     def _end_forward(self) -> None:
         self.phase = "backward"
@@ -311,6 +317,7 @@ class Engine:
             self.order = self._seen + rest
             self._next, self._prev = self._neighbours(+1), self._neighbours(-1)
             self._slot_done_after = self._last_of_slot()
+            self._slot_done_units = {id(self.units[v]) for v in self._slot_done_after}
             self._order_known = True
         # Prefetches issued during the forward for units that never ran are dropped.
         self._deferred = []
@@ -370,6 +377,7 @@ class Engine:
         full = self.units[u].arenas["full"]
         if any(w.arenas["full"] is full for w, _, _ in self._in_flight):
             return
+        self._event("release_slot", u)
         for name in ("full", "stage"):
             self.units[u].arenas[name].release()
 

@@ -63,7 +63,9 @@ whose input fills the same slot, before unit i's backward could even start. They
 (units 0, 3, 6, ... share one) instead: the running unit, the prefetched one and the reduction in
 flight each have their own, which is as much memory as two slots plus a unit-sized `gathered`.
 In the backward, a slot is given back as soon as the last of its units is reduced, so that the
-sharded gradients, which grow as the backward goes on, do not stack on idle slots.
+sharded gradients, which grow as the backward goes on, do not stack on idle slots; the engine
+finishes such a reduction as the next unit's backward begins rather than let it overlap that
+unit's gradients (about 8 MB less at the MLP's peak for a few ms of waiting).
 """
 
 from __future__ import annotations

@@ -307,15 +307,31 @@ def test_user_errors_are_value_errors(pools):
     assert "init" in msgs[4]
 
 
-def rank_schedule(strategy: str) -> list:
+def rank_schedule(strategy: str, small_segment: int | None = None) -> list:
     rank, world = dist.get_rank(), dist.get_world_size()
-    _, _, step, state, _ = _setup("gpt", strategy)
-    batch = local_batch(global_batch("gpt", 0, world), rank, world)
-    state, _ = step(state, batch)
-    step.engine.stats.record_events = True
-    step.engine.stats.reset()
-    step(state, batch)
-    return step.engine.stats.events
+    with _small_segment(small_segment):
+        _, _, step, state, _ = _setup("gpt", strategy)
+        batch = local_batch(global_batch("gpt", 0, world), rank, world)
+        state, _ = step(state, batch)
+        step.engine.stats.record_events = True
+        step.engine.stats.reset()
+        step(state, batch)
+        return step.engine.stats.events
+
+
+def test_spent_slots_given_back_before_the_next_gradients(pools):
+    """Gathers in place: three slots, one per block here, so each block is the last of its slot.
+    Its reduction is finished, and its slot given back, as the next block's backward begins (after
+    that block's prefetch, before its gradients are reduced; Note [slot arenas])."""
+    ev = pools(2).run(rank_schedule, "full_shard", 0)[0]
+    bwd = [(w, u) for w, u, ph in ev if ph == "backward"]
+    assert [u for w, u in bwd if w == "release_slot"] == [2, 1, 0], bwd
+    assert bwd.index(("release_slot", 2)) < bwd.index(("reduce", 1)), bwd
+    assert bwd.index(("release_slot", 1)) < bwd.index(("reduce", 0)), bwd
+    assert not [e for e in ev if e[0] == "release_slot" and e[2] != "backward"], ev
+    # Two slots (the default for these small leaves): units 0 and 1 are the last of theirs.
+    ev = pools(2).run(rank_schedule, "full_shard")[0]
+    assert [u for w, u, ph in ev if w == "release_slot"] == [1, 0], ev
 
 
 def test_schedule_prefetches_in_forward_and_reverse_order(pools):
