@@ -56,7 +56,6 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
 
 # -- settings (each one can be overridden by the flag of the same name) ---------------------------
 MODELS = "mlp,gpt"
@@ -303,7 +302,6 @@ def _status_kb(field: str) -> int:
 
 def profile(model: str, impl: str, cfg: dict) -> dict:
     """A short run of one implementation in a fresh process: peak memory, bytes sent, collectives."""
-    import torch
     import torch.distributed as dist
 
     import shardfn._collectives as C
@@ -435,7 +433,7 @@ def floor(model: str, calls: list, shard_numels: list[int], cfg: dict) -> dict:
     import torch.distributed as dist
 
     reps = cfg["floor_reps"]
-    rank, W = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     dt = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
 
     def timed(fn) -> list[float]:
@@ -480,7 +478,7 @@ def floor(model: str, calls: list, shard_numels: list[int], cfg: dict) -> dict:
                 raise RuntimeError(f"floor: no replay for {name}")
 
     t_comm = timed(comm)
-    del bufs
+    bufs.clear()
     gc.collect()
 
     # 2. Forward + backward of the unsharded plain module on one rank's batch: no communication.
@@ -493,7 +491,7 @@ def floor(model: str, calls: list, shard_numels: list[int], cfg: dict) -> dict:
         crit(net(x), y).backward()
 
     t_compute = timed(compute)
-    del net
+    net = None  # noqa: F841 (frees the model before the next part)
     gc.collect()
 
     # 3. The optimizer alone: torch._fused_adamw_ over this rank's shard of every leaf.
@@ -737,7 +735,6 @@ def main() -> None:
 
 
 def _report(args, res, floors, notes, profiles, wall) -> None:
-    W = args.world
     print()
     print("## Results")
     print()
