@@ -16,19 +16,19 @@ def ensure_process_group() -> None:
     """Starts the default process group if none is running.
 
     Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) it joins the job: NCCL when CUDA is available,
-    else gloo. With no distributed environment at all it starts a one-rank gloo group in memory, so
-    that a script or notebook runs unchanged on one process.
+    else gloo. With no distributed environment at all it starts a one-rank group in memory (NCCL
+    for CUDA tensors and gloo for CPU ones when CUDA is available, else gloo), so that a script or
+    notebook runs unchanged on one process.
     """
     if dist.is_initialized():
         return
+    backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("cuda:nccl,cpu:gloo")
-        else:
-            dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def mesh(**axes: int) -> DeviceMesh:
