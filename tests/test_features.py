@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import shardfn as sf
 from shardfn import _collectives as C
+from shardfn import _flat
 from reference import OPT, Reference, compare_params, global_batch, local_batch, make_loss_fn, make_model, units_of
 
 FROZEN = {"gpt": r"wpe\..*|blocks\.0\..*", "mlp": r"0\..*"}
@@ -32,6 +33,10 @@ OPTIONS = {
     "masked": {"no_decay": True},
     "offload": {"offload": True},
     "all": {"mp": True, "remat": True, "accum": 2, "clip": 0.05, "frozen": True, "no_decay": True},
+    # Point to point, large leaves are received straight into their full parameters (the test
+    # models' leaves all count as small by default): some of them, or all, with every option on.
+    "in_place": {"small_segment": 40},
+    "all_in_place": {"mp": True, "remat": True, "accum": 2, "clip": 0.05, "frozen": True, "no_decay": True, "small_segment": 0},
 }
 
 
@@ -41,6 +46,15 @@ def _decay_mask(params):
 
 
 def rank_case(strategy: str, opts: dict, kinds=("gpt", "mlp")) -> dict:
+    old = _flat.SMALL_SEGMENT
+    _flat.SMALL_SEGMENT = opts.get("small_segment", old)
+    try:
+        return _case(strategy, opts, kinds)
+    finally:
+        _flat.SMALL_SEGMENT = old
+
+
+def _case(strategy: str, opts: dict, kinds) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = sf.mesh(replicate=2, shard=-1) if strategy == "hybrid_shard" else sf.mesh(dp=-1)
     out = {}
