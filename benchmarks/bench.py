@@ -57,6 +57,8 @@ import statistics
 import sys
 import time
 
+from _proc import status_kb  # benchmarks/_proc.py, beside this script
+
 # -- settings (each one can be overridden by the flag of the same name) ---------------------------
 MODELS = "mlp,gpt"
 WORLD = 2
@@ -292,14 +294,6 @@ class _CommLog:
         self.names[name] = self.names.get(name, 0) + 1
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def profile(model: str, impl: str, cfg: dict) -> dict:
     """A short run of one implementation in a fresh process: peak memory, bytes sent, collectives."""
     import torch.distributed as dist
@@ -307,7 +301,7 @@ def profile(model: str, impl: str, cfg: dict) -> dict:
     import shardfn._collectives as C
 
     rank = dist.get_rank()
-    rss_start = _status_kb("VmRSS")
+    rss_start = status_kb("VmRSS")
     log = _CommLog()
     it = _make(impl, model, cfg)
     step_i = 0
@@ -319,8 +313,8 @@ def profile(model: str, impl: str, cfg: dict) -> dict:
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    base_kb = _status_kb("VmHWM")  # right at the reset (= VmRSS then)
-    rss_at_reset = _status_kb("VmRSS")
+    base_kb = status_kb("VmHWM")  # right at the reset (= VmRSS then)
+    rss_at_reset = status_kb("VmRSS")
     C.STATS.reset()
     log.active = True
     first_step_calls = None
@@ -331,7 +325,7 @@ def profile(model: str, impl: str, cfg: dict) -> dict:
         if first_step_calls is None:
             first_step_calls = log.calls[n0:]
     log.active = False
-    hwm_kb = _status_kb("VmHWM")
+    hwm_kb = status_kb("VmHWM")
     n = cfg["mem_steps"]
     out = dict(
         rank=rank,

@@ -20,19 +20,13 @@ import os
 import sys
 import time
 
+from _proc import status_kb  # benchmarks/_proc.py, beside this script
+
 # -- settings -----------------------------------------------------------------------------------
 WORLD = 2
 NUMEL = 2048 * 2048  # the gathered (full) buffer, fp32
 WARMUP, REPEATS = 3, 15
 MODES = ("native", "in_place", "p2p")
-
-
-def _kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
 
 
 def run(mode: str) -> dict:
@@ -60,7 +54,7 @@ def run(mode: str) -> dict:
             dist.barrier()
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
-            base = _kb("VmHWM")
+            base = status_kb("VmHWM")
             times = []
             for _ in range(REPEATS):
                 dist.barrier()
@@ -68,7 +62,7 @@ def run(mode: str) -> dict:
                 fn()
                 times.append(time.perf_counter() - t0)
             times.sort()
-            out[name] = (1000 * times[len(times) // 2], (_kb("VmHWM") - base) / 1024)
+            out[name] = (1000 * times[len(times) // 2], (status_kb("VmHWM") - base) / 1024)
     return out
 
 

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from _proc import status_kb  # benchmarks/_proc.py, beside this script
+
 # -- settings -----------------------------------------------------------------------------------
 WORLD = 2
 MICRO = 8  # sequences per rank per micro-batch
@@ -28,14 +30,6 @@ CONFIGS = [  # (label, train_step keyword arguments, micro-batches per step)
     ("accumulation_steps=4, local", {"accumulation_steps": 4, "accumulation": "local"}, 4),
     ("bf16 (MixedPrecision)", {"mp": True}, 1),
 ]
-
-
-def _kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
 
 
 def run(kwargs: dict, k: int) -> dict:
@@ -74,7 +68,7 @@ def run(kwargs: dict, k: int) -> dict:
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    base = _kb("VmHWM")
+    base = status_kb("VmHWM")
     times = []
     for b in batches[WARMUP:]:
         dist.barrier()
@@ -82,7 +76,7 @@ def run(kwargs: dict, k: int) -> dict:
         state, m = step(state, b)
         times.append(time.perf_counter() - t0)
     times.sort()
-    return {"growth_mb": (_kb("VmHWM") - base) / 1024, "ms": 1000 * times[len(times) // 2], "loss": m["loss"].item()}
+    return {"growth_mb": (status_kb("VmHWM") - base) / 1024, "ms": 1000 * times[len(times) // 2], "loss": m["loss"].item()}
 
 
 def main() -> None:

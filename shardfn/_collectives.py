@@ -67,10 +67,11 @@ def _ring_bytes(t: torch.Tensor, world: int) -> int:
 #
 # The messages are posted from one background thread, in call order. Posted from the training
 # thread, each `isend` wrote into the socket there, as far as the socket would take, and each
-# `irecv` waited for the connection's lock while gloo's own thread copied another message: 1-3 ms
-# per call, about 90 ms of an MLP step of 330 (`benchmarks/README.md`). The training thread now only
-# takes the tags, copies its own chunk and hands the rest over; the MLP step went to 285 ms. c10d
-# releases the GIL while it posts, as ATen does while it computes, so the two threads overlap.
+# `irecv` waited for the connection's lock while gloo's own thread copied another message: in a
+# probe of an MLP step of 333 ms, the posting calls took 48 ms of the training thread (0.25-1.7 ms
+# per call on average in profiled steps, 0.06-1.4 ms on idle ranks). The training thread now only
+# takes the tags, copies its own chunk and hands the rest over, and posting overlaps its compute:
+# the same probe gave 285 ms (`benchmarks/README.md`).
 #
 # Each call takes fresh tags from a counter per process group, which every rank advances in the
 # same order, so that calls in flight at once never take each other's messages. As for any
@@ -114,18 +115,15 @@ def _info(group) -> list:
     return info
 
 
-def _p2p(group, t: torch.Tensor) -> list | None:
-    """The group's info if this call runs point to point (gloo, CPU, "p2p"), else None."""
-    if GLOO_COLLECTIVES != "p2p" or t.device.type != "cpu":
-        return None
-    info = _info(group)
-    return info if info[0] == "gloo" else None
-
-
 def point_to_point(group, device) -> bool:
     """Whether all-gathers and reduce-scatters over `group` of tensors on `device` run point to
     point now (Note [gloo collectives])."""
     return GLOO_COLLECTIVES == "p2p" and torch.device(device).type == "cpu" and _info(group)[0] == "gloo"
+
+
+def _p2p(group, t: torch.Tensor) -> list | None:
+    """The group's info if a collective of `t` runs point to point, else None."""
+    return _info(group) if point_to_point(group, t.device) else None
 
 
 def _next_tag(info: list) -> int:
@@ -186,27 +184,18 @@ def _done(pending, async_op: bool):
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
     """`out` (W * n) <- every rank's `inp` (n), rank-major. `inp` must stay untouched until done."""
-    world = dist.get_world_size(group)
-    STATS.add("all_gather", _ring_bytes(out, world))
-    info = _p2p(group, out)
-    if info is None:
+    if _p2p(group, out) is None:
+        STATS.add("all_gather", _ring_bytes(out, dist.get_world_size(group)))
         return dist.all_gather_single(out, inp, group=group, async_op=async_op)
-    _, rank, world, _ = info
-    tag, chunks = _next_tag(info), out.view(world, -1)
-    peers = [((rank + k) % world, (rank - k) % world) for k in range(1, world)]  # staggered
-    pending = _exchange(group, [(inp, dst, tag) for dst, _ in peers], [(chunks[src], src, tag) for _, src in peers])
-    if chunks[rank].data_ptr() != inp.data_ptr():
-        with torch.no_grad():
-            chunks[rank].copy_(inp)
-    return _done(pending, async_op)
+    return _done(all_gather_pieces([(out, inp)], group), async_op)
 
 
 def all_gather_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], group):
     """For each `(out, inp)`: `out` (W * n) <- every rank's `inp` (n), as ONE collective (async).
 
-    Point to point, the pieces share a tag and the returned work; each `out` may be anywhere, so
-    a unit's large leaves are received straight into their full parameters (FlatUnit's
-    `direct_gather`). Otherwise each piece is an all-gather of its own.
+    Point to point, the pieces' messages go out together and share the returned work; each `out`
+    may be anywhere, so a unit's large leaves are received straight into their full parameters
+    (FlatUnit's `direct_gather`). Otherwise each piece is an all-gather of its own.
     """
     world = dist.get_world_size(group)
     STATS.add("all_gather", sum(_ring_bytes(out, world) for out, _ in pieces))
@@ -215,7 +204,7 @@ def all_gather_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], group):
         return _Exchange([dist.all_gather_single(out, inp, group=group, async_op=True) for out, inp in pieces])
     _, rank, world, _ = info
     tags = [_next_tag(info) for _ in pieces]
-    peers = [((rank + k) % world, (rank - k) % world) for k in range(1, world)]
+    peers = [((rank + k) % world, (rank - k) % world) for k in range(1, world)]  # staggered
     sends = [(inp, dst, tag) for dst, _ in peers for (_, inp), tag in zip(pieces, tags)]
     recvs = [(out.view(world, -1)[src], src, tag) for _, src in peers for (out, _), tag in zip(pieces, tags)]
     pending = _exchange(group, sends, recvs)

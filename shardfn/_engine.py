@@ -110,7 +110,6 @@ class Engine:
         self._next = self._neighbours(+1)
         self._prev = self._neighbours(-1)
         self._slot_done_after = self._last_of_slot()
-        self._slot_done_units = {id(units[v]) for v in self._slot_done_after}
         self.stats = EngineStats()
         self._works: dict[int, Any] = {}  # unit -> pending all-gather work
         self._live: set[int] = set()  # non-root units allocated (gathered or gathering)
@@ -118,7 +117,7 @@ class Engine:
         self._remaining = [0] * n
         self._root_remaining = 0
         self._reduced: set[int] = set()
-        self._in_flight: list[tuple[FlatUnit, Any, int]] = []  # (unit, pending, arena pair)
+        self._in_flight: list[tuple[int, Any, int]] = []  # (unit index, pending, arena pair)
         self._accumulate = False
         self.phase = "idle"
         for u, unit in enumerate(units):
@@ -209,7 +208,7 @@ class Engine:
     def _drain_slot(self, u: int) -> None:
         """Finishes reductions whose input lives in the arena that `u`'s gather is about to fill."""
         full = self._unit(u).arenas["full"]
-        while any(w.reduce_in_full and w.arenas["full"] is full for w, _, _ in self._in_flight):
+        while any(self._unit(w).reduce_in_full and self._unit(w).arenas["full"] is full for w, _, _ in self._in_flight):
             self._finish_oldest()
 
     def _free(self, u: int) -> None:
@@ -307,7 +306,7 @@ class Engine:
         # A reduction in flight whose input fills a slot that nothing needs afterwards: finish it
         # now, so that the slot is given back before this unit's backward allocates its gradients.
         # Near the end of the backward, where the sharded gradients pile up, this is the step's peak.
-        while any(id(w) in self._slot_done_units for w, _, _ in self._in_flight):
+        while any(w in self._slot_done_after for w, _, _ in self._in_flight):
             self._finish_oldest()
 
     def _end_forward(self) -> None:
@@ -317,7 +316,6 @@ class Engine:
             self.order = self._seen + rest
             self._next, self._prev = self._neighbours(+1), self._neighbours(-1)
             self._slot_done_after = self._last_of_slot()
-            self._slot_done_units = {id(self.units[v]) for v in self._slot_done_after}
             self._order_known = True
         # Prefetches issued during the forward for units that never ran are dropped.
         self._deferred = []
@@ -355,18 +353,18 @@ class Engine:
             busy = {pair for _, _, pair in self._in_flight}
             pair = min(set(range(self.max_reductions)) - busy)
             pending = unit.start_reduce(self._accumulate, *self.reduce_arenas[pair])
-            self._in_flight.append((unit, pending, pair))
+            self._in_flight.append((u, pending, pair))
         if u != ROOT:
             self._free(u)
             self._release_spent_slot(u)
 
     def _finish_oldest(self) -> None:
-        unit, pending, pair = self._in_flight.pop(0)
-        again = unit.finish_reduce(pending)
+        u, pending, pair = self._in_flight.pop(0)
+        again = self._unit(u).finish_reduce(pending)
         if again is not None:  # hybrid: the replicate-axis all-reduce is now in flight
-            self._in_flight.append((unit, again, pair))
-        elif unit is not self.root:
-            self._release_spent_slot(self.units.index(unit))
+            self._in_flight.append((u, again, pair))
+        else:
+            self._release_spent_slot(u)
 
     def _release_spent_slot(self, u: int) -> None:
         """In the backward, once the last unit of a slot is freed and its reduction (whose input may
@@ -375,7 +373,7 @@ class Engine:
         if self.phase != "backward" or u not in self._slot_done_after or u in self._live:
             return
         full = self.units[u].arenas["full"]
-        if any(w.arenas["full"] is full for w, _, _ in self._in_flight):
+        if any(self._unit(w).arenas["full"] is full for w, _, _ in self._in_flight):
             return
         self._event("release_slot", u)
         for name in ("full", "stage"):
