@@ -307,7 +307,8 @@ class FlatUnit:
             p = v.detach()
             p.requires_grad_(s.trained)
             self.proxies.append(p)
-        # Copy-out plan: gathered (W, S) -> full, one (W, c_i * rest) block per sharded leaf. With
+        # Gather plan: what the all-gather receives where (`_gather_pieces`), and the copy-out of
+        # `gathered` (W, S) into full, one (W, c_i * rest) block per sharded leaf. With
         # `direct_gather` the large leaves arrive in `full` as they are and only the small ones,
         # gathered as one (W, small_hi - small_lo) block, are copied.
         src_flat = self._stage_w if self.staged else self.local
@@ -325,6 +326,8 @@ class FlatUnit:
                     )
         else:
             src, lo, copied = gathered_w.view(world, self.S), 0, sh
+            if self.S:
+                self._gather_pieces.append((self.gathered, src_flat[: self.S]))
         self._copy_dst = [full_w[s.full_offset : s.full_offset + world * s.seg_numel].view(world, s.seg_numel) for s in copied]
         self._copy_src = [src[:, s.offset - lo : s.offset - lo + s.seg_numel] for s in copied]
         for a in arenas.values():
@@ -344,10 +347,7 @@ class FlatUnit:
         if self.world == 1 or self.S == 0:
             return None
         self.arenas["gathered"].alloc()
-        if self.direct_gather:
-            return C.all_gather_pieces(self._gather_pieces, self.group)
-        src = self.stage[: self.S] if self.staged else self.local[: self.S]
-        return C.all_gather(self.gathered, src, self.group, async_op=True)
+        return C.all_gather_pieces(self._gather_pieces, self.group)
 
     def finish_gather(self, work) -> None:
         """Waits for the all-gather and copies the rank-major result into the full parameters."""
