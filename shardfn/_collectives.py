@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["STATS", "all_gather", "all_gather_pieces", "reduce_scatter", "all_reduce", "gloo_collectives", "point_to_point"]
+__all__ = ["STATS", "all_gather", "all_gather_pieces", "reduce_scatter", "all_reduce", "broadcast", "gloo_collectives", "point_to_point"]
 
 
 @dataclass
@@ -260,3 +260,9 @@ def all_reduce(t: torch.Tensor, group, async_op: bool = False):
     """`t` <- the sum of `t` over ranks, in place."""
     STATS.add("all_reduce", 2 * _ring_bytes(t, dist.get_world_size(group)))
     return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def broadcast(t: torch.Tensor, src: int, group) -> None:
+    """`t` <- `t` of global rank `src`, in place."""
+    STATS.add("broadcast", t.numel() * t.element_size())
+    dist.broadcast(t, src=src, group=group)

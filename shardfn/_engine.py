@@ -1,4 +1,4 @@
-"""The train-step runtime: when each unit is gathered, freed and reduced.
+"""The train-step runtime: when each unit is gathered, freed and reduced, and where its buffers live.
 
 Note [unit schedule]
 --------------------
@@ -7,44 +7,104 @@ This follows the FSDP paper (Zhao et al., 2023), for units u_0 .. u_n in forward
   step start     gather the root (it holds what runs outside every unit: embeddings, head), and start
                  gathering the first unit.
   pre-forward    wait for u_i's gather (start it if nobody did); start gathering u_{i+1} (prefetch).
-  post-forward   `full_shard`: free u_i. Hook u_i's outputs so that the first gradient reaching them
-                 runs pre-backward.
+                 The unit's floating-point inputs (args and kwargs) are cast to the compute dtype;
+                 those that need a gradient go through `_PostBackward`, whose backward runs once
+                 autograd has computed their gradients, i.e. once this use of the unit is over in
+                 the backward (FSDP2 detects it the same way, on the inputs).
+  post-forward   `full_shard`: free u_i. Hook u_i's output tensors (found through torch's pytree,
+                 dataclasses and the bases of views) so that the first gradient reaching them runs
+                 pre-backward.
   pre-backward   wait for / start u_i's gather; start gathering u_{i-1} (prefetch, reverse order).
-  grads ready    a post-accumulate-grad hook on each full parameter counts u_i's gradients; when the
-                 last one lands, the previous unit's reduction is waited for, u_i's reduce-scatter
-                 starts (async) and u_i is freed. Reductions overlap the backward of the next
-                 units: two in flight under `full_shard` when their inputs live in the units' own
-                 slots, every unit's under `no_shard` (in-place all-reduces, as DDP's buckets),
-                 else one.
-  backward end   units whose parameters got no gradient are reduced as zeros; all pending
-                 reductions are waited for; everything still gathered is freed.
+  post-backward  a use of u_i is over: `full_shard` frees it if no other use is running.
+  reduce         once every use of u_i is over AND every trained parameter of u_i has its gradient
+                 (a post-accumulate-grad hook on each; autograd accumulates a leaf's gradient once,
+                 after all of its uses, in `apply` or outside it), u_i's reduce-scatter starts
+                 (async). Frozen parameters stay valid for as long as the unit's backward runs.
+                 Reductions overlap the backward of the next units: two in flight under
+                 `full_shard` when their inputs live in the units' own slots, every unit's under
+                 `no_shard` (in-place all-reduces, as DDP's buckets), else one.
+  backward end   units that did not finish (unused parameters, a unit that did not run) are reduced
+                 with zeros for what got no gradient, then the root; all reductions are waited for;
+                 everything still gathered is freed.
 
-Under `full_shard` the units' buffers are two slot arenas, three when gathers land in place (Note
-[slot arenas] in `_flat.py`); they are given back when the last unit's forward ends (the loss and its
-gradient, the step's largest activations, come next), each again in the backward once the last of
-its units is reduced, and all when the step ends.
+A unit may run several times in one step (a siamese loss, a model applied twice): each use has its
+own pre- and post-backward, the unit may be freed and gathered again between uses, and it is
+reduced once, when the last use is over. A unit with no input that needs a gradient (the first
+block of a model fed raw features) has no post-backward; it is over when its gradients are.
 
 Memory bound: at most two units besides the root are gathered (or being gathered) at any time under
 `full_shard`: a prefetch that would make three waits until a unit is freed. `shard_grad_op` keeps
 units from their forward to the end of their backward (no second gather); `no_shard` has no gathers.
 
-Forward order is taken from the first step (the pre-forward calls as they happen); until then module
-order is the guess. optree's leaf order is never used for it (dict keys sort: "10" < "2").
+Note [unit plan]
+----------------
+Under `full_shard` the units' full parameters live in a few shared slot arenas (Note [slot arenas]
+in `_flat.py`): two, or three when gathers land in place. Which units may share a slot depends on
+what runs when, which only the model knows. So the first step runs with an arena per unit (each
+allocated when its unit is gathered and given back when it is freed), and records, for every
+unit, when it was busy: running its forward, or between a pre-backward and the end of that use in
+the backward. At the end of the first step the plan gives slots in forward order (u_0, u_2, ... in
+one, u_1, u_3, ... in the other), so an interleaved model (`blocks.i`, `adapters.i`) or blocks run
+out of module order still alternate; a unit that was busy at the same time as another unit of its
+slot (T5's first block, whose position bias every later block uses, is busy through the whole
+backward) keeps an arena of its own. Forward order is the order of the first step's pre-forwards;
+optree's leaf order is never used for it (dict keys sort: "10" < "2").
+
+If a later step runs units differently, so that a unit is needed while the other unit of its slot
+is busy, the step stops with an error before anything wrong is computed, and the next step
+plans again from scratch. Whatever the schedule, a unit's parameters are never read while its
+memory holds another unit: autograd checks it (Note [stale parameters] in `_flat.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import optree
 import torch
+from torch.utils import _pytree as pytree
+
+import optree
 
 from ._flat import Arena, FlatUnit
+from ._param import Detour, Param
 
-__all__ = ["Engine", "EngineStats"]
+__all__ = ["Engine", "EngineStats", "Policy", "StaleParameterError"]
 
 ROOT = -1
+_PRIMITIVE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+class StaleParameterError(RuntimeError):
+    """Autograd read a unit's parameters while their memory was freed or held another unit."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a train step's engine runs its units: the strategy's choices, resolved.
+
+    Attributes:
+        reshard_after_forward: free units after their forward (`full_shard`, `hybrid_shard`).
+        share_slots: units may share slot arenas (Note [slot arenas]).
+        slots: how many slot arenas units share (3 when gathers land in place).
+        all_reduce: gradients are all-reduced in place (`no_shard` in the master dtype): every
+            unit's reduction may be in flight at once.
+        reduce_in_master: gradients are reduced in the master dtype, computed in it too.
+        single_micro_batch: one reduction per step and unit (no sharded accumulation).
+        cast_dtype: the compute dtype inputs are cast to (mixed precision), or None.
+        max_live: the most non-root units gathered at once under `reshard_after_forward`.
+    """
+
+    reshard_after_forward: bool
+    share_slots: bool
+    slots: int = 2
+    all_reduce: bool = False
+    reduce_in_master: bool = True
+    single_micro_batch: bool = True
+    cast_dtype: torch.dtype | None = None
+    max_live: int = 2
 
 
 @dataclass
@@ -60,74 +120,173 @@ class EngineStats:
         self.max_live_units = 0
 
 
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward marks the end of that use of the unit."""
+
+    @staticmethod
+    def forward(ctx, engine: "Engine", u: int, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.engine, ctx.u = engine, u
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.engine._post_backward(ctx.u)
+        return (None, None, *grads)
+
+
+def _output_tensors(output: Any) -> tuple[list[torch.Tensor], list[str]]:
+    """The tensors in a unit's output, and the type names of leaves that may hide more.
+
+    Containers are those torch's pytree knows (tuples, lists, dicts, namedtuples, Hugging Face
+    `ModelOutput`s) and dataclasses.
+    """
+    tensors: list[torch.Tensor] = []
+    opaque: list[str] = []
+
+    def visit(obj: Any, depth: int) -> None:
+        for leaf in pytree.tree_leaves(obj):
+            if isinstance(leaf, torch.Tensor):
+                tensors.append(leaf)
+            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and depth < 8:
+                for f in dataclasses.fields(leaf):
+                    visit(getattr(leaf, f.name), depth + 1)
+            elif not isinstance(leaf, _PRIMITIVE):
+                opaque.append(type(leaf).__name__)
+
+    visit(output, 0)
+    return tensors, opaque
+
+
+def _hook_targets(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors to hook for pre-backward: those needing a gradient, and the bases of views (an
+    in-place update of a view after the unit returns reroutes its gradient through the base)."""
+    out: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if t.requires_grad:
+            out[id(t)] = t
+            base = t._base
+            if base is not None and base.requires_grad and base.grad_fn is not None:
+                out[id(base)] = base
+    return list(out.values())
+
+
 class Engine:
-    """Runs one model's units through a train step (see Note [unit schedule]).
+    """Runs one model's units through a train step (see Note [unit schedule] and Note [unit plan]).
 
     Args:
         info: the functionalized model whose unit hooks report to this engine (None: root only).
         units: the non-root units, indexed as `info.unit_names`.
         root: the root unit.
-        reshard_after_forward: free units after their forward (`full_shard`).
-        max_live: the most non-root units gathered at once under `reshard_after_forward`.
-        cast_dtype: floating-point inputs of the model and of each unit are cast to this dtype
-            (mixed precision), or None.
-        slot_of: unit -> slot, for units that share slot arenas (Note [slot arenas]), or None.
-        reduce_arenas: `max_reductions` (rs_in, rs_out) arena pairs that reductions take in turn.
-        arenas: every arena, released when a step ends.
+        policy: the strategy's choices (see `Policy`).
+        nested: units that run inside other units (they never share slot arenas).
     """
 
-    def __init__(
-        self,
-        info,
-        units: list[FlatUnit],
-        root: FlatUnit,
-        reshard_after_forward: bool,
-        max_live: int = 2,
-        cast_dtype: torch.dtype | None = None,
-        slot_of: dict[int, int] | None = None,
-        reduce_arenas: list[tuple[Arena, Arena]] | None = None,
-        arenas: list[Arena] = (),
-        max_reductions: int = 1,
-    ):
+    def __init__(self, info, units: list[FlatUnit], root: FlatUnit, policy: Policy, nested: set[int] = frozenset()):
         self.info = info
         self.units = units
         self.root = root
-        self.reshard_after_forward = reshard_after_forward
-        self.max_live = max_live
-        self.cast_dtype = cast_dtype
-        self.slot_of = slot_of or {}
-        self.reduce_arenas = reduce_arenas
-        self.max_reductions = max_reductions
-        self.arenas = list(arenas)
-        self._in_use: set[int] = set()  # running forward, or between pre-backward and reduction
-        self._slot_arenas = list({id(a): a for v in self.slot_of for a in units[v].arenas.values()}.values())
+        self.policy = policy
+        self.reshard_after_forward = policy.reshard_after_forward
+        self.max_live = policy.max_live
+        self.cast_dtype = policy.cast_dtype
+        self._nested = set(nested)
         self.remat_units: set[int] = set()  # read by the remat wrappers (shardfn/_remat.py)
-        self._reduce_now = True
         n = len(units)
         self.order: list[int] = list(range(n))  # forward order (guess until the first step)
         self._order_known = False
-        self._seen: list[int] = []
-        self._next = self._neighbours(+1)
-        self._prev = self._neighbours(-1)
-        self._slot_done_after = self._last_of_slot()
+        self.planned = False
         self.stats = EngineStats()
-        self._works: dict[int, Any] = {}  # unit -> pending all-gather work
-        self._live: set[int] = set()  # non-root units allocated (gathered or gathering)
-        self._deferred: list[int] = []
-        self._remaining = [0] * n
-        self._root_remaining = 0
-        self._reduced: set[int] = set()
-        self._in_flight: list[tuple[int, Any, int]] = []  # (unit index, pending, arena pair)
-        self._accumulate = False
-        self.phase = "idle"
-        for u, unit in enumerate(units):
-            self._hook_grads(unit, u)
-        self._hook_grads(root, ROOT)
+        self._where: list[tuple[int, int]] = []
+        self._needs_plan = False
+        self._reset_step_state()
+        self._bind({})
 
-    # -- bookkeeping --------------------------------------------------------------------------
-    def _neighbours(self, d: int) -> dict[int, int]:
-        o = self.order
-        return {o[i]: o[i + d] for i in range(len(o)) if 0 <= i + d < len(o)}
+    # -- the plan (Note [unit plan]) ------------------------------------------------------------
+    def _bind(self, slot_of: dict[int, int]) -> None:
+        """Gives every unit its arenas: the shared slot `slot_of[u]`, or arenas of its own."""
+        units = {u: self._unit(u) for u in [*range(len(self.units)), ROOT]}
+        sizes = {u: unit.sizes() for u, unit in units.items()}
+        compute = {u: unit.compute_dtype for u, unit in units.items()}
+        device = self.root.device
+        arenas: dict[int, dict[str, Arena]] = {}
+        slots: dict[int, dict[str, Arena]] = {}
+        if slot_of:  # one all-gather output for all of them: one unit gather in flight at a time
+            gathered = Arena(max(sizes[v]["gathered"] for v in slot_of), compute[next(iter(slot_of))], device, shared=True)
+        for u in units:
+            if u in slot_of:
+                k = slot_of[u]
+                if k not in slots:
+                    members = [v for v in slot_of if slot_of[v] == k]
+                    slots[k] = {name: Arena(max(sizes[v][name] for v in members), compute[u], device, shared=True) for name in ("full", "stage")}
+                    slots[k]["gathered"] = gathered
+                arenas[u] = slots[k]
+            else:
+                arenas[u] = {name: Arena(sizes[u][name], compute[u], device, shared=False) for name in ("full", "gathered", "stage")}
+        for u, unit in units.items():
+            # A unit's reduce-scatter input goes in its own slot (its parameters are dead by then);
+            # the root's goes in its own arena, as it is reduced after the backward.
+            unit.bind(arenas[u], reduce_in_full=u == ROOT or u in slot_of)
+        rdt = {unit.reduce_dtype for unit in units.values()}
+        if len(rdt) > 1:
+            raise NotImplementedError(f"units reduce in different dtypes {sorted(map(str, rdt))}; give every unit one dtype")
+        rdt_one = rdt.pop()
+        self.slot_of = dict(slot_of)
+        self.max_reductions = self._reductions_in_flight()
+        # Scratch for reduce-scatter inputs that are not built in a slot: allocated only when used.
+        n_in = max(s["rs_in"] for s in sizes.values())
+        n_out = max(s["rs_out"] for s in sizes.values())
+        self.reduce_arenas = [(Arena(n_in, rdt_one, device, shared=True), Arena(n_out, rdt_one, device, shared=True)) for _ in range(self.max_reductions)]
+        self.arenas = _unique([*(a for d in arenas.values() for a in d.values()), *(a for p in self.reduce_arenas for a in p)])
+        self._slot_arenas = _unique([a for v in slot_of for a in self.units[v].arenas.values()])
+        self._slot_done_after = self._last_of_slot()
+        for u, unit in units.items():
+            self._hook_grads(unit, u)
+        if self._where:
+            self._make_trees()
+
+    def _reductions_in_flight(self) -> int:
+        """How many gradient reductions may overlap the backward without any extra buffer."""
+        p = self.policy
+        if p.all_reduce:
+            # Replicated gradients are all-reduced in place in their flat buffers, which need no
+            # scratch: every unit's all-reduce may run while the backward goes on, as DDP's buckets.
+            return len(self.units) + 1
+        if self.slot_of and p.reduce_in_master and p.single_micro_batch and p.slots == 2:
+            # Each reduction's input lives in its own unit's slot and neighbours use different
+            # slots: two can be in flight (the engine finishes a slot's reduction before refilling it).
+            # Not with three slots (gathers in place): the third already holds one reduction's
+            # input while the previous unit is gathered, and a second would hold a fourth unit.
+            return 2
+        return 1
+
+    def _plan(self, busy: dict[int, list[tuple[int, int]]]) -> None:
+        """After the first step: slot arenas in forward order, busy units kept apart."""
+        self.planned = True
+        if not (self.policy.share_slots and self.units):
+            return
+        candidates = [u for u in self.order if u not in self._nested and self._unit(u).compute_dtype == self._unit(self.order[0]).compute_dtype]
+        private: set[int] = set()
+
+        def overlap(a: int, b: int) -> bool:
+            return any(s1 < e2 and s2 < e1 for s1, e1 in busy.get(a, ()) for s2, e2 in busy.get(b, ()))
+
+        while True:
+            shared = [u for u in candidates if u not in private]
+            slot_of = {u: i % self.policy.slots for i, u in enumerate(shared)}
+            clash = [(a, b) for i, a in enumerate(shared) for b in shared[i + 1 :] if slot_of[a] == slot_of[b] and overlap(a, b)]
+            if not clash:
+                break
+            span = {u: sum(e - s for s, e in busy.get(u, ())) for u in candidates}
+            private |= {max(pair, key=lambda v: span[v]) for pair in clash}
+        if len(shared) < 2:
+            slot_of = {}
+        self._bind(slot_of)
+
+    def replan(self) -> None:
+        """Forgets the plan: the next step runs with an arena per unit and plans again."""
+        self._order_known = False
+        self.planned = False
+        self._bind({})
 
     def _last_of_slot(self) -> set[int]:
         """The units that are the last of their slot to run in the backward (first in forward order)."""
@@ -137,6 +296,70 @@ class Engine:
                 first.setdefault(self.slot_of[u], u)
         return set(first.values())
 
+    # -- what loss_fn sees (Note [parameters outside apply] in `_param.py`) ------------------------
+    def set_tree(self, treespec: Any, where: list[tuple[int, int]]) -> None:
+        """The parameter tree's structure, and (unit, index) of each leaf in leaf order."""
+        self._treespec, self._where = treespec, list(where)
+        self._make_trees()
+
+    def _make_trees(self) -> None:
+        proxies = [self._unit(u).proxies[j] for u, j in self._where]
+        self.proxy_tree = optree.tree_unflatten(self._treespec, proxies)
+        self.user_tree = optree.tree_unflatten(self._treespec, [Param.make(p, self._read_param, w) for p, w in zip(proxies, self._where)])
+        self._flat = None  # {every parameter name: full parameter}, built on the first `apply`
+
+    def _read_param(self, p: Param) -> torch.Tensor:
+        return self.read(*p.where)
+
+    def _owns(self, x: Any) -> bool:
+        return isinstance(x, Param) and x.reader() == self._read_param
+
+    def flat_params(self, apply, params: Any) -> dict[str, torch.Tensor] | None:
+        """What `apply(params, ...)` computes on, when `params` holds this step's parameters."""
+        if params is self.user_tree:
+            mapped = self.proxy_tree
+        else:
+            leaves, spec = optree.tree_flatten(params)
+            if not any(self._owns(x) for x in leaves):
+                return None
+            mapped = optree.tree_unflatten(
+                spec, [self._unit(x.where[0]).proxies[x.where[1]] if self._owns(x) else x for x in leaves]
+            )
+        if apply.info is not self.info:
+            theirs = type(apply.info.module).__name__
+            ours = type(self.info.module).__name__ if self.info is not None else "a plain function"
+            raise ValueError(
+                f"loss_fn applied a model ({theirs}) to the train step's parameters, but the step was built for "
+                f"{ours}: pass the apply that loss_fn calls, sf.train_step(..., apply=apply)"
+            )
+        if mapped is self.proxy_tree:
+            if self._flat is None:
+                self._flat = apply.flat_params(mapped)
+            return self._flat
+        return apply.flat_params(mapped)
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def _reset_step_state(self) -> None:
+        self._works: dict[int, Any] = {}  # unit -> pending all-gather work
+        self._live: set[int] = set()  # non-root units allocated (gathered or gathering)
+        self._running: set[int] = set()  # units inside their forward
+        self._active: dict[int, int] = {}  # unit -> uses whose backward has begun and not ended
+        self._deferred: list[int] = []
+        self._pending: list[int] = [0] * len(self.units)
+        self._reduced: set[int] = set()
+        self._in_flight: list[tuple[int, Any, int, bool]] = []  # (unit, pending, arena pair, input in slot)
+        self._reads: dict[tuple[int, int], torch.Tensor] = {}
+        self._seen: list[int] = []
+        self._ran: set[int] = set()  # units whose forward ran in this step
+        self._pos: dict[int, int] = {u: i for i, u in enumerate(self.order)}
+        self._wrapped: list[bool] = []  # per running unit use: were its inputs hooked
+        self._accumulate = False
+        self._reduce_now = True
+        self._clock = 0
+        self._busy_since: dict[int, int] = {}
+        self._busy_log: dict[int, list[tuple[int, int]]] = {}
+        self.phase = "idle"
+
     def _unit(self, u: int) -> FlatUnit:
         return self.root if u == ROOT else self.units[u]
 
@@ -145,12 +368,46 @@ class Engine:
             self.stats.events.append((what, u, self.phase))
 
     def _hook_grads(self, unit: FlatUnit, u: int) -> None:
+        if u == ROOT:
+            return  # the root is reduced after the backward
+
+        ref = weakref.ref(self)  # the full parameters outlive the step object otherwise
+
         def hook(_: torch.Tensor) -> None:
-            self._grad_ready(u)
+            engine = ref()
+            if engine is not None:
+                engine._grad_ready(u)
 
         for p in unit.proxies:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(hook)
+
+    def _busy(self, u: int) -> bool:
+        return u in self._running or self._active.get(u, 0) > 0
+
+    def _busy_start(self, u: int) -> None:
+        self._clock += 1
+        self._busy_since.setdefault(u, self._clock)
+
+    def _busy_end(self, u: int) -> None:
+        self._clock += 1
+        since = self._busy_since.pop(u, None)
+        if since is not None and not self.planned:
+            self._busy_log.setdefault(u, []).append((since, self._clock))
+
+    def _next_of(self, u: int) -> int | None:
+        i = self._pos.get(u)
+        return self.order[i + 1] if i is not None and i + 1 < len(self.order) else None
+
+    def _prev_of(self, u: int) -> int | None:
+        """The unit before `u` in forward order that ran in this step (the backward's next)."""
+        i = self._pos.get(u)
+        while i is not None and i > 0:
+            i -= 1
+            v = self.order[i]
+            if v in self._ran:
+                return v
+        return None
 
     # -- gather / free ------------------------------------------------------------------------
     def _slot_holder(self, u: int) -> int | None:
@@ -168,26 +425,25 @@ class Engine:
         if u in self._works or (u != ROOT and u in self._live):
             return
         v = self._slot_holder(u)
-        if v is not None:  # see Note [slot arenas]
-            if v not in self._in_use:
-                self._free(v)  # a prefetch that came too early (execution order != module order)
-            elif self.phase == "backward":
-                self._reduce(v)  # its remaining gradients never come (unused parameters)
-            else:
+        if v is not None:  # see Note [unit plan]
+            if self._busy(v):
+                self._needs_plan = True
                 raise RuntimeError(
-                    f"unit {self.units[u].name!r} runs while unit {self.units[v].name!r}, which shares its "
-                    "buffers, is still running; give units that run inside one another distinct slots "
-                    "(nest them as submodules) or use strategy='shard_grad_op'"
+                    f"unit {self.units[u].name!r} is needed while unit {self.units[v].name!r}, which shares its "
+                    "buffers under this step's plan, is still in use: the units ran differently than in the "
+                    "first step (Note [unit plan]). Nothing was computed wrong; the next step plans again. "
+                    "If this repeats, the order of units changes from step to step: use strategy='shard_grad_op'."
                 )
+            self._free(v)
         if u != ROOT and self.reshard_after_forward:
-            # A unit runs that nobody prefetched (execution order != the order guessed): drop
-            # prefetches nobody uses yet rather than exceed the bound.
-            for w in [w for w in self._live if w not in self._in_use]:
+            # A unit runs that nobody prefetched: drop prefetches nobody uses yet rather than
+            # exceed the bound.
+            for w in [w for w in self._live if not self._busy(w)]:
                 if len(self._live) < self.max_live:
                     break
                 self._free(w)
-        if u != ROOT and self.slot_of:  # one shared all-gather output: one unit gather in flight
-            for w in [w for w in self._works if w != ROOT]:
+        if u in self.slot_of:  # one shared all-gather output: one unit gather in flight
+            for w in [w for w in self._works if w in self.slot_of]:
                 self._drain_slot(w)
                 self._unit(w).finish_gather(self._works.pop(w))
         if u != ROOT:
@@ -206,9 +462,9 @@ class Engine:
             self._unit(u).finish_gather(self._works.pop(u))
 
     def _drain_slot(self, u: int) -> None:
-        """Finishes reductions whose input lives in the arena that `u`'s gather is about to fill."""
+        """Finishes reductions whose input lives in the arena that `u` is about to fill."""
         full = self._unit(u).arenas["full"]
-        while any(self._unit(w).reduce_in_full and self._unit(w).arenas["full"] is full for w, _, _ in self._in_flight):
+        while any(in_slot and self._unit(w).arenas["full"] is full for w, _, _, in_slot in self._in_flight):
             self._finish_oldest()
 
     def _free(self, u: int) -> None:
@@ -241,13 +497,14 @@ class Engine:
             reduce: reduce at all; False keeps the full gradients for a later backward (local
                 accumulation of micro-batches).
         """
+        if self._needs_plan:
+            self._needs_plan = False
+            self.replan()
+        self._reset_step_state()
         self.phase = "forward"
         self._accumulate = accumulate
         self._reduce_now = reduce
-        self._seen = []
-        self._remaining = [u.num_trained for u in self.units]
-        self._root_remaining = self.root.num_trained
-        self._reduced = set()
+        self._pending = [u.num_trained for u in self.units]
         self._start(ROOT)
         if self.units:
             self._prefetch(self.order[0])
@@ -261,30 +518,75 @@ class Engine:
 
     def _cast(self, tree: Any) -> Any:
         dt = self.cast_dtype
-        return optree.tree_map(lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dt) if t.is_floating_point() else t, tree)
 
-    def pre_forward(self, info, u: int, args: tuple) -> tuple | None:
+    def read(self, u: int, j: int) -> torch.Tensor:
+        """The full value of leaf `j` of unit `u`, for a read outside `apply` (Note [parameters
+        outside apply] in `_param.py`)."""
+        if self.phase != "forward":
+            raise RuntimeError(
+                "a parameter handed to loss_fn was used after loss_fn returned (or outside a step): it is "
+                "valid only inside loss_fn; return values computed from it instead"
+            )
+        proxy = self._unit(u).proxies[j]
+        if u == ROOT:
+            return proxy  # gathered for the whole step
+        out = self._reads.get((u, j))
+        if out is None:
+            self._ensure(u)
+            out = self._reads[(u, j)] = Detour.apply(proxy)
+        return out
+
+    def pre_forward(self, info, u: int, args: tuple, kwargs: dict) -> tuple | None:
         if info is not self.info or self.phase == "idle":
             return None
-        if self.phase == "forward" and u not in self._seen:
+        if self.phase == "backward":  # a recompute (remat) or a forward run by the backward
+            self._ensure(u)
+            return (self._cast(args), self._cast(kwargs)) if self.cast_dtype is not None else None
+        if u not in self._ran:
+            self._ran.add(u)
             self._seen.append(u)
         self._ensure(u)
-        if self.phase == "forward":
-            self._in_use.add(u)
-        if self.phase == "forward":
-            self._prefetch(self._next.get(u))
-        return self._cast(args) if self.cast_dtype is not None else None
+        self._running.add(u)
+        self._busy_start(u)
+        self._prefetch(self._next_of(u))
+        if self.cast_dtype is not None:
+            args, kwargs = self._cast(args), self._cast(kwargs)
+        wrapped = False
+        if torch.is_grad_enabled():
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+            if idx:
+                outs = _PostBackward.apply(self, u, *(flat[i] for i in idx))
+                for i, o in zip(idx, outs):
+                    flat[i] = o
+                args, kwargs = pytree.tree_unflatten(flat, spec)
+                self._pending[u] += 1
+                wrapped = True
+        self._wrapped.append(wrapped)
+        return args, kwargs
 
     def post_forward(self, info, u: int, output: Any) -> None:
         if info is not self.info or self.phase != "forward":
             return None
-        tensors = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g, u=u: self._pre_backward(u), mode="any")
-        self._in_use.discard(u)
+        self._running.discard(u)
+        self._busy_end(u)
+        wrapped = self._wrapped.pop() if self._wrapped else False
+        if torch.is_grad_enabled():
+            tensors, opaque = _output_tensors(output)
+            targets = _hook_targets(tensors)
+            if targets:
+                torch.autograd.graph.register_multi_grad_hook(targets, lambda _g, u=u: self._pre_backward(u), mode="any")
+            elif opaque and (wrapped or self.units[u].num_trained):
+                raise ValueError(
+                    f"unit {self.units[u].name!r} returned {type(output).__name__} holding {sorted(set(opaque))}, where "
+                    "shardfn finds no tensor that needs a gradient, so it cannot tell when the unit's backward "
+                    "begins. Return tensors, or tuples, lists, dicts, dataclasses of them, or register the type "
+                    "with torch.utils._pytree.register_pytree_node"
+                )
         if self.reshard_after_forward:
             self._free(u)
-            if self.slot_of and self._order_known and u not in self._next and not self._live:
+            if self.slot_of and self._order_known and self._next_of(u) is None and not self._live:
                 # The last unit's forward is done: until the first unit backward, the slots hold
                 # only freed parameters, while the loss and its gradient take their largest
                 # activations. Give the memory back; the backward allocates the slots again.
@@ -292,50 +594,69 @@ class Engine:
                     a.release()
         return None
 
-    def _pre_backward(self, u: int) -> None:
-        if self.phase == "forward":
-            self._end_forward()
-        if u in self._reduced:
+    def end_forward(self) -> None:
+        """`loss_fn` has returned: the backward comes next."""
+        if self.phase != "forward":
             return
-        self._ensure(u)
-        self._in_use.add(u)
-        prev = self._prev.get(u)
-        self._prefetch(prev)
-        if prev is None and self.slot_of and not any(w != ROOT for w in self._works):
-            self.units[u].arenas["gathered"].release()  # the last unit gather of the step is done
-        # A reduction in flight whose input fills a slot that nothing needs afterwards: finish it
-        # now, so that the slot is given back before this unit's backward allocates its gradients.
-        # Near the end of the backward, where the sharded gradients pile up, this is the step's peak.
-        while any(w in self._slot_done_after for w, _, _ in self._in_flight):
-            self._finish_oldest()
-
-    def _end_forward(self) -> None:
         self.phase = "backward"
         if not self._order_known and self._seen:
             rest = [u for u in range(len(self.units)) if u not in self._seen]
             self.order = self._seen + rest
-            self._next, self._prev = self._neighbours(+1), self._neighbours(-1)
+            self._pos = {u: i for i, u in enumerate(self.order)}
             self._slot_done_after = self._last_of_slot()
             self._order_known = True
         # Prefetches issued during the forward for units that never ran are dropped.
         self._deferred = []
 
+    def _pre_backward(self, u: int) -> None:
+        if self.phase != "backward":
+            raise NotImplementedError(
+                "a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model): "
+                "train_step does not support that yet"
+            )
+        if u in self._reduced:
+            raise RuntimeError(
+                f"unit {self.units[u].name!r} got a gradient after its reduction; please report this with the model"
+            )
+        if self._active.get(u, 0) == 0:
+            self._busy_start(u)
+        self._active[u] = self._active.get(u, 0) + 1
+        self._ensure(u)
+        prev = self._prev_of(u)
+        self._prefetch(prev)
+        if prev is None and self.slot_of and not any(w in self.slot_of for w in self._works):
+            self.units[u].arenas["gathered"].release()  # the last unit gather of the step is done
+        # A reduction in flight whose input fills a slot that nothing needs afterwards: finish it
+        # now, so that the slot is given back before this unit's backward allocates its gradients.
+        # Near the end of the backward, where the sharded gradients pile up, this is the step's peak.
+        while any(w in self._slot_done_after for w, _, _, _ in self._in_flight):
+            self._finish_oldest()
+
+    def _post_backward(self, u: int) -> None:
+        if self.phase != "backward":
+            raise NotImplementedError(
+                "a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model): "
+                "train_step does not support that yet"
+            )
+        if self._active.get(u, 0) > 0:
+            self._active[u] -= 1
+            if self._active[u] == 0:
+                self._busy_end(u)
+        self._pending[u] -= 1
+        if self._pending[u] == 0:
+            self._reduce(u)
+        elif self.reshard_after_forward and not self._busy(u) and u in self._live:
+            self._free(u)  # another use comes later: gathered again then
+
     def _grad_ready(self, u: int) -> None:
         if self.phase == "idle":
             return
-        if u == ROOT:
-            self._root_remaining -= 1
-            if self._root_remaining == 0:
-                self._reduce(ROOT)
-            return
         if u in self._reduced and self._reduce_now:
             raise RuntimeError(
-                f"unit {self.units[u].name!r} got a gradient after its reduction: its buffers were needed by "
-                "another unit first. Units must finish their backward before the unit two places "
-                "earlier in module order begins its own."
+                f"unit {self.units[u].name!r} got a gradient after its reduction; please report this with the model"
             )
-        self._remaining[u] -= 1
-        if self._remaining[u] == 0:
+        self._pending[u] -= 1
+        if self._pending[u] == 0:
             self._reduce(u)
 
     def _reduce(self, u: int) -> None:
@@ -343,26 +664,37 @@ class Engine:
         if u in self._reduced:
             return
         self._reduced.add(u)
-        self._in_use.discard(u)
+        if self._active.pop(u, 0):
+            self._busy_end(u)
         if unit.num_trained and self._reduce_now:
             self._event("reduce", u)
             # At most `max_reductions` in flight (their full-size inputs are memory too): wait for
             # the oldest before this one takes a free arena pair.
             while len(self._in_flight) >= self.max_reductions:
                 self._finish_oldest()
-            busy = {pair for _, _, pair in self._in_flight}
+            busy = {pair for _, _, pair, _ in self._in_flight}
             pair = min(set(range(self.max_reductions)) - busy)
-            pending = unit.start_reduce(self._accumulate, *self.reduce_arenas[pair])
-            self._in_flight.append((u, pending, pair))
+            owner = unit.arenas["full"].owner
+            in_slot = unit.reduce_in_full and (owner is None or owner is unit or not self._holds(owner))
+            if in_slot:
+                self._drain_slot(u)
+            pending = unit.start_reduce(self._accumulate, *self.reduce_arenas[pair], in_full=in_slot)
+            self._in_flight.append((u, pending, pair, in_slot and unit.reduce_in_full))
         if u != ROOT:
             self._free(u)
             self._release_spent_slot(u)
 
+    def _holds(self, unit: FlatUnit) -> bool:
+        """Whether `unit` is gathered (or gathering) now."""
+        if unit is self.root:
+            return self.phase != "idle"
+        return any(self.units[v] is unit for v in self._live)
+
     def _finish_oldest(self) -> None:
-        u, pending, pair = self._in_flight.pop(0)
+        u, pending, pair, in_slot = self._in_flight.pop(0)
         again = self._unit(u).finish_reduce(pending)
         if again is not None:  # hybrid: the replicate-axis all-reduce is now in flight
-            self._in_flight.append((u, again, pair))
+            self._in_flight.append((u, again, pair, in_slot))
         else:
             self._release_spent_slot(u)
 
@@ -373,32 +705,38 @@ class Engine:
         if self.phase != "backward" or u not in self._slot_done_after or u in self._live:
             return
         full = self.units[u].arenas["full"]
-        if any(self._unit(w).arenas["full"] is full for w, _, _ in self._in_flight):
+        if any(self._unit(w).arenas["full"] is full for w, _, _, _ in self._in_flight):
+            return
+        if any(v in self._live for v in self.slot_of if self.slot_of[v] == self.slot_of[u]):
             return
         self._event("release_slot", u)
         for name in ("full", "stage"):
             self.units[u].arenas[name].release()
 
     def end(self) -> None:
-        """Ends one forward/backward: reduces what got no gradient, waits, frees everything."""
-        if self.phase == "forward":
-            self._end_forward()
-        for u in [*range(len(self.units)), ROOT]:
+        """Ends one forward/backward: reduces what did not finish, waits, frees everything."""
+        self.end_forward()
+        for u in list(self._live):  # the backward is over: nothing reads a full parameter now
+            self._free(u)
+        for u in reversed(self.order):
             if u not in self._reduced:
                 self._reduce(u)
+        self._reduce(ROOT)
         while self._in_flight:
             self._finish_oldest()
         self._free(ROOT)
         for u in list(self._live):
             self._free(u)
-        self._deferred = []
-        self._in_use.clear()
         for a in self.arenas:
             a.release()
-        self.phase = "idle"
+        planning = not self.planned and self._reduce_now
+        busy = self._busy_log
+        self._reset_step_state()
+        if planning:
+            self._plan(busy)
 
     def abort(self) -> None:
-        """Leaves the engine clean after an exception in the user's code: no gather survives."""
+        """Leaves the engine clean after an exception: no gather or reduction survives."""
         for u, w in list(self._works.items()):
             self._unit(u).finish_gather(w)
         self._works.clear()
@@ -409,7 +747,13 @@ class Engine:
             unit.free()
         for a in self.arenas:
             a.release()
-        self._live.clear()
-        self._in_use.clear()
-        self._deferred = []
-        self.phase = "idle"
+        self._reset_step_state()
+
+
+def _unique(items: list) -> list:
+    out, seen = [], set()
+    for x in items:
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out

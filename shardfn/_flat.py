@@ -134,9 +134,11 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 
 class Arena:
     """Storage for buffers that are never in use at the same time, e.g. the full parameters of
-    units 0, 2, 4, ... (see Note [slot arenas]).
+    units that share a slot (see Note [slot arenas]).
 
     Its storage is allocated on first use and kept until `release()`; buffers are views of it.
+    `owner` is the unit whose data it holds now: a unit that fills it takes it over, and the unit
+    it held before is marked stale (Note [stale parameters]).
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, device: Any, shared: bool):
@@ -144,17 +146,48 @@ class Arena:
         self.writer = _alias(self.base)
         self.nbytes = self.base.untyped_storage().nbytes()
         self.shared = shared
+        self.owner: FlatUnit | None = None
         _storage_free(self.base)
 
     def alloc(self) -> None:
         _storage_alloc(self.base, self.nbytes)
 
     def release(self) -> None:
+        if self.owner is not None:
+            self.owner.mark_stale()
+            self.owner = None
         _storage_free(self.base)
+
+    def claim(self, unit: "FlatUnit") -> None:
+        """`unit` is about to write its data here: whoever held it is stale from now on."""
+        if self.owner is not unit:
+            if self.owner is not None:
+                self.owner.mark_stale()
+            self.owner = unit
 
     @property
     def allocated(self) -> bool:
         return self.base.untyped_storage().nbytes() > 0
+
+
+# Note [stale parameters]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A unit's full parameters (the tensors handed to its forward, which autograd saves for the
+# backward) are fixed views into storage that other units reuse (Note [slot arenas]) or that is
+# given back between uses. Autograd reads them again in the backward, and must only do so while
+# they hold this unit's values: after the unit was gathered again, never while the memory is freed
+# or holds another unit. That is an invariant of the engine's schedule, and it is checked on every
+# run by autograd itself: each unit's full parameters share a version counter of their own (their
+# reader tensors are aliases made with `set_`, not views of the arena's tensor, so units that share
+# an arena do not share a counter). A gathered unit's counter reads VALID, the version autograd
+# records when the forward saves the tensors; whenever the unit's memory is freed or taken by
+# another unit, its counter is set to STALE, and back to VALID when it is gathered again. A saved
+# parameter read while stale fails autograd's own check ("modified by an inplace operation"), which
+# the train step turns into an error naming the unit, before any gradient is reduced or applied.
+# The check costs one counter write per gather and per free; the gathers themselves write through
+# `writer` aliases (their own counters), so a refill is not an in-place change to autograd.
+VALID, STALE = 0, 1 << 40
+_set_versions = torch._C._autograd._unsafe_set_version_counter
 
 
 # Sharded segments below this many elements (4 MiB in fp32) are "small": when the other leaves are
@@ -232,22 +265,22 @@ class FlatUnit:
         replicate_group: for hybrid sharding, the group gradients are all-reduced over after the
             reduce-scatter (None otherwise).
         device: where the unit computes.
-        arenas: the "full", "gathered" and "stage" arenas it computes in (see Note [slot arenas]),
-            each at least `buffer_sizes(...)` long, in `compute_dtype`.
         offload: keep `local` and `grad` (and so the optimizer) in pinned CPU memory.
-        reduce_in_full: build the reduce-scatter input in the unit's own "full" arena (its full
-            parameters are dead once its gradients are complete): no arena of its own for it. The
-            engine must keep the arena alive until the reduction finishes (Note [slot arenas]).
         direct_gather: receive each large sharded leaf straight into `full` (the collectives run
             point to point, Note [gloo collectives]); only the small leaves go through `gathered`.
+
+    The transient buffers (`full`, `gathered`, `stage`) live in arenas that the engine gives with
+    `bind` (Note [slot arenas]); binding again (a new plan) makes new full parameters.
     """
 
-    def __init__(self, name, leaves, dtype, compute_dtype, reduce_dtype, group, world, rank, device, arenas, replicate_group=None, offload=False, reduce_in_full=False, direct_gather=False):
+    def __init__(self, name, leaves, dtype, compute_dtype, reduce_dtype, group, world, rank, device, replicate_group=None, offload=False, direct_gather=False):
         self.name = name
+        self.leaves = list(leaves)
         self.slots: list[LeafSlot] = place(leaves, world, rank)
         self.dtype, self.compute_dtype, self.reduce_dtype = dtype, compute_dtype, reduce_dtype
         self.group, self.world, self.rank = group, world, rank
         self.replicate_group = replicate_group
+        self.device = device
         slots = self.slots
         sh = [s for s in slots if s.sharded]
         self.S = sum(s.seg_numel for s in sh)
@@ -272,11 +305,6 @@ class FlatUnit:
         # Gradient shards are dropped between steps when parameters are sharded (as FSDP's
         # zero_grad(set_to_none=True)); replicated (DDP-like) and offloaded ones stay.
         self._grad_transient = not offload and self.S > 0
-
-        # Transient buffers: views of arenas, whose storage exists only while in use.
-        self.arenas = arenas
-        for a in arenas.values():  # views are built over allocated storage, which is then released
-            a.alloc()
         small = [s for s in sh if s.seg_numel < SMALL_SEGMENT]
         self.direct_gather = direct_gather and world > 1
         # Its gather writes `full` as soon as it starts (not only when it finishes).
@@ -284,29 +312,62 @@ class FlatUnit:
         # The small sharded leaves are contiguous (Note [flat unit layout]): [small_lo, small_hi).
         self._small_lo = small[0].offset if small else 0
         self._small_hi = self._small_lo + sum(s.seg_numel for s in small)
+        self._small = small
+        self.direct = reduce_dtype == dtype and not offload  # reduce straight into `grad`
+        self.n_trained = self.S_trained + self.R_trained
+        self._sh_trained = [i for i, s in enumerate(slots) if s.sharded and s.trained]
+        self._rep_trained = [i for i, s in enumerate(slots) if not s.sharded and s.trained]
+        self.num_trained = len(self._sh_trained) + len(self._rep_trained)
+        self.arenas: dict[str, Arena] = {}
+        self.proxies: list[torch.Tensor] = []
+        self._readers: tuple[torch.Tensor, ...] = ()
+        self.valid = False
+
+    def sizes(self) -> dict[str, int]:
+        """Element counts of this unit's transient buffers (see `buffer_sizes`)."""
+        return buffer_sizes(self.leaves, self.world, self.rank, self.direct_gather)
+
+    def bind(self, arenas: dict[str, Arena], reduce_in_full: bool) -> None:
+        """Puts this unit's transient buffers in `arenas` and makes its full parameters there.
+
+        Args:
+            arenas: the "full", "gathered" and "stage" arenas it computes in (see Note [slot
+                arenas]), each at least `sizes()` long, in `compute_dtype`.
+            reduce_in_full: build the reduce-scatter input in the unit's own "full" arena (its full
+                parameters are dead once its backward is over): no arena of its own for it. The
+                engine keeps the arena alive until the reduction finishes (Note [slot arenas]).
+        """
+        world, slots = self.world, self.slots
+        sh = [s for s in slots if s.sharded]
+        self.arenas = arenas
+        for a in arenas.values():  # views are built over allocated storage, which is then released
+            a.alloc()
         n_gather_src = self._small_hi - self._small_lo if self.direct_gather else self.S
         n_gathered, n_stage = (world * n_gather_src if world > 1 else 0), (self.S + self.R if self.staged else 0)
-        self.full = arenas["full"].base[: self.full_numel]
+        # Readers: what the full parameters view. Each is an alias with a version counter of its
+        # own (Note [stale parameters]); the arenas' own tensors are for the writers.
+        full_r = _alias(arenas["full"].base)[: self.full_numel]
+        stage_r = _alias(arenas["stage"].base)[:n_stage]
+        self.full = full_r
         self.gathered = arenas["gathered"].base[:n_gathered]
-        self.stage = arenas["stage"].base[:n_stage]
+        self.stage = stage_r
         full_w = arenas["full"].writer[: self.full_numel]
         gathered_w = arenas["gathered"].writer[:n_gathered]
         self._stage_w = arenas["stage"].writer[:n_stage]
-        self.direct = reduce_dtype == dtype and not offload  # reduce straight into `grad`
-        self.reduce_in_full = reduce_in_full and reduce_dtype == compute_dtype and world > 1
+        self.reduce_in_full = reduce_in_full and self.reduce_dtype == self.compute_dtype and world > 1
         self._rs_in_full = arenas["full"].writer[: world * self.S_trained] if self.reduce_in_full else None
-        self.n_trained = self.S_trained + self.R_trained
 
-        rep_src = self.stage if self.staged else self.local
-        self.proxies: list[torch.Tensor] = []
+        rep_src = stage_r if self.staged else _alias(self.local)
+        self.proxies = []
         for s in slots:
             if s.sharded:
-                v = self.full[s.full_offset : s.full_offset + s.shape.numel()].view(s.shape)
+                v = full_r[s.full_offset : s.full_offset + s.shape.numel()].view(s.shape)
             else:
                 v = rep_src[s.offset : s.offset + s.seg_numel].view(s.shape)
-            p = v.detach()
+            p = v.detach()  # shares the reader's version counter
             p.requires_grad_(s.trained)
             self.proxies.append(p)
+        self._readers = (full_r, stage_r) if self.staged and self.R else (full_r,)
         # Gather plan: what the all-gather receives where (`_gather_pieces`), and the copy-out of
         # `gathered` (W, S) into full, one (W, c_i * rest) block per sharded leaf. With
         # `direct_gather` the large leaves arrive in `full` as they are and only the small ones,
@@ -316,8 +377,8 @@ class FlatUnit:
         if world == 1:
             src, lo, copied = src_flat[: self.S].view(1, self.S), 0, sh
         elif self.direct_gather:
-            src, lo, copied = gathered_w.view(world, -1), self._small_lo, small
-            if small:
+            src, lo, copied = gathered_w.view(world, -1), self._small_lo, self._small
+            if self._small:
                 self._gather_pieces.append((self.gathered, src_flat[self._small_lo : self._small_hi]))
             for s in sh:
                 if s.seg_numel >= SMALL_SEGMENT:
@@ -331,16 +392,30 @@ class FlatUnit:
         self._copy_dst = [full_w[s.full_offset : s.full_offset + world * s.seg_numel].view(world, s.seg_numel) for s in copied]
         self._copy_src = [src[:, s.offset - lo : s.offset - lo + s.seg_numel] for s in copied]
         for a in arenas.values():
+            a.owner = None
             a.release()
-        self._sh_trained = [i for i, s in enumerate(slots) if s.sharded and s.trained]
-        self._rep_trained = [i for i, s in enumerate(slots) if not s.sharded and s.trained]
-        self.num_trained = len(self._sh_trained) + len(self._rep_trained)
+        self.valid = True  # fresh aliases read version 0: mark them stale for real
+        self.mark_stale()
+
+    # -- validity (Note [stale parameters]) ---------------------------------------------------
+    def mark_valid(self) -> None:
+        if not self.valid:
+            _set_versions(self._readers, (VALID,) * len(self._readers))
+            self.valid = True
+
+    def mark_stale(self) -> None:
+        if self.valid:
+            _set_versions(self._readers, (STALE,) * len(self._readers))
+            self.valid = False
 
     # -- gather -------------------------------------------------------------------------------
     def start_gather(self):
         """Allocates the full buffer and starts the all-gather; returns the pending work (or None)."""
+        self.arenas["full"].claim(self)
         self.arenas["full"].alloc()
         if self.staged:
+            if self.R:
+                self.arenas["stage"].claim(self)
             self.arenas["stage"].alloc()
             with torch.no_grad():
                 self._stage_w.copy_(self.local, non_blocking=True)
@@ -356,6 +431,7 @@ class FlatUnit:
         if self._copy_dst:
             with torch.no_grad():
                 torch._foreach_copy_(self._copy_dst, self._copy_src)
+        self.mark_valid()
         if not self.arenas["gathered"].shared:
             self.arenas["gathered"].release()
             if self.staged and not self.R:
@@ -364,11 +440,33 @@ class FlatUnit:
     def free(self) -> None:
         """Drops the full parameters (their storage, unless an arena shared with other units keeps
         it for the next of them until the step ends)."""
+        self.mark_stale()
         for name in ("full", "gathered", "stage"):
             if not self.arenas[name].shared:
                 self.arenas[name].release()
 
     # -- gradients ----------------------------------------------------------------------------
+    def norm_parts(self, replicas: int, replica_rank: int, total_world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The trained segments of the gradient shard (what clipping scales), and the part of each
+        whose squares this rank adds to the global norm.
+
+        A gradient several ranks hold (a sharded segment on every replica of a hybrid mesh, a
+        replicated one on every rank) is identical on all of them once reduced, so each sums the
+        squares of its own 1/copies of it, and the all-reduce of the sums adds the parts.
+        """
+        segs, parts = [], []
+        global_rank = replica_rank * self.world + self.rank
+        for seg, copies, i in (
+            (self.grad[self.S_frozen : self.S], replicas, replica_rank),
+            (self.grad[self.S : self.S + self.R_trained], total_world, global_rank),
+        ):
+            if seg.numel():
+                c = -(-seg.numel() // copies)
+                segs.append(seg)
+                if seg[i * c : (i + 1) * c].numel():
+                    parts.append(seg[i * c : (i + 1) * c])
+        return segs, parts
+
     def take_grads(self) -> None:
         """Drops the full gradients (after a reduction, or when a micro-batch keeps them)."""
         for p in self.proxies:
@@ -383,14 +481,17 @@ class FlatUnit:
         if self._grad_transient:
             _storage_free(self.grad)
 
-    def start_reduce(self, accumulate: bool, rs_in: Arena, rs_out: Arena):
+    def start_reduce(self, accumulate: bool, rs_in: Arena, rs_out: Arena, in_full: bool = True):
         """Starts reducing the trained full gradients into this rank's `grad` shard.
 
         Leaves without a gradient count as zero. With `accumulate`, the result is added to `grad`.
-        `rs_in` / `rs_out` are the arenas (reduce dtype) this reduction may use until it finishes.
-        Returns the pending state for `finish_reduce`.
+        `rs_in` / `rs_out` are the arenas (reduce dtype) this reduction may use until it finishes;
+        `in_full=False` keeps the input out of the unit's own arena even where it could go there
+        (another unit holds it now). Returns the pending state for `finish_reduce`.
         """
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.proxies]
+        trained = {i: self.proxies[i] for i in (*self._sh_trained, *self._rep_trained)}
+        grads = {i: p.grad if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device) for i, p in trained.items()}
+        del trained
         self.take_grads()
         direct = self.direct and not accumulate
         if direct:
@@ -412,7 +513,8 @@ class FlatUnit:
                 if self.world == 1:
                     torch._chunk_cat(sh, dim=0, num_chunks=1, out=out[: self.S_trained].view(1, -1))
                 else:
-                    if self.reduce_in_full:
+                    if self.reduce_in_full and in_full:
+                        self.arenas["full"].claim(self)
                         self.arenas["full"].alloc()
                         inp = self._rs_in_full
                     else:

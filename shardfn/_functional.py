@@ -13,6 +13,7 @@ sharded tree gathers there for inference. With no runtime active, the hooks cost
 
 from __future__ import annotations
 
+import gc
 import re
 import weakref
 from dataclasses import dataclass, field
@@ -50,14 +51,21 @@ def _register(info: ModelInfo) -> None:
     _REGISTRY.append(weakref.ref(info))
 
 
-def find_apply(paths: Sequence[str]) -> ModelInfo | None:
-    """The most recently functionalized model whose parameter names are exactly `paths`."""
+def find_apply(paths: Sequence[str]) -> list[ModelInfo]:
+    """The live functionalized models whose parameter names are exactly `paths` (a train step
+    built without `apply=` uses the one, and refuses to guess between several)."""
     want = set(paths)
-    for ref in reversed(_REGISTRY):
-        info = ref()
-        if info is not None and set(info.param_paths) == want:
-            return info
-    return None
+
+    def live() -> list[ModelInfo]:
+        infos = (ref() for ref in _REGISTRY)
+        return [i for i in infos if i is not None and set(i.param_paths) == want]
+
+    found = live()
+    if len(found) > 1:  # a model nobody uses may still wait for the cycle collector
+        del found
+        gc.collect()
+        found = live()
+    return found
 
 
 def _compile_units(units: str | Sequence[str] | None) -> list[re.Pattern]:
@@ -88,16 +96,18 @@ def _unit_index(owner: str, unit_names: list[str]) -> int:
 
 
 def _unit_hooks(info: ModelInfo, index: int):
-    def pre(mod: nn.Module, args: Any) -> Any:
+    ref = weakref.ref(info)  # the module holds its hooks; the model's info must not be kept by them
+
+    def pre(mod: nn.Module, args: Any, kwargs: dict) -> Any:
         rt = _runtime.current()
         if rt is not None:
-            return rt.pre_forward(info, index, args)
+            return rt.pre_forward(ref(), index, args, kwargs)
         return None
 
     def post(mod: nn.Module, args: Any, output: Any) -> Any:
         rt = _runtime.current()
         if rt is not None:
-            return rt.post_forward(info, index, output)
+            return rt.post_forward(ref(), index, output)
         return None
 
     return pre, post
@@ -147,25 +157,32 @@ class Apply:
         return flat
 
     def __call__(self, params: Any, *args: Any, buffers: Any = None, **kwargs: Any) -> Any:
-        leaves = optree.tree_leaves(params)
-        if any(isinstance(x, DTensor) for x in leaves):
-            from ._inference import ShardedForward
-
-            with ShardedForward(self, params) as (gathered, runtime):
-                with _runtime.activate(runtime):
-                    return self._call_flat(gathered, args, buffers, kwargs)
         rt = _runtime.current()
+        # A train step hands `loss_fn` its own parameter objects: it says which tensors the model
+        # computes on (Note [parameters outside apply] in `_param.py`).
+        flat = rt.flat_params(self, params) if rt is not None and hasattr(rt, "flat_params") else None
+        if flat is None:
+            leaves = optree.tree_leaves(params)
+            if any(isinstance(x, DTensor) for x in leaves):
+                from ._inference import ShardedForward
+
+                with ShardedForward(self, params) as (gathered, runtime):
+                    with _runtime.activate(runtime):
+                        return self._call_flat(gathered, args, buffers, kwargs)
+            flat = self.flat_params(params)
         if rt is not None and hasattr(rt, "cast_inputs"):
             args, kwargs = rt.cast_inputs(self.info, args, kwargs)
-        return self._call_flat(self.flat_params(params), args, buffers, kwargs)
+        return self._call_flat(flat, args, buffers, kwargs)
 
     def _call_flat(self, flat: dict[str, torch.Tensor], args: tuple, buffers: Any, kwargs: dict) -> Any:
         if buffers is not None:
             bpaths, bleaves, _ = tree_flatten_with_paths(buffers)
             flat = {**flat, **dict(zip(bpaths, bleaves))}
         module = self.info.module
+        # `torch.func.functional_call` does this for `forward` only; `apply.method(...)` needs any method.
+        fn = module if self._method == "forward" else getattr(module, self._method)
         with _reparametrize_module(module, flat):
-            return getattr(module, self._method)(*args, **kwargs)
+            return fn(*args, **kwargs)
 
     def __repr__(self) -> str:
         return (
@@ -243,7 +260,7 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
     for i, name in enumerate(unit_names):
         pre, post = _unit_hooks(info, i)
         sub = module.get_submodule(name)
-        sub.register_forward_pre_hook(pre)
+        sub.register_forward_pre_hook(pre, with_kwargs=True)
         sub.register_forward_hook(post)
     _register(info)
     return Apply(info), params

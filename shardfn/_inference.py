@@ -73,7 +73,7 @@ class ShardedForward:
             unit.free()
 
     # runtime protocol (see shardfn/_runtime.py)
-    def pre_forward(self, info, u: int, args: Any) -> None:
+    def pre_forward(self, info, u: int, args: Any, kwargs: dict) -> None:
         if info is self.apply.info and u in self.units:
             self.units[u].gather()
         return None

@@ -1,10 +1,11 @@
 """The active unit runtime: who is told when a unit's forward starts and ends.
 
-A runtime is an object with `pre_forward(info, unit, args)` and `post_forward(info, unit, output)`
-(each may return replacement args / output, or None), and optionally `cast_inputs(info, args,
-kwargs)`, applied to the inputs of every `apply` call; the forward hooks that `functionalize` puts
-on unit modules call the innermost active one. Train steps
-and sharded inference activate theirs for the duration of one call.
+A runtime is an object with `pre_forward(info, unit, args, kwargs)` and `post_forward(info, unit,
+output)` (each may return replacement (args, kwargs) / output, or None), and optionally
+`cast_inputs(info, args, kwargs)`, applied to the inputs of every `apply` call, and
+`flat_params(apply, params)`, which may say which tensors `apply` computes on. The forward hooks
+that `functionalize` puts on unit modules call the innermost active one. Train steps and sharded
+inference activate theirs for the duration of one call.
 """
 
 from __future__ import annotations

@@ -13,9 +13,11 @@ from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
 from . import _runtime
-from ._engine import Engine
-from ._flat import Arena, FlatUnit, LeafSlot, LeafSpec, buffer_sizes, has_large_leaves
+from ._buffers import ModuleBuffers
+from ._engine import Engine, Policy, StaleParameterError
+from ._flat import FlatUnit, LeafSlot, LeafSpec
 from ._functional import find_apply
+from .optim._norm import local_sumsq
 from ._remat import install as install_remat
 from ._remat import select_units
 from ._spec import P, match_specs, placements_for, specs as make_specs
@@ -139,7 +141,6 @@ class TrainStep:
         self.world = mesh.size()
         self.rank = mesh.get_local_rank(self.shard_axis)
         self.engine: Engine | None = None
-        self.max_reductions = 1  # gradient reductions in flight at once (each may hold a full-size input)
 
     # -- init -----------------------------------------------------------------------------------
     def init(self, params: Any) -> TrainState:
@@ -163,16 +164,20 @@ class TrainStep:
                     f"leaf {path!r} (shape {tuple(leaf.shape)}) has spec {spec!r}: the train step shards dim 0 over "
                     f"{self.shard_axis!r} only for now; use P({self.shard_axis!r}) or P()"
                 )
-        info = self.apply.info if self.apply is not None else find_apply(paths)
+        info = self._model(paths)
         unit_of = [info.unit_of[p] if info is not None else -1 for p in paths]
         n_units = len(info.unit_names) if info is not None else 0
-        trained = [not any(rx.fullmatch(p) for rx in self.frozen) for p in paths]
+        # Frozen: named by `frozen=`, or `requires_grad=False` on the module's parameter (as peft does).
+        needs_grad = dict(info.module.named_parameters(remove_duplicate=True)) if info is not None else {}
+        trained = [not any(rx.fullmatch(p) for rx in self.frozen) and (p not in needs_grad or needs_grad[p].requires_grad) for p in paths]
         device = self.mesh.device_type
         members: dict[int, list[int]] = {u: [] for u in [*range(n_units), -1]}
         for i, u in enumerate(unit_of):
             members[u].append(i)
 
         specs_of = {u: [LeafSpec(i, paths[i], leaves[i].shape, bool(spec_list[i].axes_of(0)), trained[i]) for i in idx] for u, idx in members.items()}
+        model_dtypes = [leaf.dtype for leaf in leaves]
+        model_dtype = max(set(model_dtypes), key=model_dtypes.count) if leaves else torch.float32
         dtype_of = {}
         for u, idx in members.items():
             dtypes = {leaves[i].dtype for i in idx}
@@ -181,11 +186,9 @@ class TrainStep:
                     f"unit {info.unit_names[u] if u >= 0 else '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
                     "give each unit one dtype"
                 )
-            dtype_of[u] = dtypes.pop() if dtypes else torch.float32
-        arenas, unit_slot, reduce_arenas = self._arenas(info, specs_of, dtype_of, device)
-
+            dtype_of[u] = dtypes.pop() if dtypes else model_dtype  # a unit without leaves: the model's
+        direct_gather = self.shard_world > 1 and C.point_to_point(self.group, device)
         units: dict[int, FlatUnit] = {}
-        slot_of: list[tuple[int, int]] = [None] * len(leaves)  # type: ignore[list-item]
         for u, idx in members.items():
             compute = self.mp.param_dtype or dtype_of[u]
             units[u] = FlatUnit(
@@ -198,20 +201,23 @@ class TrainStep:
                 world=self.shard_world,
                 rank=self.rank,
                 device=device,
-                arenas=arenas[u],
                 replicate_group=self.replicate_group,
                 offload=self.offload == "cpu",
-                reduce_in_full=u == -1 or u in unit_slot,
-                direct_gather=self._direct_gather,
+                direct_gather=direct_gather,
             )
-            for j, s in enumerate(units[u].slots):
-                slot_of[s.index] = (u, j)
+        where: list[tuple[int, int]] = [None] * len(leaves)  # type: ignore[list-item]
+        for u, unit in units.items():
+            for j, s in enumerate(unit.slots):
+                where[s.index] = (u, j)
+        names = info.unit_names if info is not None else []
+        nested = {i for i, a in enumerate(names) for b in names if a != b and (a.startswith(b + ".") or b.startswith(a + "."))}
+        self.engine = Engine(info, [units[u] for u in range(n_units)], units[-1], self._policy(units, dtype_of, direct_gather), nested)
 
         # Fill the local shards and build the user-facing DTensors over them.
-        dt_params, dt_grads, proxies = [], [], []
+        dt_params, dt_grads = [], []
         with torch.no_grad():
             for i, (leaf, spec) in enumerate(zip(leaves, spec_list)):
-                u, j = slot_of[i]
+                u, j = where[i]
                 unit, s = units[u], units[u].slots[j]
                 src = leaf.full_tensor() if isinstance(leaf, DTensor) else leaf
                 if src.is_meta:
@@ -223,46 +229,27 @@ class TrainStep:
                 placements = placements_for(spec, self.mesh)
                 dt_params.append(self._dtensor(unit.local_views[j], placements, s))
                 dt_grads.append(self._dtensor(unit.grad_views[j], placements, s) if s.trained else None)
-                proxies.append(unit.proxies[j])
         if info is not None and self.mp.buffer_dtype is not None:
             _cast_buffers(info.module, self.mp.buffer_dtype)
-        # Gradient segments for the clip, and this rank's part of each for the norm: a gradient held
-        # by several ranks (a sharded segment by every replica of a hybrid mesh, a replicated one by
-        # every rank) is identical on all of them once reduced, so each sums the squares of its own
-        # 1/copies of it and the metrics all-reduce adds the parts.
+        self._buffers = ModuleBuffers(info.module if info is not None else None, self.mesh)
+        # Gradient segments for the clip, and this rank's part of each for the norm (see
+        # FlatUnit.norm_parts).
         replicas = self.world // self.shard_world
         replica_rank = self.mesh.get_local_rank(self.replicate_axis) if self.replicate_axis else 0
-        global_rank = replica_rank * self.shard_world + self.rank if self.replicate_axis else self.rank
         segs, parts = [], []
-        for u in units.values():
-            for seg, copies, i in (
-                (u.grad[u.S_frozen : u.S], replicas, replica_rank),
-                (u.grad[u.S : u.S + u.R_trained], self.world, global_rank),
-            ):
-                if seg.numel():
-                    c = -(-seg.numel() // copies)
-                    segs.append(seg)
-                    parts.append(seg[i * c : (i + 1) * c])
+        for unit in units.values():
+            s_, p_ = unit.norm_parts(replicas, replica_rank, self.world)
+            segs += s_
+            parts += p_
         self._norm_segments = segs
-        self._norm_parts = [p for p in parts if p.numel()]
+        self._norm_parts = parts
         self.treespec = treespec
         self.paths = paths
         self._units = units
         self._dt_params = dt_params
         self._trained = trained
         self.grads = optree.tree_unflatten(treespec, dt_grads)
-        self.proxy_tree = optree.tree_unflatten(treespec, proxies)
-        self.engine = Engine(
-            info,
-            [units[u] for u in range(n_units)],
-            units[-1],
-            reshard_after_forward=self.strategy in ("full_shard", "hybrid_shard"),
-            cast_dtype=self.mp.param_dtype,
-            slot_of=unit_slot,
-            reduce_arenas=reduce_arenas,
-            max_reductions=self.max_reductions,
-            arenas=_unique([*(a for d in arenas.values() for a in d.values()), *(a for p in reduce_arenas for a in p)]),
-        )
+        self.engine.set_tree(treespec, where)
         if self.remat:
             if info is None:
                 raise ValueError("remat needs units: functionalize the model with units=... (or pass apply=)")
@@ -272,70 +259,37 @@ class TrainStep:
         params_tree = optree.tree_unflatten(treespec, dt_params)
         return TrainState(params=params_tree, opt_state=self.opt.init(self._trainable(params_tree)), step=0)
 
-    def _arenas(self, info, specs_of: dict, dtype_of: dict, device) -> tuple[dict, dict, list]:
-        """Arenas per unit (shared by slot under full_shard, see Note [slot arenas]) and for reductions."""
-        W, r = self.shard_world, self.rank
-        self._direct_gather = W > 1 and C.point_to_point(self.group, device)
-        sizes = {u: buffer_sizes(specs_of[u], W, r, self._direct_gather) for u in specs_of}
-        compute = {u: self.mp.param_dtype or dtype_of[u] for u in specs_of}
-        reduce = {u: self.mp.reduce_dtype or compute[u] for u in specs_of}
-        names = info.unit_names if info is not None else []
-        nested = any(b.startswith(a + ".") for a in names for b in names)
-        share = (
-            self.strategy in ("full_shard", "hybrid_shard")
-            and bool(names)
-            and not nested
-            and len({compute[u] for u in range(len(names))}) <= 1
-        )
-        # Gathers that land in place write a slot as soon as they start, while the slot of the unit
-        # two places later may still hold its reduction's input: a third slot (Note [slot arenas]).
-        self._slots_in_place = self._direct_gather and any(has_large_leaves(specs_of[u], W) for u in range(len(names)))
-        n_slots = 3 if self._slots_in_place else 2
-        unit_slot = {u: u % n_slots for u in range(len(names))} if share else {}
-        self.max_reductions = self._reductions_in_flight(share, dtype_of, len(names))
-        arenas: dict[int, dict[str, Arena]] = {}
-        slots: dict[int, dict[str, Arena]] = {}
-        if share:  # one all-gather output for all units: the engine has one unit gather in flight
-            gathered = Arena(max(sizes[v]["gathered"] for v in unit_slot), compute[0], device, shared=True)
-        for u in specs_of:
-            if u in unit_slot:
-                k = unit_slot[u]
-                if k not in slots:
-                    members = [v for v in unit_slot if unit_slot[v] == k]
-                    slots[k] = {
-                        name: Arena(max(sizes[v][name] for v in members), compute[u], device, shared=True)
-                        for name in ("full", "stage")
-                    }
-                    slots[k]["gathered"] = gathered
-                arenas[u] = slots[k]
-            else:
-                arenas[u] = {name: Arena(sizes[u][name], compute[u], device, shared=False) for name in ("full", "gathered", "stage")}
-        rdt = {reduce[u] for u in specs_of}
-        if len(rdt) > 1:
-            raise NotImplementedError(f"units reduce in different dtypes {sorted(map(str, rdt))}; give every unit one dtype")
-        rdt_one = rdt.pop()
-        in_full = {u for u in specs_of if (u == -1 or u in unit_slot) and reduce[u] == compute[u]}
-        n_in = max([sizes[u]["rs_in"] for u in specs_of if u not in in_full], default=0)
-        n_out = max(sizes[u]["rs_out"] for u in specs_of)
-        reduce_arenas = [(Arena(n_in, rdt_one, device, shared=True), Arena(n_out, rdt_one, device, shared=True)) for _ in range(self.max_reductions)]
-        return arenas, unit_slot, reduce_arenas
+    def _model(self, paths: list[str]):
+        """The functionalized model whose units the step runs: `apply=`, or the one whose parameter
+        names are these; None for a plain pure function."""
+        if self.apply is not None:
+            if set(self.apply.info.param_paths) != set(paths):
+                raise ValueError("params do not match apply=: pass the tree that sf.functionalize returned with that apply")
+            return self.apply.info
+        found = find_apply(paths)
+        if len(found) > 1:
+            kinds = ", ".join(type(i.module).__name__ for i in found)
+            raise ValueError(
+                f"{len(found)} functionalized models have exactly these parameter names ({kinds}: a teacher, an EMA "
+                "copy, ...); say which one loss_fn trains: sf.train_step(..., apply=apply)"
+            )
+        return found[0] if found else None
 
-    def _reductions_in_flight(self, share: bool, dtype_of: dict, n_units: int) -> int:
-        """How many gradient reductions may overlap the backward without any extra buffer."""
+    def _policy(self, units: dict, dtype_of: dict, direct_gather: bool) -> Policy:
+        """The engine's policy for this strategy and these options."""
         master = dtype_of[-1]
         one_dtype = len(set(dtype_of.values())) == 1 and self.offload is None
         reduce_in_master = one_dtype and (self.mp.reduce_dtype or self.mp.param_dtype or master) == master
-        if self.strategy == "no_shard" and reduce_in_master and (self.accumulation_steps == 1 or self.accumulation == "local"):
-            # Replicated gradients are all-reduced in place in their flat buffers, which need no
-            # scratch: every unit's all-reduce may run while the backward goes on, as DDP's buckets.
-            return n_units + 1
-        if share and reduce_in_master and self.mp.param_dtype in (None, master) and self.accumulation_steps == 1 and not self._slots_in_place:
-            # Each reduction's input lives in its own unit's slot and neighbours use different
-            # slots: two can be in flight (the engine finishes a slot's reduction before refilling it).
-            # Not when gathers land in place: their third slot already holds one reduction's input
-            # while the previous unit is gathered, and a second would hold a fourth unit.
-            return 2
-        return 1
+        in_place = direct_gather and any(u.gathers_in_place for k, u in units.items() if k >= 0)
+        return Policy(
+            reshard_after_forward=self.strategy in ("full_shard", "hybrid_shard"),
+            share_slots=self.strategy in ("full_shard", "hybrid_shard"),
+            slots=3 if in_place else 2,
+            all_reduce=self.strategy == "no_shard" and reduce_in_master and (self.accumulation_steps == 1 or self.accumulation == "local"),
+            reduce_in_master=reduce_in_master and self.mp.param_dtype in (None, master),
+            single_micro_batch=self.accumulation_steps == 1,
+            cast_dtype=self.mp.param_dtype,
+        )
 
     def _trainable(self, tree: Any) -> Any:
         """`tree` with frozen leaves replaced by None: what the optimizer sees."""
@@ -381,22 +335,30 @@ class TrainStep:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device_type)
         aux = None
         engine = self.engine
+        self._buffers.mark()
         try:
             with _runtime.activate(engine):
                 for m, micro in enumerate(_split_batch(batch, k)):
                     last = m == k - 1
                     engine.begin(accumulate=m > 0 and not local, reduce=last or not local)
-                    loss, aux = _split_loss(self.loss_fn(self.proxy_tree, micro))
+                    loss, aux = _split_loss(self.loss_fn(engine.user_tree, micro))
                     loss_sum += loss.detach().float()
+                    engine.end_forward()
                     torch.autograd.backward(loss * scale)
                     engine.end()
-        except BaseException:
+        except BaseException as e:
             engine.abort()
+            if isinstance(e, RuntimeError) and "modified by an inplace operation" in str(e):
+                raise StaleParameterError(
+                    "the backward read a unit's parameters while their memory was freed or held another unit, so "
+                    "nothing was reduced or applied (Note [stale parameters] in shardfn/_flat.py). The unit's "
+                    "pre-backward was missed: return its outputs as tensors or containers of them, and do not "
+                    "hand them to code that detaches and re-attaches them. Autograd said: " + str(e)
+                ) from e
             raise
-        # One all-reduce for the loss and the squared gradient norm (one foreach kernel over the
-        # trained gradient segments, on their own device: the CPU under offload).
-        norms = torch.stack(torch._foreach_norm(self._norm_parts, 2)).to(loss_sum.device) if self._norm_parts else loss_sum.new_zeros(1)
-        sq = norms.float().square().sum()
+        self._buffers.sync()
+        # One all-reduce for the loss and the squared gradient norm.
+        sq = local_sumsq(self._norm_parts).to(loss_sum.device) if self._norm_parts else loss_sum.new_zeros(())
         stats = torch.stack([loss_sum / k, sq])
         if self.world > 1:
             C.all_reduce(stats, None if self.replicate_group is not None else self.group)
@@ -423,15 +385,6 @@ class TrainStep:
         with torch.no_grad():
             torch._foreach_copy_([p._local_tensor for p in old], [x._local_tensor if isinstance(x, DTensor) else x for x in new])
         return opt_state
-
-
-def _unique(items: list) -> list:
-    out, seen = [], set()
-    for x in items:
-        if id(x) not in seen:
-            seen.add(id(x))
-            out.append(x)
-    return out
 
 
 def _compile(patterns: Any, what: str) -> list:

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from ._local import flatten, locals_
 
-__all__: list[str] = []
+__all__ = ["global_norm", "local_sumsq"]
 
 _GROUPS: dict[tuple[int, ...], Any] = {}
 
@@ -41,6 +41,21 @@ def _replicas(x: DTensor) -> int:
     return n
 
 
+def local_sumsq(tensors: list[torch.Tensor], weights: list[float] | None = None) -> torch.Tensor:
+    """The sum of squares of `tensors` (each weighted, if given) on this rank: one foreach kernel,
+    in fp32, on the first tensor's device. The one place a norm is computed (`global_norm` and the
+    train step add these sums over ranks)."""
+    device = tensors[0].device
+    wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]  # kept in fp64, summed in fp32
+    norms = list(torch._foreach_norm([t for t in tensors if t.dtype != torch.float64], 2, dtype=torch.float32)) if len(wide) < len(tensors) else []
+    for i, n in zip(wide, torch._foreach_norm([tensors[i] for i in wide], 2) if wide else ()):
+        norms.insert(i, n.float())
+    sq = torch.stack([n if n.device == device else n.to(device) for n in norms]).square_()
+    if weights is not None and any(w != 1.0 for w in weights):
+        sq = sq * torch.tensor(weights, dtype=torch.float32).to(device, non_blocking=True)
+    return sq.sum()
+
+
 def global_norm(tree: Any) -> torch.Tensor:
     """The L2 norm of all leaves of `tree` together, as a 0-d fp32 tensor.
 
@@ -64,21 +79,16 @@ def global_norm(tree: Any) -> torch.Tensor:
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
     locs = locals_(leaves)
-    device = locs[0].device
-    norms = torch._foreach_norm(locs, 2, dtype=torch.float32)
-    sq = torch.stack([n if n.device == device else n.to(device) for n in norms]).square_()
     meshes = {x.device_mesh for x in leaves if isinstance(x, DTensor)}
     if not meshes:
-        return sq.sum().sqrt_()
+        return local_sumsq(locs).sqrt_()
     mesh = next(iter(meshes))
     ranks = set(mesh.mesh.flatten().tolist())
     for other in meshes:
         if set(other.mesh.flatten().tolist()) != ranks:
             raise ValueError(f"global_norm needs all DTensor leaves on meshes over the same ranks, got {meshes}")
     weights = [1.0 / (_replicas(x) if isinstance(x, DTensor) else len(ranks)) for x in leaves]
-    if any(w != 1.0 for w in weights):
-        sq = sq * torch.tensor(weights, dtype=torch.float32).to(device, non_blocking=True)
-    total = sq.sum()
+    total = local_sumsq(locs, weights)
     if len(ranks) > 1:
         dist.all_reduce(total, group=_group(mesh))
     return total.sqrt_()

@@ -1,0 +1,116 @@
+"""The parameters `loss_fn` sees in a train step, and what reading one outside `apply` does.
+
+Note [parameters outside apply]
+-------------------------------
+Inside a unit's forward the model reads its full parameters, which exist only while the unit is
+gathered (Note [unit schedule]). `loss_fn` may also read any leaf of `params` itself: an L2
+penalty, a head applied by hand, a logged norm. Such a read can come at any time, when the unit is
+not gathered or its memory holds another unit, and autograd may read the tensor again at any
+later point of the backward. So the leaves handed to `loss_fn` are not the full parameters: they
+are `Param`s, tensors of the right shape, dtype and device whose every use goes through
+`__torch_function__`.
+
+- `apply` (of the model the step trains) swaps each `Param` for the unit's full parameter before
+  the module runs, so the model itself computes on plain tensors at no extra cost.
+- Any other use of a `Param` is an outside read: the step gathers the leaf's unit (a collective,
+  so every rank must make the same reads, as for any collective) and the op receives a copy of the
+  full leaf whose gradient flows into the unit's gradient. The copy is made once per leaf and step
+  and belongs to autograd, so it stays valid for the whole backward; the unit's gradients are
+  reduced only once every use, inside and outside `apply`, has contributed. Root leaves are
+  gathered for the whole step and are read in place.
+- Metadata (shape, dtype, device, requires_grad, ...) needs no gather.
+- A `Param` kept past its step is dead: reading it is an error, never stale values.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+__all__ = ["Param", "Detour"]
+
+_METADATA = {
+    torch.Tensor.shape.__get__,
+    torch.Tensor.dtype.__get__,
+    torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__,
+    torch.Tensor.requires_grad.__get__,
+    torch.Tensor.is_leaf.__get__,
+    torch.Tensor.layout.__get__,
+    torch.Tensor.grad.__get__,
+    torch.Tensor.grad_fn.__get__,
+    torch.Tensor.is_cuda.__get__,
+    torch.Tensor.is_meta.__get__,
+    torch.Tensor.is_sparse.__get__,
+    torch.Tensor.is_quantized.__get__,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.nelement,
+    torch.Tensor.element_size,
+    torch.Tensor.stride,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex,
+    torch.Tensor.get_device,
+    torch.Tensor.is_contiguous,
+    torch.Tensor.__len__,
+    torch.Tensor.__hash__,
+}
+
+
+class Param(torch.Tensor):
+    """A leaf of the parameter tree `loss_fn` receives in a train step (Note [parameters outside apply]).
+
+    `reader` (a weak reference to the engine's `read`) resolves it to a tensor holding its full
+    value; `where` is its (unit, index) in the engine.
+    """
+
+    reader: weakref.WeakMethod
+    where: tuple[int, int]
+
+    @staticmethod
+    def make(proxy: torch.Tensor, reader: Any, where: tuple[int, int]) -> "Param":
+        p = torch.Tensor._make_subclass(Param, proxy.detach(), proxy.requires_grad)
+        p.reader, p.where = weakref.WeakMethod(reader), where
+        return p
+
+    def resolve(self) -> torch.Tensor:
+        read = self.reader()
+        if read is None:
+            raise RuntimeError("a train step's parameter was used after its train step was deleted")
+        return read(self)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = tree_map_only(Param, Param.resolve, (args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105 - a repr must not gather
+        return f"sf.Param(shape={tuple(self.shape)}, dtype={self.dtype}, unit={self.where[0]})"
+
+    def __reduce_ex__(self, proto):
+        raise TypeError("a train step's parameter is valid only inside loss_fn; return values computed from it")
+
+
+class Detour(torch.autograd.Function):
+    """A copy of a full parameter whose gradient flows back into the parameter."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
