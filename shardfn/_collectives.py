@@ -11,6 +11,7 @@ as point-to-point exchanges: see Note [gloo collectives].
 from __future__ import annotations
 
 import contextlib
+import datetime
 from concurrent.futures import Future, ThreadPoolExecutor
 import weakref
 from dataclasses import dataclass, field
@@ -141,17 +142,29 @@ class _Exchange:
     def __init__(self, works: list | Future, epilogue=None):
         self.works, self.epilogue = works, epilogue
 
-    def wait(self) -> bool:
+    def wait(self, timeout: float | None = None) -> bool:
         if self.works is not None:
-            works = self.works.result() if isinstance(self.works, Future) else self.works
+            works = self.works.result(timeout) if isinstance(self.works, Future) else self.works
             for w in works:
-                w.wait()
+                wait(w, timeout)
             self.works = None
             if self.epilogue is not None:
                 with torch.no_grad():
                     self.epilogue()
                 self.epilogue = None
         return True
+
+
+def wait(work, timeout: float | None = None) -> None:
+    """Waits for a pending collective, for at most `timeout` seconds (None: the group's own
+    timeout); raises `TimeoutError` when it is not done by then."""
+    if timeout is None or isinstance(work, _Exchange):
+        work.wait(timeout) if isinstance(work, _Exchange) else work.wait()
+        return
+    try:
+        work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise TimeoutError(f"a collective was not done within {timeout:.0f} s: {e}") from e
 
 
 POST_FROM_THREAD = True

@@ -54,6 +54,24 @@ If a later step runs units differently, so that a unit is needed while the other
 is busy, the step stops with an error before anything wrong is computed, and the next step
 plans again from scratch. Whatever the schedule, a unit's parameters are never read while its
 memory holds another unit: autograd checks it (Note [stale parameters] in `_flat.py`).
+
+Note [units on every rank]
+--------------------------
+Every collective must be issued by every rank, in the same order. A model whose execution depends
+on the data (a mixture of experts that skips an expert no token was routed to, an early exit)
+breaks that: with equal-sized units a shard could land in the wrong unit without any error. So:
+
+- In the forward, gathers follow the plan's order: a rank that skips units still gathers (and
+  frees) each of them at the point where the others gather it, so the forward's collectives match
+  on every rank whatever each one runs.
+- When the forward ends (before any gradient is reduced), the ranks exchange which units they ran,
+  in one small all-gather. If they differ, every rank stops with an error naming the units and
+  ranks, and nothing is reduced or applied; the next step can run.
+
+So a unit must run on every rank or on none, as FSDP requires. (A unit that no rank runs is
+gathered, reduced with zero gradients, and costs only its collectives.) A unit run a different
+number of times on different ranks, after being freed in between, issues gathers that the others
+do not, and is not detected before it blocks.
 """
 
 from __future__ import annotations
@@ -68,12 +86,15 @@ from torch.utils import _pytree as pytree
 
 import optree
 
+from . import _collectives as C
 from ._flat import Arena, FlatUnit
 from ._param import Detour, Param
 
 __all__ = ["Engine", "EngineStats", "Policy", "StaleParameterError"]
 
 ROOT = -1
+ABORT_WAIT_S = 10.0
+"""How long a failed step waits for each collective still in flight (see `Engine.abort`)."""
 _PRIMITIVE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 
 
@@ -179,10 +200,14 @@ class Engine:
         root: the root unit.
         policy: the strategy's choices (see `Policy`).
         nested: units that run inside other units (they never share slot arenas).
+        group: a process group over every rank of the mesh, on which ranks check that they ran the
+            same units (Note [units on every rank]); None on one rank.
     """
 
-    def __init__(self, info, units: list[FlatUnit], root: FlatUnit, policy: Policy, nested: set[int] = frozenset()):
+    def __init__(self, info, units: list[FlatUnit], root: FlatUnit, policy: Policy, nested: set[int] = frozenset(), group=None):
         self.info = info
+        self.group = group
+        self._world = torch.distributed.get_world_size(group) if group is not None else 1
         self.units = units
         self.root = root
         self.policy = policy
@@ -198,6 +223,7 @@ class Engine:
         self.stats = EngineStats()
         self._where: list[tuple[int, int]] = []
         self._needs_plan = False
+        self.broken: str | None = None
         self._reset_step_state()
         self._bind({})
 
@@ -297,16 +323,40 @@ class Engine:
         return set(first.values())
 
     # -- what loss_fn sees (Note [parameters outside apply] in `_param.py`) ------------------------
-    def set_tree(self, treespec: Any, where: list[tuple[int, int]]) -> None:
-        """The parameter tree's structure, and (unit, index) of each leaf in leaf order."""
-        self._treespec, self._where = treespec, list(where)
+    def set_tree(self, treespec: Any, paths: list[str], where: list[tuple[int, int]]) -> None:
+        """The parameter tree's structure, its leaves' paths, and (unit, index) of each leaf."""
+        self._treespec, self._paths, self._where = treespec, list(paths), list(where)
         self._make_trees()
 
     def _make_trees(self) -> None:
         proxies = [self._unit(u).proxies[j] for u, j in self._where]
-        self.proxy_tree = optree.tree_unflatten(self._treespec, proxies)
-        self.user_tree = optree.tree_unflatten(self._treespec, [Param.make(p, self._read_param, w) for p, w in zip(proxies, self._where)])
-        self._flat = None  # {every parameter name: full parameter}, built on the first `apply`
+        params = [Param.make(p, self._read_param, w) for p, w in zip(proxies, self._where)]
+        self.user_tree = optree.tree_unflatten(self._treespec, params)
+        # What the module computes on: root leaves in place (gathered for the whole step), unit
+        # leaves as Params until their unit's forward swaps its full parameters in.
+        self._in_apply = optree.tree_unflatten(self._treespec, [p if u == ROOT else q for p, q, (u, _) in zip(proxies, params, self._where)])
+        self._params_of: dict[int, list[Param]] = {}
+        for q, (u, j) in zip(params, self._where):
+            self._params_of.setdefault(u, {})[j] = q
+        self._flat = None  # {every parameter name: tensor}, built on the first `apply`
+        self._swaps: dict[int, list[tuple[Any, str, int]]] = {}  # unit -> (submodule, attribute, leaf)
+        if self.info is not None:
+            module = self.info.module
+            for path, (u, j) in zip(self._paths, self._where):
+                if u == ROOT:
+                    continue
+                for name in self.info.aliases[path]:
+                    owner, _, attr = name.rpartition(".")
+                    self._swaps.setdefault(u, []).append((module.get_submodule(owner), attr, j))
+
+    def _swap_in(self, u: int, full: bool) -> None:
+        """Unit `u`'s module attributes: its full parameters (its forward runs), or its Params."""
+        if u == ROOT:
+            return
+        values = self._unit(u).proxies if full else self._params_of[u]
+        for mod, attr, j in self._swaps.get(u, ()):
+            if attr in mod._parameters:
+                mod._parameters[attr] = values[j]
 
     def _read_param(self, p: Param) -> torch.Tensor:
         return self.read(*p.where)
@@ -317,13 +367,13 @@ class Engine:
     def flat_params(self, apply, params: Any) -> dict[str, torch.Tensor] | None:
         """What `apply(params, ...)` computes on, when `params` holds this step's parameters."""
         if params is self.user_tree:
-            mapped = self.proxy_tree
+            mapped = self._in_apply
         else:
             leaves, spec = optree.tree_flatten(params)
             if not any(self._owns(x) for x in leaves):
                 return None
             mapped = optree.tree_unflatten(
-                spec, [self._unit(x.where[0]).proxies[x.where[1]] if self._owns(x) else x for x in leaves]
+                spec, [self._unit(x.where[0]).proxies[x.where[1]] if self._owns(x) and x.where[0] == ROOT else x for x in leaves]
             )
         if apply.info is not self.info:
             theirs = type(apply.info.module).__name__
@@ -332,7 +382,7 @@ class Engine:
                 f"loss_fn applied a model ({theirs}) to the train step's parameters, but the step was built for "
                 f"{ours}: pass the apply that loss_fn calls, sf.train_step(..., apply=apply)"
             )
-        if mapped is self.proxy_tree:
+        if mapped is self._in_apply:
             if self._flat is None:
                 self._flat = apply.flat_params(mapped)
             return self._flat
@@ -351,6 +401,8 @@ class Engine:
         self._reads: dict[tuple[int, int], torch.Tensor] = {}
         self._seen: list[int] = []
         self._ran: set[int] = set()  # units whose forward ran in this step
+        self._fwd_gathered: set[int] = set()  # units gathered in this forward
+        self._fwd_ptr = 0  # units before this position in forward order were gathered or caught up
         self._pos: dict[int, int] = {u: i for i, u in enumerate(self.order)}
         self._wrapped: list[bool] = []  # per running unit use: were its inputs hooked
         self._accumulate = False
@@ -449,6 +501,8 @@ class Engine:
         if u != ROOT:
             self._live.add(u)
             self.stats.max_live_units = max(self.stats.max_live_units, len(self._live))
+            if self.phase == "forward":
+                self._fwd_gathered.add(u)
         if unit.gathers_in_place:  # its gather writes the slot at once (Note [slot arenas])
             self._drain_slot(u)
         self._event("gather", u)
@@ -497,6 +551,8 @@ class Engine:
             reduce: reduce at all; False keeps the full gradients for a later backward (local
                 accumulation of micro-batches).
         """
+        if self.broken:
+            raise RuntimeError(self.broken)
         if self._needs_plan:
             self._needs_plan = False
             self.replan()
@@ -532,9 +588,11 @@ class Engine:
         if u == ROOT:
             return proxy  # gathered for the whole step
         out = self._reads.get((u, j))
-        if out is None:
+        # A copy made under no_grad carries no gradient: never hand it to a use that needs one.
+        if out is None or (torch.is_grad_enabled() and proxy.requires_grad and not out.requires_grad):
             self._ensure(u)
-            out = self._reads[(u, j)] = Detour.apply(proxy)
+            out = Detour.apply(proxy)
+            self._reads[(u, j)] = out
         return out
 
     def pre_forward(self, info, u: int, args: tuple, kwargs: dict) -> tuple | None:
@@ -546,8 +604,11 @@ class Engine:
         if u not in self._ran:
             self._ran.add(u)
             self._seen.append(u)
+            if self._order_known and self.group is not None:
+                self._catch_up(self._pos[u])
         self._ensure(u)
         self._running.add(u)
+        self._swap_in(u, True)
         self._busy_start(u)
         self._prefetch(self._next_of(u))
         if self.cast_dtype is not None:
@@ -570,6 +631,8 @@ class Engine:
         if info is not self.info or self.phase != "forward":
             return None
         self._running.discard(u)
+        if u not in self._running:
+            self._swap_in(u, False)
         self._busy_end(u)
         wrapped = self._wrapped.pop() if self._wrapped else False
         if torch.is_grad_enabled():
@@ -607,6 +670,41 @@ class Engine:
             self._order_known = True
         # Prefetches issued during the forward for units that never ran are dropped.
         self._deferred = []
+        if self.group is not None and self.units:
+            self._catch_up(len(self.order))
+            self._check_same_units()
+
+    def _catch_up(self, upto: int) -> None:
+        """Gathers (and frees) the units before position `upto` in forward order that this rank
+        did not gather in this forward, so that every rank gathers the same units in the same order
+        (Note [units on every rank])."""
+        if not self._order_known:
+            return
+        for v in self.order[self._fwd_ptr : upto]:
+            if v not in self._fwd_gathered:
+                self._start(v)
+                self._free(v)
+        self._fwd_ptr = max(self._fwd_ptr, upto)
+
+    def _check_same_units(self) -> None:
+        """Stops every rank, before any gradient is reduced, if the ranks ran different units."""
+        n = len(self.units)
+        mine = torch.zeros(n, dtype=torch.int32, device=self.root.local.device)
+        if self._ran:
+            mine[list(self._ran)] = 1
+        everyone = torch.empty(self._world * n, dtype=torch.int32, device=mine.device)
+        C.all_gather(everyone, mine, self.group, async_op=False)
+        table = everyone.view(self._world, n)
+        differ = (table != table[0]).any(dim=0).nonzero().flatten().tolist()
+        if differ:
+            lines = "; ".join(
+                f"{self.units[u].name!r} ran on ranks {table[:, u].nonzero().flatten().tolist()} only" for u in differ[:4]
+            )
+            raise NotImplementedError(
+                f"the ranks ran different units in this step ({lines}). Every rank must run every unit in a "
+                "step, as with FSDP: send zero tokens through an idle expert rather than skipping it, and run "
+                "skipped blocks on a zero-size batch (Note [units on every rank]). Nothing was reduced or applied."
+            )
 
     def _pre_backward(self, u: int) -> None:
         if self.phase != "backward":
@@ -736,12 +834,30 @@ class Engine:
             self._plan(busy)
 
     def abort(self) -> None:
-        """Leaves the engine clean after an exception: no gather or reduction survives."""
-        for u, w in list(self._works.items()):
-            self._unit(u).finish_gather(w)
-        self._works.clear()
-        while self._in_flight:
-            self._finish_oldest()
+        """Leaves the engine clean after an exception: no gather or reduction survives.
+
+        Collectives in flight are waited for, at most `ABORT_WAIT_S` seconds each: when every rank
+        raised at the same point they are all complete. When one is not (the other ranks went on,
+        or stopped elsewhere), its buffers are kept as they are, since a message may still land in
+        them, and the engine refuses every later step with an error that says to restart.
+        """
+        try:
+            for u, w in list(self._works.items()):
+                self._unit(u).finish_gather(w, timeout=ABORT_WAIT_S)
+                del self._works[u]
+            while self._in_flight:
+                u, pending, pair, in_slot = self._in_flight[0]
+                again = self._unit(u).finish_reduce(pending, timeout=ABORT_WAIT_S)
+                self._in_flight.pop(0)
+                if again is not None:
+                    self._in_flight.append((u, again, pair, in_slot))
+        except (TimeoutError, RuntimeError) as e:
+            self.broken = (
+                f"an earlier step failed while a collective was in flight on this rank, and it did not complete "
+                f"within {ABORT_WAIT_S:.0f} s ({e}): the ranks are out of step. Restart the processes (the "
+                "state before the failed step is intact; save it from a healthy rank or a checkpoint)"
+            )
+            return
         for unit in [*self.units, self.root]:
             unit.take_grads()
             unit.free()

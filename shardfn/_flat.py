@@ -186,7 +186,7 @@ class Arena:
 # the train step turns into an error naming the unit, before any gradient is reduced or applied.
 # The check costs one counter write per gather and per free; the gathers themselves write through
 # `writer` aliases (their own counters), so a refill is not an in-place change to autograd.
-VALID, STALE = 0, 1 << 40
+VALID, STALE = 0, 1 << 30  # version counters are 32-bit
 _set_versions = torch._C._autograd._unsafe_set_version_counter
 
 
@@ -424,10 +424,10 @@ class FlatUnit:
         self.arenas["gathered"].alloc()
         return C.all_gather_pieces(self._gather_pieces, self.group)
 
-    def finish_gather(self, work) -> None:
+    def finish_gather(self, work, timeout: float | None = None) -> None:
         """Waits for the all-gather and copies the rank-major result into the full parameters."""
         if work is not None:
-            work.wait()
+            C.wait(work, timeout)
         if self._copy_dst:
             with torch.no_grad():
                 torch._foreach_copy_(self._copy_dst, self._copy_src)
@@ -529,11 +529,11 @@ class FlatUnit:
                 works.append(C.all_reduce(rep, self.group, async_op=True))
         return [works, out, direct, accumulate, self.replicate_group]
 
-    def finish_reduce(self, pending) -> list | None:
+    def finish_reduce(self, pending, timeout: float | None = None) -> list | None:
         """Waits for a reduction. Returns a new pending state if a hybrid all-reduce was started."""
         works, out, direct, accumulate, replicate = pending
         for w in works:
-            w.wait()
+            C.wait(w, timeout)
         if replicate is not None:
             return [[C.all_reduce(out, replicate, async_op=True)], out, direct, accumulate, None]
         if not direct:

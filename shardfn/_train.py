@@ -17,6 +17,7 @@ from ._buffers import ModuleBuffers
 from ._engine import Engine, Policy, StaleParameterError
 from ._flat import FlatUnit, LeafSlot, LeafSpec
 from ._functional import find_apply
+from ._mesh import mesh_group
 from .optim._norm import local_sumsq
 from ._remat import install as install_remat
 from ._remat import select_units
@@ -211,7 +212,10 @@ class TrainStep:
                 where[s.index] = (u, j)
         names = info.unit_names if info is not None else []
         nested = {i for i, a in enumerate(names) for b in names if a != b and (a.startswith(b + ".") or b.startswith(a + "."))}
-        self.engine = Engine(info, [units[u] for u in range(n_units)], units[-1], self._policy(units, dtype_of, direct_gather), nested)
+        self.engine = Engine(
+            info, [units[u] for u in range(n_units)], units[-1], self._policy(units, dtype_of, direct_gather), nested,
+            group=mesh_group(self.mesh) if self.world > 1 else None,
+        )
 
         # Fill the local shards and build the user-facing DTensors over them.
         dt_params, dt_grads = [], []
@@ -249,7 +253,7 @@ class TrainStep:
         self._dt_params = dt_params
         self._trained = trained
         self.grads = optree.tree_unflatten(treespec, dt_grads)
-        self.engine.set_tree(treespec, where)
+        self.engine.set_tree(treespec, paths, where)
         if self.remat:
             if info is None:
                 raise ValueError("remat needs units: functionalize the model with units=... (or pass apply=)")
