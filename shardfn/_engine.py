@@ -351,8 +351,8 @@ class Engine:
 
     def _swap_in(self, u: int, full: bool) -> None:
         """Unit `u`'s module attributes: its full parameters (its forward runs), or its Params."""
-        if u == ROOT:
-            return
+        if u not in self._swaps:
+            return  # the root, or a unit without parameters
         values = self._unit(u).proxies if full else self._params_of[u]
         for mod, attr, j in self._swaps.get(u, ()):
             if attr in mod._parameters:
@@ -661,7 +661,6 @@ class Engine:
         """`loss_fn` has returned: the backward comes next."""
         if self.phase != "forward":
             return
-        self.phase = "backward"
         if not self._order_known and self._seen:
             rest = [u for u in range(len(self.units)) if u not in self._seen]
             self.order = self._seen + rest
@@ -673,6 +672,7 @@ class Engine:
         if self.group is not None and self.units:
             self._catch_up(len(self.order))
             self._check_same_units()
+        self.phase = "backward"
 
     def _catch_up(self, upto: int) -> None:
         """Gathers (and frees) the units before position `upto` in forward order that this rank

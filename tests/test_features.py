@@ -143,13 +143,14 @@ def _dtypes_on_the_wire() -> dict:
 
 def test_bf16_gathers_and_fp32_reduces(pools):
     for r in pools(2).run(rank_dtypes_on_the_wire, "native"):
-        assert r["all_gather_single"] == [("torch.bfloat16", "torch.bfloat16")], r
+        # (and the int32 check that every rank ran the same units, Note [units on every rank])
+        assert r["all_gather_single"] == [("torch.bfloat16", "torch.bfloat16"), ("torch.int32", "torch.int32")], r
         assert r["reduce_scatter_single"] == [("torch.float32", "torch.float32")], r
         assert r["isend"] == r["irecv"] == [], r
         assert r["master"] == ["torch.float32"] and r["moments"] == ["torch.float32"], r
     for r in pools(2).run(rank_dtypes_on_the_wire, "p2p"):
-        # Gathers send bf16 shards, reductions fp32 chunks, and nothing else goes point to point.
-        assert r["isend"] == r["irecv"] == [("torch.bfloat16",), ("torch.float32",)], r
+        # Gathers send bf16 shards, reductions fp32 chunks, the units check int32, nothing else.
+        assert r["isend"] == r["irecv"] == [("torch.bfloat16",), ("torch.float32",), ("torch.int32",)], r
         assert r["all_gather_single"] == r["reduce_scatter_single"] == [], r
 
 
@@ -195,7 +196,8 @@ def test_collectives_with_options(pools):
     pool = pools(2)
     U = 3
     # remat: the unit is gathered once for both the recompute and the backward.
-    assert pool.run(rank_count, "full_shard", {"remat": True})[0] == {"all_gather_single": 2 * U + 1, "reduce_scatter_single": U + 1, "all_reduce": 1}
+    # (one all-gather per step is the units check, Note [units on every rank])
+    assert pool.run(rank_count, "full_shard", {"remat": True})[0] == {"all_gather_single": 2 * U + 2, "reduce_scatter_single": U + 1, "all_reduce": 1}
     # clipping: the norm costs no collective beyond the one metrics all-reduce.
     assert pool.run(rank_count, "full_shard", {"clip": 0.1})[0]["all_reduce"] == 1
     # frozen: a fully frozen unit (blocks.0) is gathered but never reduced.
