@@ -428,7 +428,10 @@ def floor(model: str, calls: list, shard_numels: list[int], cfg: dict) -> dict:
 
     reps = cfg["floor_reps"]
     rank = dist.get_rank()
-    dt = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
+    dt = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16, "torch.int32": torch.int32}
+
+    def make(n: int, dtype: str):
+        return torch.randn(n, dtype=dt[dtype]) if dt[dtype].is_floating_point else torch.zeros(n, dtype=dt[dtype])
 
     def timed(fn) -> list[float]:
         fn()  # warm-up
@@ -444,10 +447,10 @@ def floor(model: str, calls: list, shard_numels: list[int], cfg: dict) -> dict:
     bufs = []
     for name, n_in, n_out, dtype in calls:
         if name == "shardfn.all_gather_pieces":
-            pieces = [(torch.empty(o, dtype=dt[dtype]), torch.randn(i, dtype=dt[dtype])) for i, o in zip(n_in, n_out)]
+            pieces = [(torch.empty(o, dtype=dt[dtype]), make(i, dtype)) for i, o in zip(n_in, n_out)]
             bufs.append((name, pieces, None))
         else:
-            bufs.append((name, torch.randn(n_in, dtype=dt[dtype]), torch.empty(n_out, dtype=dt[dtype])))
+            bufs.append((name, make(n_in, dtype), torch.empty(n_out, dtype=dt[dtype])))
 
     import shardfn._collectives as C
 

@@ -6,7 +6,9 @@ an ordinary `loss_fn(params, batch)`.
 """
 
 from . import optim
+from ._engine import StaleParameterError
 from ._functional import Apply, from_state_dict, functionalize, to_state_dict
+from ._param import Param
 from ._mesh import mesh
 from ._shard import gather, shard
 from ._spec import P, specs
@@ -20,6 +22,8 @@ __all__ = [
     "Apply",
     "MixedPrecision",
     "P",
+    "Param",
+    "StaleParameterError",
     "TrainState",
     "TrainStep",
     "apply_updates",

@@ -62,17 +62,13 @@ def _ring_bytes(t: torch.Tensor, world: int) -> int:
 # sends chunk p of its input to rank p and receives every peer's chunk of *its* index; the first
 # arrives in the output itself, the others (W > 2) in shard-sized scratch, and `wait()` adds them
 # and the rank's own chunk. Each rank sends (W - 1) shards either way, exactly a ring's bytes.
-# Measured on two CPU ranks (benchmarks/collectives.py), a 16.8 MB all-gather took 4.4 ms instead
-# of 14 ms and a reduce-scatter 4.9 ms instead of 21 ms (12 ms as an in-place all-reduce), with no
-# temporary instead of a full-size one.
+# `benchmarks/collectives.py` times both against gloo's own (figures in `benchmarks/README.md`).
 #
 # The messages are posted from one background thread, in call order. Posted from the training
-# thread, each `isend` wrote into the socket there, as far as the socket would take, and each
-# `irecv` waited for the connection's lock while gloo's own thread copied another message: in a
-# probe of an MLP step of 333 ms, the posting calls took 48 ms of the training thread (0.25-1.7 ms
-# per call on average in profiled steps, 0.06-1.4 ms on idle ranks). The training thread now only
-# takes the tags, copies its own chunk and hands the rest over, and posting overlaps its compute:
-# the same probe gave 285 ms (`benchmarks/README.md`).
+# thread, each `isend` writes into the socket there, as far as the socket takes, and each `irecv`
+# waits for the connection's lock while gloo's own thread copies another message: host time taken
+# from the step's compute. The training thread now only takes the tags, copies its own chunk and
+# hands the rest over, and posting overlaps its compute.
 #
 # Each call takes fresh tags from a counter per process group, which every rank advances in the
 # same order, so that calls in flight at once never take each other's messages. As for any

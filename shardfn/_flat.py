@@ -46,26 +46,28 @@ Allocating and freeing a unit-sized buffer for every gather costs page faults (o
 mmap threshold, every large free returns pages to the OS and every allocation faults them back in,
 which cost more than the copies themselves). Under `full_shard` at most two non-root units are
 gathered at once, the running one and the prefetched one, which in a sequential model are always
-neighbours in module order. So units 0, 2, 4, ... share one "slot" arena for their full parameters
-(and their all-gather output), units 1, 3, 5, ... another: a unit's full parameters are fixed views
-into its slot, and gathering unit i+2 overwrites unit i, which by then is freed. Each slot is
-allocated once per step and released when the step ends, so memory is that of two units, as the
-bound says, and nothing survives the step. The engine checks slot conflicts (a unit needed while
-the other unit of its slot is still live) and resolves or reports them. All units share one
-all-gather output arena (one unit gather is in flight at a time). A unit's reduce-scatter input is
-built in its own slot, whose parameters are dead once its gradients are complete; the engine
-finishes that reduction before the slot is refilled. Nested units, and strategies that keep units
-gathered (`shard_grad_op`, `no_shard`), give each unit arenas of its own.
+neighbours in forward order. So the units in forward order u_0, u_2, u_4, ... share one "slot"
+arena for their full parameters, u_1, u_3, u_5, ... another (the engine plans which units share,
+from the first step's schedule: Note [unit plan] in `_engine.py`): a unit's full parameters are
+fixed views into its slot, and gathering u_{i+2} overwrites u_i, which by then is freed. Each slot
+is allocated once per step and released when the step ends, so memory is that of two units, as
+the bound says, and nothing survives the step. A unit needed while the other unit of its slot is
+still in use is an error, never a silent overwrite (Note [stale parameters]). All units that share
+slots share one all-gather output arena (one unit gather is in flight at a time). A unit's
+reduce-scatter input is built in its own slot, whose parameters are dead once its backward is
+over; the engine finishes that reduction before the slot is refilled. Nested units, units the
+plan keeps apart, the first step, and strategies that keep units gathered (`shard_grad_op`,
+`no_shard`) give each unit arenas of its own.
 
 Gathers that land in place (`direct_gather`) write the slot as soon as they start, not when they
-finish: in the backward, the prefetch of unit i-1 would have to wait for the reduction of unit i+1,
-whose input fills the same slot, before unit i's backward could even start. They get three slots
-(units 0, 3, 6, ... share one) instead: the running unit, the prefetched one and the reduction in
+finish: in the backward, the prefetch of u_{i-1} would have to wait for the reduction of u_{i+1},
+whose input fills the same slot, before u_i's backward could even start. They get three slots
+(u_0, u_3, u_6, ... share one) instead: the running unit, the prefetched one and the reduction in
 flight each have their own, which is as much memory as two slots plus a unit-sized `gathered`.
 In the backward, a slot is given back as soon as the last of its units is reduced, so that the
 sharded gradients, which grow as the backward goes on, do not stack on idle slots; the engine
 finishes such a reduction as the next unit's backward begins rather than let it overlap that
-unit's gradients (about 8 MB less at the MLP's peak for a few ms of waiting).
+unit's gradients (less memory at the step's peak for a short wait; `benchmarks/README.md`).
 """
 
 from __future__ import annotations
@@ -78,12 +80,12 @@ import torch
 from . import _collectives as C
 from ._memory import huge_pages
 
-__all__ = ["LeafSlot", "LeafSpec", "FlatUnit", "buffer_sizes", "has_large_leaves", "place"]
+__all__ = ["Segment", "LeafSpec", "FlatUnit", "buffer_sizes", "has_large_leaves", "place"]
 
 
 @dataclass(frozen=True)
-class LeafSlot:
-    """Where one parameter lives in its unit's flat buffers."""
+class Segment:
+    """Where one parameter lives in its unit's flat buffers (its segment of `local`)."""
 
     index: int  # leaf index in the params tree's leaf order
     path: str
@@ -210,17 +212,17 @@ def buffer_sizes(leaves: list[LeafSpec], world: int, rank: int, direct: bool = F
 
     `direct`: the unit gathers its large leaves straight into `full` (FlatUnit's `direct_gather`).
     """
-    slots = place(leaves, world, rank)
-    S = sum(s.seg_numel for s in slots if s.sharded)
-    S_small = sum(s.seg_numel for s in slots if s.sharded and s.seg_numel < SMALL_SEGMENT)
-    R = sum(s.seg_numel for s in slots if not s.sharded)
-    trained = sum(s.seg_numel for s in slots if s.trained)
-    S_trained = sum(s.seg_numel for s in slots if s.sharded and s.trained)
+    segs = place(leaves, world, rank)
+    S = sum(s.seg_numel for s in segs if s.sharded)
+    S_small = sum(s.seg_numel for s in segs if s.sharded and s.seg_numel < SMALL_SEGMENT)
+    R = sum(s.seg_numel for s in segs if not s.sharded)
+    trained = sum(s.seg_numel for s in segs if s.trained)
+    S_trained = sum(s.seg_numel for s in segs if s.sharded and s.trained)
     gathered = 0 if world == 1 else world * (S_small if direct else S)
     return {"full": world * S, "gathered": gathered, "stage": S + R, "rs_in": world * S_trained if world > 1 else 0, "rs_out": trained}
 
 
-def place(leaves: list[LeafSpec], world: int, rank: int) -> list[LeafSlot]:
+def place(leaves: list[LeafSpec], world: int, rank: int) -> list[Segment]:
     """Lays leaves out in the order of Note [flat unit layout] and computes their offsets."""
 
     def small(x: LeafSpec) -> bool:
@@ -235,7 +237,7 @@ def place(leaves: list[LeafSpec], world: int, rank: int) -> list[LeafSlot]:
         + [x for x in leaves if not x.sharded and x.trained]
         + [x for x in leaves if not x.sharded and not x.trained]
     )
-    slots, off, full_off = [], 0, 0
+    segs, off, full_off = [], 0, 0
     for x in order:
         if x.sharded:
             rows, row_numel = x.shape[0], x.shape[1:].numel()
@@ -244,12 +246,12 @@ def place(leaves: list[LeafSpec], world: int, rank: int) -> list[LeafSlot]:
         else:
             chunk, row_numel = 1, x.shape.numel()
             local_rows = 1
-        s = LeafSlot(x.index, x.path, x.shape, x.sharded, x.trained, chunk, row_numel, local_rows, off, full_off)
+        s = Segment(x.index, x.path, x.shape, x.sharded, x.trained, chunk, row_numel, local_rows, off, full_off)
         off += s.seg_numel
         if x.sharded:
             full_off += world * s.seg_numel
-        slots.append(s)
-    return slots
+        segs.append(s)
+    return segs
 
 
 class FlatUnit:
@@ -276,17 +278,17 @@ class FlatUnit:
     def __init__(self, name, leaves, dtype, compute_dtype, reduce_dtype, group, world, rank, device, replicate_group=None, offload=False, direct_gather=False):
         self.name = name
         self.leaves = list(leaves)
-        self.slots: list[LeafSlot] = place(leaves, world, rank)
+        self.segments: list[Segment] = place(leaves, world, rank)
         self.dtype, self.compute_dtype, self.reduce_dtype = dtype, compute_dtype, reduce_dtype
         self.group, self.world, self.rank = group, world, rank
         self.replicate_group = replicate_group
         self.device = device
-        slots = self.slots
-        sh = [s for s in slots if s.sharded]
+        segs = self.segments
+        sh = [s for s in segs if s.sharded]
         self.S = sum(s.seg_numel for s in sh)
-        self.R = sum(s.seg_numel for s in slots if not s.sharded)
+        self.R = sum(s.seg_numel for s in segs if not s.sharded)
         self.S_frozen = sum(s.seg_numel for s in sh if not s.trained)
-        self.R_trained = sum(s.seg_numel for s in slots if not s.sharded and s.trained)
+        self.R_trained = sum(s.seg_numel for s in segs if not s.sharded and s.trained)
         self.S_trained = self.S - self.S_frozen
         self.full_numel = world * self.S
         offload = offload and torch.device(device).type != "cpu"
@@ -296,11 +298,11 @@ class FlatUnit:
         self.staged = compute_dtype != dtype or offload  # all-gather input needs a copy-in
         self.offload = offload
 
-        def local_view(buf: torch.Tensor, s: LeafSlot) -> torch.Tensor:
+        def local_view(buf: torch.Tensor, s: Segment) -> torch.Tensor:
             return buf[s.offset : s.offset + s.local_rows * s.row_numel].view(s.local_shape)
 
-        self.local_views = [local_view(self.local, s) for s in slots]
-        self.grad_views = [local_view(self.grad, s) for s in slots]
+        self.local_views = [local_view(self.local, s) for s in segs]
+        self.grad_views = [local_view(self.grad, s) for s in segs]
         self._grad_bytes = self.grad.untyped_storage().nbytes()
         # Gradient shards are dropped between steps when parameters are sharded (as FSDP's
         # zero_grad(set_to_none=True)); replicated (DDP-like) and offloaded ones stay.
@@ -315,8 +317,8 @@ class FlatUnit:
         self._small = small
         self.direct = reduce_dtype == dtype and not offload  # reduce straight into `grad`
         self.n_trained = self.S_trained + self.R_trained
-        self._sh_trained = [i for i, s in enumerate(slots) if s.sharded and s.trained]
-        self._rep_trained = [i for i, s in enumerate(slots) if not s.sharded and s.trained]
+        self._sh_trained = [i for i, s in enumerate(segs) if s.sharded and s.trained]
+        self._rep_trained = [i for i, s in enumerate(segs) if not s.sharded and s.trained]
         self.num_trained = len(self._sh_trained) + len(self._rep_trained)
         self.arenas: dict[str, Arena] = {}
         self.proxies: list[torch.Tensor] = []
@@ -337,8 +339,8 @@ class FlatUnit:
                 parameters are dead once its backward is over): no arena of its own for it. The
                 engine keeps the arena alive until the reduction finishes (Note [slot arenas]).
         """
-        world, slots = self.world, self.slots
-        sh = [s for s in slots if s.sharded]
+        world, segs = self.world, self.segments
+        sh = [s for s in segs if s.sharded]
         self.arenas = arenas
         for a in arenas.values():  # views are built over allocated storage, which is then released
             a.alloc()
@@ -359,7 +361,7 @@ class FlatUnit:
 
         rep_src = stage_r if self.staged else _alias(self.local)
         self.proxies = []
-        for s in slots:
+        for s in segs:
             if s.sharded:
                 v = full_r[s.full_offset : s.full_offset + s.shape.numel()].view(s.shape)
             else:
@@ -396,6 +398,25 @@ class FlatUnit:
             a.release()
         self.valid = True  # fresh aliases read version 0: mark them stale for real
         self.mark_stale()
+
+    # -- the leaves, for the train step -------------------------------------------------------
+    def leaf_indices(self) -> list[int]:
+        """Each of this unit's leaves' index in the parameter tree, in this unit's order."""
+        return [s.index for s in self.segments]
+
+    def fill(self, j: int, full: torch.Tensor) -> None:
+        """Copies this rank's rows of leaf `j`'s full value into the flat buffer."""
+        s = self.segments[j]
+        src = full.detach()
+        if s.sharded:
+            src = src[self.rank * s.chunk : self.rank * s.chunk + s.local_rows]
+        with torch.no_grad():
+            self.local_views[j].copy_(src)
+
+    def shard(self, j: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Size]:
+        """Leaf `j`'s local shard, its gradient shard (None when frozen), and its global shape."""
+        s = self.segments[j]
+        return self.local_views[j], (self.grad_views[j] if s.trained else None), s.shape
 
     # -- validity (Note [stale parameters]) ---------------------------------------------------
     def mark_valid(self) -> None:
@@ -505,7 +526,7 @@ class FlatUnit:
             rep = out[self.S_trained :]
             if self.R_trained:
                 torch._foreach_copy_(
-                    [rep[s.offset - self.S : s.offset - self.S + s.seg_numel].view(s.shape) for s in (self.slots[i] for i in self._rep_trained)],
+                    [rep[s.offset - self.S : s.offset - self.S + s.seg_numel].view(s.shape) for s in (self.segments[i] for i in self._rep_trained)],
                     [grads[i] for i in self._rep_trained],
                 )
             if self.S_trained:

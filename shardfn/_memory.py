@@ -5,11 +5,11 @@ Note [huge pages]
 The unit buffers of Note [slot arenas] and the gradient shards are given back to the system between
 uses (the FSDP paper's free), and allocated again when next needed. On Linux, a fresh allocation
 is mapped page by page as it is first written: a 16 MB buffer is 4096 page faults, which cost more
-than the copy that fills it (about 6 ms against 0.7 ms for the copy on a 2-core VM), and they come
-back on every step. Asking the kernel for transparent huge pages (`madvise(MADV_HUGEPAGE)`) on such
-a buffer right after it is allocated, before it is touched, maps it 2 MB at a time: the same
-buffer then costs about 1.3 ms. Memory use is the same (the buffers are written whole), and it
-is still returned to the system when freed.
+than the copy that fills it, and they come back on every step. Asking the kernel for transparent
+huge pages (`madvise(MADV_HUGEPAGE)`) on such a buffer right after it is allocated, before it is
+touched, maps it 2 MB at a time, with a few hundred times fewer faults (`benchmarks/README.md` has
+the figures). Memory use is the same (the buffers are written whole), and it is still returned to
+the system when freed.
 
 It applies where the kernel allows it: `/sys/kernel/mm/transparent_hugepage/enabled` set to
 `madvise` or `always` (with `always` it is the default anyway); elsewhere (`never`, other systems,

@@ -15,7 +15,7 @@ from . import _collectives as C
 from . import _runtime
 from ._buffers import ModuleBuffers
 from ._engine import Engine, Policy, StaleParameterError
-from ._flat import FlatUnit, LeafSlot, LeafSpec
+from ._flat import FlatUnit, LeafSpec
 from ._functional import find_apply
 from ._mesh import mesh_group
 from .optim._norm import local_sumsq
@@ -208,8 +208,8 @@ class TrainStep:
             )
         where: list[tuple[int, int]] = [None] * len(leaves)  # type: ignore[list-item]
         for u, unit in units.items():
-            for j, s in enumerate(unit.slots):
-                where[s.index] = (u, j)
+            for j, i in enumerate(unit.leaf_indices()):
+                where[i] = (u, j)
         names = info.unit_names if info is not None else []
         nested = {i for i, a in enumerate(names) for b in names if a != b and (a.startswith(b + ".") or b.startswith(a + "."))}
         self.engine = Engine(
@@ -219,20 +219,16 @@ class TrainStep:
 
         # Fill the local shards and build the user-facing DTensors over them.
         dt_params, dt_grads = [], []
-        with torch.no_grad():
-            for i, (leaf, spec) in enumerate(zip(leaves, spec_list)):
-                u, j = where[i]
-                unit, s = units[u], units[u].slots[j]
-                src = leaf.full_tensor() if isinstance(leaf, DTensor) else leaf
-                if src.is_meta:
-                    raise ValueError(f"leaf {paths[i]!r} is on the meta device: materialize the parameters before init")
-                src = src.detach()
-                if s.sharded:
-                    src = src[self.rank * s.chunk : self.rank * s.chunk + s.local_rows]
-                unit.local_views[j].copy_(src)
-                placements = placements_for(spec, self.mesh)
-                dt_params.append(self._dtensor(unit.local_views[j], placements, s))
-                dt_grads.append(self._dtensor(unit.grad_views[j], placements, s) if s.trained else None)
+        for i, (leaf, spec) in enumerate(zip(leaves, spec_list)):
+            u, j = where[i]
+            src = leaf.full_tensor() if isinstance(leaf, DTensor) else leaf
+            if src.is_meta:
+                raise ValueError(f"leaf {paths[i]!r} is on the meta device: materialize the parameters before init")
+            units[u].fill(j, src)
+            local, grad, shape = units[u].shard(j)
+            placements = placements_for(spec, self.mesh)
+            dt_params.append(self._dtensor(local, placements, shape))
+            dt_grads.append(self._dtensor(grad, placements, shape) if grad is not None else None)
         if info is not None and self.mp.buffer_dtype is not None:
             _cast_buffers(info.module, self.mp.buffer_dtype)
         self._buffers = ModuleBuffers(info.module if info is not None else None, self.mesh)
@@ -302,9 +298,9 @@ class TrainStep:
         leaves = optree.tree_leaves(tree)
         return optree.tree_unflatten(self.treespec, [x if t else None for x, t in zip(leaves, self._trained)])
 
-    def _dtensor(self, local: torch.Tensor, placements, s: LeafSlot) -> DTensor:
-        stride = torch.empty(s.shape, device="meta").stride()
-        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=s.shape, stride=stride)
+    def _dtensor(self, local: torch.Tensor, placements, shape: torch.Size) -> DTensor:
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape, stride=stride)
 
     def _adopt(self, params: Any) -> Any:
         """Makes `params` this step's own flat-buffer DTensors (copying values in if they are not)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch.optim.adam import adam as adam_functional
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ._base import GradientTransformation, OptState, Params, generic_step
@@ -97,7 +98,6 @@ def _adam_family(
     i_adam = parts.index(adam_t)
     opt = chain(*parts)
     fallback = generic_step(opt.update._update_)
-    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     @torch.no_grad()
     def step_(grads: Any, state: OptState, params: Params) -> OptState:
@@ -115,9 +115,11 @@ def _adam_family(
         t = float(int(st.count) + 1)
         lr_t = lr_at(lr, state[-1])
         for wd_g, device, (p, g, m, v) in _groups(weight_decay, mask, params, lists):
-            step_t = torch.full((), t, dtype=torch.float32, device=device)
-            fused(p, g, m, v, [], [step_t] * len(p), lr=lr_t, beta1=b1, beta2=b2, weight_decay=wd_g,
-                  eps=eps, amsgrad=False, maximize=False)
+            # torch.optim's functional Adam with fused=True (its fused kernel); it counts the steps
+            # itself, one tensor per leaf, so each starts at t - 1.
+            steps = [torch.full((), t - 1, dtype=torch.float32, device=device) for _ in p]
+            adam_functional(p, g, m, v, [], steps, fused=True, decoupled_weight_decay=decoupled, amsgrad=False,
+                                  beta1=b1, beta2=b2, lr=lr_t, weight_decay=wd_g, eps=eps, maximize=False)
         st.count.add_(1)
         if callable(lr):
             state[-1].count.add_(1)
@@ -138,7 +140,7 @@ def adam(
     """Adam, matching ``torch.optim.Adam`` (coupled L2 weight decay: ``g + weight_decay * p``).
 
     Built as ``chain(add_decayed_weights(weight_decay), scale_by_adam(*betas, eps),
-    scale_by_learning_rate(lr))``; ``update.step_`` calls ``torch._fused_adam_`` on the local leaves.
+    scale_by_learning_rate(lr))``; ``update.step_`` runs ``torch.optim``'s functional Adam with ``fused=True`` on the local leaves.
 
     Args:
         lr: learning rate >= 0, or a schedule ``step -> float``.
@@ -170,7 +172,7 @@ def adamw(
     """AdamW, matching ``torch.optim.AdamW`` (decoupled decay: ``p -= lr * weight_decay * p``).
 
     Built as ``chain(scale_by_adam(*betas, eps), add_decayed_weights(weight_decay),
-    scale_by_learning_rate(lr))``; ``update.step_`` calls ``torch._fused_adamw_`` on the local leaves.
+    scale_by_learning_rate(lr))``; ``update.step_`` runs ``torch.optim``'s functional AdamW with ``fused=True`` on the local leaves.
 
     Args:
         lr: learning rate >= 0, or a schedule ``step -> float``.
@@ -250,6 +252,8 @@ def sgd(
         for wd_g, _, grouped in _groups(weight_decay, mask, params, lists):
             p, g = grouped[0], grouped[1]
             bufs = grouped[2] if i_trace is not None else []
+            # The fused kernel itself: torch.optim's functional SGD tells the first step by
+            # momentum buffers that are None, where this state holds them from `init` (zeros).
             torch._fused_sgd_(p, g, bufs, weight_decay=wd_g, momentum=float(momentum), lr=lr_t,
                               dampening=float(dampening), nesterov=nesterov, maximize=False, is_first_step=first)
         if i_trace is not None:
