@@ -579,19 +579,19 @@ class Engine:
     def read(self, u: int, j: int) -> torch.Tensor:
         """The full value of leaf `j` of unit `u`, for a read outside `apply` (Note [parameters
         outside apply] in `_param.py`)."""
-        if self.phase != "forward":
+        if self.phase == "idle":
             raise RuntimeError(
-                "a parameter handed to loss_fn was used after loss_fn returned (or outside a step): it is "
-                "valid only inside loss_fn; return values computed from it instead"
+                "a parameter handed to loss_fn was used after its step (or outside a step): it is valid "
+                "only inside loss_fn; return values computed from it instead"
             )
-        proxy = self._unit(u).proxies[j]
+        unit = self._unit(u)
+        proxy = unit.proxies[j]
         if u == ROOT:
             return proxy  # gathered for the whole step
         out = self._reads.get((u, j))
         # A copy made under no_grad carries no gradient: never hand it to a use that needs one.
         if out is None or (torch.is_grad_enabled() and proxy.requires_grad and not out.requires_grad):
-            self._ensure(u)
-            out = Detour.apply(proxy)
+            out = Detour.apply(proxy, lambda: unit.gather_leaf(j))
             self._reads[(u, j)] = out
         return out
 

@@ -413,6 +413,18 @@ class FlatUnit:
         with torch.no_grad():
             self.local_views[j].copy_(src)
 
+    def gather_leaf(self, j: int) -> torch.Tensor:
+        """Leaf `j`'s full value in the compute dtype, in fresh memory: one all-gather of its
+        segment alone (outside reads, Note [parameters outside apply] in `_param.py`)."""
+        s = self.segments[j]
+        alone = not s.sharded or self.world == 1  # the segment is the whole leaf: a copy of it
+        seg = self.local[s.offset : s.offset + s.seg_numel].to(self.device, self.compute_dtype, copy=alone)
+        if alone:
+            return seg[: s.shape.numel()].view(s.shape)
+        out = torch.empty(self.world * s.seg_numel, dtype=self.compute_dtype, device=seg.device)
+        C.all_gather(out, seg.contiguous(), self.group, async_op=False)
+        return out[: s.shape.numel()].view(s.shape)
+
     def shard(self, j: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Size]:
         """Leaf `j`'s local shard, its gradient shard (None when frozen), and its global shape."""
         s = self.segments[j]

@@ -12,12 +12,13 @@ are `Param`s, tensors of the right shape, dtype and device whose every use goes 
 
 - `apply` (of the model the step trains) swaps each `Param` for the unit's full parameter before
   the module runs, so the model itself computes on plain tensors at no extra cost.
-- Any other use of a `Param` is an outside read: the step gathers the leaf's unit (a collective,
-  so every rank must make the same reads, as for any collective) and the op receives a copy of the
-  full leaf whose gradient flows into the unit's gradient. The copy is made once per leaf and step
-  and belongs to autograd, so it stays valid for the whole backward; the unit's gradients are
-  reduced only once every use, inside and outside `apply`, has contributed. Root leaves are
-  gathered for the whole step and are read in place.
+- Any other use of a `Param` is an outside read: the op receives the leaf's full value, gathered
+  on its own (one all-gather of the leaf's segment; a collective, so every rank must make the same
+  reads, as for any collective) into memory that belongs to autograd, so it stays valid for the
+  whole backward, whatever the units do. Its gradient flows into the unit's gradient, and the unit
+  is reduced only once every use, inside and outside `apply`, has contributed. The value is
+  gathered once per leaf and step (again only if a gradient is needed where the first read had
+  none). Root leaves are gathered for the whole step and are read in place.
 - Metadata (shape, dtype, device, requires_grad, ...) needs no gather.
 - A `Param` kept past its step is dead: reading it is an error, never stale values.
 """
@@ -101,16 +102,17 @@ class Param(torch.Tensor):
 
 
 class Detour(torch.autograd.Function):
-    """A copy of a full parameter whose gradient flows back into the parameter."""
+    """A leaf's full value, gathered on its own, whose gradient flows into the unit's full
+    parameter `proxy` (whose memory it never reads: it may hold another unit now)."""
 
     @staticmethod
-    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x.clone()
+    def forward(proxy: torch.Tensor, gather: Any) -> torch.Tensor:  # type: ignore[override]
+        return gather()
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
         pass
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return grad
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
