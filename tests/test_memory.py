@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from shardfn import _flat, _memory
@@ -53,3 +54,74 @@ def test_small_buffers_and_switch_off_are_left_alone(monkeypatch):
     t = torch.empty(0)
     _flat._storage_alloc(t, 16 << 20)
     assert calls == [] and t.untyped_storage().nbytes() == 16 << 20
+
+
+# -- measured peak memory of a step -------------------------------------------------------------
+UNITS, WIDTH, PER_RANK = 8, 1024, 4  # 4 MiB per unit in fp32
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def rank_peak_growth(strategy: str) -> dict:
+    """Peak RSS growth of one step over the RSS between steps, and the sizes it is made of."""
+    import gc
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+
+    import shardfn as sf
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(UNITS)])
+    apply, params = sf.functionalize(model, units=r"\d+")
+    step = sf.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), sf.optim.sgd(1e-3), sf.mesh(dp=-1), strategy=strategy)
+    state = step.init(params)
+    del params
+    g = torch.Generator().manual_seed(rank)
+    batch = (torch.randn(PER_RANK, WIDTH, generator=g), torch.randn(PER_RANK, WIDTH, generator=g))
+    for _ in range(3):
+        state, _ = step(state, batch)
+    for unit in step._units.values():  # the step gives its gradient shards back as it begins
+        unit.release_grad()
+    gc.collect()
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    base = _status_kb("VmHWM")
+    state, _ = step(state, batch)
+    unit = WIDTH * WIDTH * 4 >> 10
+    return dict(growth_kb=_status_kb("VmHWM") - base, unit_kb=unit, shard_kb=-(-unit // world))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc to measure peak RSS")
+def test_full_shard_peak_memory_is_measured_within_its_bound():
+    """Measured, not counted by the engine: the peak RSS growth of a `full_shard` step stays within
+    the gradient shards plus four units (two gathered, a reduction's input, a full gradient) and a
+    small margin, while `shard_grad_op`, which keeps every unit gathered, goes well past it. Ranks
+    run with glibc's mmap threshold at 64 KiB, so freed buffers leave the RSS at once."""
+    from shardfn._pool import RankPool
+
+    old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        with RankPool(2, timeout=120) as pool:
+            full = pool.run(rank_peak_growth, "full_shard")
+            keep = pool.run(rank_peak_growth, "shard_grad_op")
+    finally:
+        if old is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = old
+    for f, k in zip(full, keep):
+        unit, shard = f["unit_kb"], f["shard_kb"]
+        bound = UNITS * shard + 4 * unit + 2048  # gradient shards, four units, 2 MiB of activations and slack
+        assert f["growth_kb"] <= bound, (f, bound)
+        assert k["growth_kb"] > f["growth_kb"] + 2 * unit, (f, k)
