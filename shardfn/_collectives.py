@@ -87,6 +87,7 @@ GLOO_COLLECTIVES = "p2p"
 
 _MODES = ("p2p", "in_place", "native")
 _TAG_BASE, _TAG_SPAN = 1 << 24, 1 << 29  # clear of small user tags; wraps well inside 32 bits
+_EPOCH = 1 << 22  # tags skipped after a failed step (`new_epoch`)
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> _info
 
 
@@ -121,6 +122,14 @@ def point_to_point(group, device) -> bool:
 def _p2p(group, t: torch.Tensor) -> list | None:
     """The group's info if a collective of `t` runs point to point, else None."""
     return _info(group) if point_to_point(group, t.device) else None
+
+
+def new_epoch() -> None:
+    """Moves every group's point-to-point tags far ahead, after a failed step on this rank: ranks
+    that failed at the same point move together and stay matched, while a message of a rank that
+    went on (or failed elsewhere) can no longer be taken for one of this rank's next collectives."""
+    for info in _GROUPS.values():
+        info[3] = (info[3] + _EPOCH) % _TAG_SPAN
 
 
 def _next_tag(info: list) -> int:

@@ -350,13 +350,17 @@ class Engine:
                     self._swaps.setdefault(u, []).append((module.get_submodule(owner), attr, j))
 
     def _swap_in(self, u: int, full: bool) -> None:
-        """Unit `u`'s module attributes: its full parameters (its forward runs), or its Params."""
+        """Unit `u`'s module attributes: its full parameters (its forward runs), or its Params
+        (Note [parameters outside apply] in `_param.py`)."""
         if u not in self._swaps:
             return  # the root, or a unit without parameters
-        values = self._unit(u).proxies if full else self._params_of[u]
-        for mod, attr, j in self._swaps.get(u, ()):
-            if attr in mod._parameters:
-                mod._parameters[attr] = values[j]
+        proxies, params = self._unit(u).proxies, self._params_of[u]
+        new, old = (proxies, params) if full else (params, proxies)
+        for mod, attr, j in self._swaps[u]:
+            # Only where `apply` was given this step's own parameter: a tensor the user derived
+            # from it (scaled, noised, a delta added) is what the module must compute on.
+            if mod._parameters.get(attr) is old[j]:
+                mod._parameters[attr] = new[j]
 
     def _read_param(self, p: Param) -> torch.Tensor:
         return self.read(*p.where)
@@ -635,6 +639,7 @@ class Engine:
             self._swap_in(u, False)
         self._busy_end(u)
         wrapped = self._wrapped.pop() if self._wrapped else False
+        output = self._own_memory(u, output)
         if torch.is_grad_enabled():
             tensors, opaque = _output_tensors(output)
             targets = _hook_targets(tensors)
@@ -655,7 +660,30 @@ class Engine:
                 # activations. Give the memory back; the backward allocates the slots again.
                 for a in self._slot_arenas:
                     a.release()
-        return None
+        return output
+
+    def _own_memory(self, u: int, output: Any) -> Any:
+        """`output` with any tensor that views the unit's full parameters (`return self.pe[:T]`)
+        copied: the unit is freed as its forward returns, and its memory given to another."""
+        unit = self.units[u]
+        mine = {a.base.untyped_storage().data_ptr() for a in (unit.arenas["full"], unit.arenas["stage"]) if a.allocated}
+        mine.discard(0)
+        if not mine:
+            return output
+
+        def views(t: torch.Tensor) -> bool:
+            return t.untyped_storage().data_ptr() in mine
+
+        tensors, _ = _output_tensors(output)
+        if not any(views(t) for t in tensors):
+            return output
+        output = pytree.tree_map_only(torch.Tensor, lambda t: t.clone() if views(t) else t, output)
+        if any(views(t) for t in _output_tensors(output)[0]):
+            raise ValueError(
+                f"unit {unit.name!r} returned a view of its own parameter inside a {type(output).__name__}, whose "
+                "tensors shardfn cannot replace; its memory is freed as the unit returns: return a copy (.clone())"
+            )
+        return output
 
     def end_forward(self) -> None:
         """`loss_fn` has returned: the backward comes next."""
@@ -863,6 +891,7 @@ class Engine:
             unit.free()
         for a in self.arenas:
             a.release()
+        C.new_epoch()
         self._reset_step_state()
 
 

@@ -321,6 +321,7 @@ class FlatUnit:
         self._rep_trained = [i for i, s in enumerate(segs) if not s.sharded and s.trained]
         self.num_trained = len(self._sh_trained) + len(self._rep_trained)
         self.arenas: dict[str, Arena] = {}
+        self.had_grad = [False] * len(segs)  # per leaf: a gradient reached it in this step
         self.proxies: list[torch.Tensor] = []
         self._readers: tuple[torch.Tensor, ...] = ()
         self.valid = False
@@ -510,7 +511,9 @@ class FlatUnit:
         _storage_alloc(self.grad, self._grad_bytes)
 
     def release_grad(self) -> None:
-        """Drops the gradient shard's storage until the next reduction (as `zero_grad(set_to_none=True)`)."""
+        """A new step: drops the gradient shard's storage until the next reduction (as
+        `zero_grad(set_to_none=True)`), and forgets which leaves got a gradient."""
+        self.had_grad = [False] * len(self.segments)
         if self._grad_transient:
             _storage_free(self.grad)
 
@@ -523,6 +526,8 @@ class FlatUnit:
         (another unit holds it now). Returns the pending state for `finish_reduce`.
         """
         trained = {i: self.proxies[i] for i in (*self._sh_trained, *self._rep_trained)}
+        for i, p in trained.items():
+            self.had_grad[i] |= p.grad is not None
         grads = {i: p.grad if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device) for i, p in trained.items()}
         del trained
         self.take_grads()

@@ -41,6 +41,11 @@ class ModelInfo:
     unit_names: list[str]  # unit submodule paths, module order
     unit_of: dict[str, int]  # canonical path -> unit index, -1 for the root unit
     buffer_paths: list[str] = field(default_factory=list)
+    returned: dict[str, weakref.ref] = field(default_factory=dict)  # path -> the leaf functionalize returned
+
+    def returned_tree(self, paths: Sequence[str], leaves: Sequence[Any]) -> bool:
+        """Whether these leaves are the very tensors `functionalize` returned for this model."""
+        return all(p in self.returned and self.returned[p]() is x for p, x in zip(paths, leaves))
 
 
 _REGISTRY: list[weakref.ref] = []
@@ -51,9 +56,10 @@ def _register(info: ModelInfo) -> None:
     _REGISTRY.append(weakref.ref(info))
 
 
-def find_apply(paths: Sequence[str]) -> list[ModelInfo]:
-    """The live functionalized models whose parameter names are exactly `paths` (a train step
-    built without `apply=` uses the one, and refuses to guess between several)."""
+def find_apply(paths: Sequence[str], leaves: Sequence[Any] = ()) -> list[ModelInfo]:
+    """The live functionalized models whose parameter names are exactly `paths`; when several
+    have them, the one that returned these very `leaves` if there is one (a train step built
+    without `apply=` uses a single match, and refuses to guess between several)."""
     want = set(paths)
 
     def live() -> list[ModelInfo]:
@@ -61,6 +67,8 @@ def find_apply(paths: Sequence[str]) -> list[ModelInfo]:
         return [i for i in infos if i is not None and set(i.param_paths) == want]
 
     found = live()
+    if len(found) > 1 and leaves:
+        found = [i for i in found if i.returned_tree(paths, leaves)] or found
     if len(found) > 1:  # a model nobody uses may still wait for the cycle collector
         del found
         gc.collect()
@@ -247,7 +255,9 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
         buffer_paths=[n for n, _ in module.named_buffers()],
     )
 
-    params = nest((path, t.detach()) for path, t in tensors.items())
+    detached = {path: t.detach() for path, t in tensors.items()}
+    info.returned = {path: weakref.ref(t) for path, t in detached.items()}
+    params = nest(detached.items())
     meta: dict[int, nn.Parameter] = {}
     for mod in module.modules():
         for name, p in list(mod._parameters.items()):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import re
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -49,12 +50,13 @@ def install(info: Any, unit: int) -> None:
     if getattr(module.forward, "_shardfn_remat", False):
         return
     original = module.forward
+    ref = weakref.ref(info)  # the module keeps its forward; its model's info must not be kept by it
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         rt = _runtime.current()
         wants = getattr(rt, "remat_units", None)
-        if not wants or unit not in wants or getattr(rt, "info", None) is not info or rt.phase != "forward" or not torch.is_grad_enabled():
+        if not wants or unit not in wants or getattr(rt, "info", None) is not ref() or rt.phase != "forward" or not torch.is_grad_enabled():
             return original(*args, **kwargs)
         tensors = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
 

@@ -8,6 +8,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import optree
 import torch
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -15,7 +16,7 @@ from . import _collectives as C
 from . import _runtime
 from ._buffers import ModuleBuffers
 from ._engine import Engine, Policy, StaleParameterError
-from ._flat import FlatUnit, LeafSpec
+from ._flat import STALE, FlatUnit, LeafSpec
 from ._functional import find_apply
 from ._mesh import mesh_group
 from .optim._norm import local_sumsq
@@ -71,6 +72,7 @@ def _split_loss(out: Any) -> tuple[torch.Tensor, Any]:
         loss, aux = out, None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"loss_fn must return a scalar tensor (or (loss, aux)), got {type(loss).__name__} {getattr(loss, 'shape', '')}")
+    loss = loss.reshape(())
     if not loss.requires_grad:
         raise ValueError("the loss does not depend on the params: loss_fn must compute it from its `params` argument")
     return loss, aux
@@ -165,12 +167,22 @@ class TrainStep:
                     f"leaf {path!r} (shape {tuple(leaf.shape)}) has spec {spec!r}: the train step shards dim 0 over "
                     f"{self.shard_axis!r} only for now; use P({self.shard_axis!r}) or P()"
                 )
-        info = self._model(paths)
+        info = self._model(paths, leaves)
         unit_of = [info.unit_of[p] if info is not None else -1 for p in paths]
         n_units = len(info.unit_names) if info is not None else 0
         # Frozen: named by `frozen=`, or `requires_grad=False` on the module's parameter (as peft does).
         needs_grad = dict(info.module.named_parameters(remove_duplicate=True)) if info is not None else {}
-        trained = [not any(rx.fullmatch(p) for rx in self.frozen) and (p not in needs_grad or needs_grad[p].requires_grad) for p in paths]
+        names = {p: info.aliases[p] if info is not None else [p] for p in paths}  # a tied leaf: every name
+        for rx in self.frozen:
+            if not any(rx.fullmatch(n) for p in paths for n in names[p]):
+                raise ValueError(
+                    f"frozen={rx.pattern!r} matches no parameter (patterns match dotted names in full); "
+                    f"the names look like {[n for p in paths[:6] for n in names[p]][:6]}"
+                )
+        trained = [
+            not any(rx.fullmatch(n) for rx in self.frozen for n in names[p]) and (p not in needs_grad or needs_grad[p].requires_grad)
+            for p in paths
+        ]
         device = self.mesh.device_type
         members: dict[int, list[int]] = {u: [] for u in [*range(n_units), -1]}
         for i, u in enumerate(unit_of):
@@ -231,6 +243,16 @@ class TrainStep:
             dt_grads.append(self._dtensor(grad, placements, shape) if grad is not None else None)
         if info is not None and self.mp.buffer_dtype is not None:
             _cast_buffers(info.module, self.mp.buffer_dtype)
+        if info is not None and self.mp.param_dtype is not None:
+            for name, mod in info.module.named_modules():
+                stats = getattr(mod, "running_mean", None)
+                if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) and stats is not None and stats.dtype != self.mp.param_dtype:
+                    raise NotImplementedError(
+                        f"{name!r} is a {type(mod).__name__} whose running statistics are {stats.dtype} while its unit "
+                        f"computes in {self.mp.param_dtype}, which BatchNorm refuses. Pass "
+                        f"MixedPrecision(..., buffer_dtype={self.mp.param_dtype}) to keep the statistics in that dtype; "
+                        "BatchNorm in float32 inside a low-precision unit is not supported yet"
+                    )
         self._buffers = ModuleBuffers(info.module if info is not None else None, self.mesh)
         # Gradient segments for the clip, and this rank's part of each for the norm (see
         # FlatUnit.norm_parts).
@@ -248,6 +270,7 @@ class TrainStep:
         self._units = units
         self._dt_params = dt_params
         self._trained = trained
+        self._trained_where = [w for w, t in zip(where, trained) if t]  # the optimizer's leaves, in order
         self.grads = optree.tree_unflatten(treespec, dt_grads)
         self.engine.set_tree(treespec, paths, where)
         if self.remat:
@@ -259,19 +282,21 @@ class TrainStep:
         params_tree = optree.tree_unflatten(treespec, dt_params)
         return TrainState(params=params_tree, opt_state=self.opt.init(self._trainable(params_tree)), step=0)
 
-    def _model(self, paths: list[str]):
+    def _model(self, paths: list[str], leaves: list):
         """The functionalized model whose units the step runs: `apply=`, or the one whose parameter
-        names are these; None for a plain pure function."""
+        names are these (the one that returned these tensors, when several have the names); None
+        for a plain pure function."""
         if self.apply is not None:
             if set(self.apply.info.param_paths) != set(paths):
                 raise ValueError("params do not match apply=: pass the tree that sf.functionalize returned with that apply")
             return self.apply.info
-        found = find_apply(paths)
+        found = find_apply(paths, leaves)
         if len(found) > 1:
             kinds = ", ".join(type(i.module).__name__ for i in found)
             raise ValueError(
                 f"{len(found)} functionalized models have exactly these parameter names ({kinds}: a teacher, an EMA "
-                "copy, ...); say which one loss_fn trains: sf.train_step(..., apply=apply)"
+                "copy, ...), and these params are not the tensors one of them returned; say which one loss_fn "
+                "trains: sf.train_step(..., apply=apply)"
             )
         return found[0] if found else None
 
@@ -348,43 +373,123 @@ class TrainStep:
                     engine.end()
         except BaseException as e:
             engine.abort()
-            if isinstance(e, RuntimeError) and "modified by an inplace operation" in str(e):
-                raise StaleParameterError(
-                    "the backward read a unit's parameters while their memory was freed or held another unit, so "
-                    "nothing was reduced or applied (Note [stale parameters] in shardfn/_flat.py). The unit's "
-                    "pre-backward was missed: return its outputs as tensors or containers of them, and do not "
-                    "hand them to code that detaches and re-attaches them. Autograd said: " + str(e)
-                ) from e
+            clear = _explain(e)
+            if clear is not None:
+                raise clear from e
             raise
         self._buffers.sync()
         # One all-reduce for the loss and the squared gradient norm.
+        # One all-reduce for the loss, the squared gradient norm, and which leaves got a gradient
+        # on some rank (Note [leaves without a gradient]).
         sq = local_sumsq(self._norm_parts).to(loss_sum.device) if self._norm_parts else loss_sum.new_zeros(())
-        stats = torch.stack([loss_sum / k, sq])
+        had = [self._units[u].had_grad[j] for u, j in self._trained_where]
+        stats = torch.cat([torch.stack([loss_sum / k, sq]), torch.tensor(had, dtype=torch.float32).to(sq.device)])
         if self.world > 1:
             C.all_reduce(stats, None if self.replicate_group is not None else self.group)
         loss_mean = stats[0] / self.world
         grad_norm = stats[1].sqrt()
+        # Read back (a host sync on GPUs) only where this rank saw a leaf without a gradient.
+        skip = [i for i, n in enumerate(stats[2:].tolist()) if n == 0] if not all(had) else []
         if self.max_grad_norm is not None:
             coef = torch.clamp(self.max_grad_norm / (grad_norm + 1e-6), max=1.0)
             if self._norm_segments:  # the trained segments: frozen ones hold no gradient
                 torch._foreach_mul_(self._norm_segments, coef.to(self._norm_segments[0].device))
-        opt_state = self._optimize(params, state.opt_state)
+        opt_state = self._optimize(params, state.opt_state, skip)
         metrics = {"loss": loss_mean, "grad_norm": grad_norm, "aux": aux}
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
-    def _optimize(self, params: Any, opt_state: Any) -> Any:
+    def _optimize(self, params: Any, opt_state: Any, skip: list[int]) -> Any:
+        """The optimizer's update, in place; trained leaves at positions `skip` keep their values
+        and their optimizer state (Note [leaves without a gradient])."""
         trainable = self._trainable(params)
+        kept = _keep(trainable, opt_state, skip) if skip else None
         step_ = getattr(self.opt.update, "step_", None)
         if step_ is not None:
-            return step_(self.grads, opt_state, trainable)
-        from .optim import apply_updates
+            opt_state = step_(self.grads, opt_state, trainable)
+        else:
+            from .optim import apply_updates
 
-        updates, opt_state = self.opt.update(self.grads, opt_state, trainable)
-        new = optree.tree_leaves(apply_updates(trainable, updates))
-        old = optree.tree_leaves(trainable)
-        with torch.no_grad():
-            torch._foreach_copy_([p._local_tensor for p in old], [x._local_tensor if isinstance(x, DTensor) else x for x in new])
+            updates, opt_state = self.opt.update(self.grads, opt_state, trainable)
+            new = optree.tree_leaves(apply_updates(trainable, updates))
+            old = optree.tree_leaves(trainable)
+            with torch.no_grad():
+                torch._foreach_copy_([p._local_tensor for p in old], [x._local_tensor if isinstance(x, DTensor) else x for x in new])
+        if kept is not None:
+            _restore(trainable, opt_state, skip, kept)
         return opt_state
+
+
+# Note [leaves without a gradient]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.optim skips a parameter whose `.grad` is None: a head used only on some steps, a pooler the
+# loss never reaches, a unit that did not run keep their values and their optimizer state (no
+# weight decay, no momentum). The reduction needs a gradient for every trained leaf of a unit, so
+# a leaf that got none on this rank counts as zero there; which leaves got one on some rank rides
+# on the step's metrics all-reduce, and the leaves that got none anywhere are put back, values and
+# optimizer state, after the optimizer's update (only on steps where this rank saw such a leaf).
+# One difference remains with torch's Adam: `sf.optim`'s step count is one for all leaves, as in
+# optax, so a leaf's bias correction later counts the steps it skipped.
+def _state_trees(trainable: Any, opt_state: Any) -> list:
+    """The subtrees of `opt_state` shaped like the trained parameters (moments, momentum)."""
+    spec = optree.tree_structure(trainable)
+
+    def like(x: Any) -> bool:
+        return optree.tree_structure(x) == spec
+
+    return [t for t in optree.tree_leaves(opt_state, is_leaf=like) if like(t)]
+
+
+def _local(x: Any) -> torch.Tensor:
+    return x._local_tensor if isinstance(x, DTensor) else x
+
+
+def _keep(trainable: Any, opt_state: Any, skip: list[int]) -> list[list[torch.Tensor]]:
+    trees = [trainable, *_state_trees(trainable, opt_state)]
+    out = []
+    for tree in trees:
+        leaves = optree.tree_leaves(tree)
+        out.append([_local(leaves[i]).clone() for i in skip])
+    return out
+
+
+def _restore(trainable: Any, opt_state: Any, skip: list[int], kept: list[list[torch.Tensor]]) -> None:
+    trees = [trainable, *_state_trees(trainable, opt_state)]
+    with torch.no_grad():
+        for tree, saved in zip(trees, kept):
+            leaves = optree.tree_leaves(tree)
+            torch._foreach_copy_([_local(leaves[i]) for i in skip], saved)
+
+
+def _explain(e: BaseException) -> BaseException | None:
+    """A clear error for what a failed step's exception means, when shardfn knows (else None)."""
+    msg = str(e)
+    if isinstance(e, RuntimeError) and f"is at version {STALE}" in msg:
+        return StaleParameterError(
+            "the backward read a unit's parameters while their memory was freed or held another unit, so "
+            "nothing was reduced or applied (Note [stale parameters] in shardfn/_flat.py). The unit's "
+            "pre-backward was missed: return its outputs as tensors or containers of them, and do not "
+            "hand them to code that detaches and re-attaches them. Autograd said: " + msg
+        )
+    if isinstance(e, RuntimeError) and "_PostBackward is a view and is being modified inplace" in msg:
+        return ValueError(
+            "a unit modifies one of its inputs in place (e.g. x.add_(...) or an inplace activation on its "
+            "input): shardfn detects the end of a unit's backward on its inputs, as FSDP2 does, so a unit "
+            "must not modify them; use the out-of-place op (x = x + ...)"
+        )
+    if isinstance(e, RuntimeError) and "device meta" in msg and "expected device" in msg:
+        return NotImplementedError(
+            "a recompute ran in the backward, after apply returned, on the module's own (meta) parameters: "
+            "the model checkpoints activations itself (e.g. Hugging Face's gradient_checkpointing_enable()), "
+            "or remat= covers a unit whose forward calls another unit. Use sf.train_step(..., remat=...) "
+            "on units that call no other unit, and turn the model's own checkpointing off (Hugging Face "
+            "decoders also need use_cache=False under remat)"
+        )
+    if isinstance(e, torch.utils.checkpoint.CheckpointError):
+        return NotImplementedError(
+            "remat of a unit whose forward runs other units (nested units, or a unit calling another) is "
+            f"not supported yet: leave those units out of remat= ({msg.splitlines()[0]})"
+        )
+    return None
 
 
 def _compile(patterns: Any, what: str) -> list:

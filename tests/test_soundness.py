@@ -122,6 +122,37 @@ class Net(nn.Module):
         return (out, aux) if self.aux else out
 
 
+class PosEmb(nn.Module):
+    """A unit that returns a view of its own parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.pe = nn.Parameter(torch.randn(8, D) * 0.1)
+
+    def forward(self, T):
+        return self.pe[:T]
+
+
+class Sometimes(nn.Module):
+    """Position embeddings from a unit that returns a slice of its parameter, and an extra head
+    that only long sequences use: in later steps it gets no gradient anywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.pos = PosEmb()
+        self.blocks = nn.ModuleList(Block(D) for _ in range(2))
+        self.head = nn.Linear(D, V)
+        self.extra = nn.Linear(D, V)
+
+    def forward(self, idx):
+        h = self.emb(idx) + self.pos(idx.shape[1])
+        for b in self.blocks:
+            h = b(h)
+        out = self.head(h)
+        return out + self.extra(h) if idx.shape[1] == 8 else out
+
+
 class Interleaved(nn.Module):
     """Blocks and adapters interleaved in the forward, grouped in module order."""
 
@@ -194,6 +225,8 @@ CASES = {
     "applied_twice": dict(build=lambda: Net(L=4), loss="twice"),
     "interleaved": dict(build=lambda: Interleaved(), units=r"(blocks|adapters)\.\d+"),
     "no_root_applied_twice": dict(build=lambda: Tower(), loss="twice"),
+    "derived_tree_in_apply": dict(build=lambda: Net(), loss="derived"),
+    "view_of_own_parameter_and_unused_head": dict(build=lambda: Sometimes(), units=r"pos|blocks\.\d+", T=lambda i: 8 if i == 0 else 6),
     "param_read_by_model_code": dict(build=lambda: Net(shared_bias=True)),
     "t5_like_bias_kwarg": dict(build=lambda: Net(t5=True)),
     "auxiliary_loss_on_a_block": dict(build=lambda: Net(aux=True), loss="aux"),
@@ -207,6 +240,10 @@ def _trained(model, name, case):
 
 def _loss(case, f, params, x):
     kind = case.get("loss")
+    if kind == "derived":  # weights scaled, and a delta on one unit leaf, then the model applied
+        q = optree.tree_map(lambda t: t * 0.9, params)
+        q["blocks"]["1"]["attn"]["weight"] = q["blocks"]["1"]["attn"]["weight"] + 0.01
+        return ce(f(q, x), x)
     if kind == "aux":
         out, aux = f(params, x)
         return ce(out, x) + 0.1 * aux
@@ -241,8 +278,8 @@ def _reference(case, world):
     losses = []
     for i in range(STEPS):
         total = 0.0
-        for x in batch(i, world).chunk(world):
-            loss = _loss(case, lambda p, xx: model(xx), params, x) / world
+        for x in batch(i, world, T=case.get("T", lambda i: 8)(i)).chunk(world):
+            loss = _loss(case, lambda p, xx: torch.func.functional_call(model, dict(zip(sf.tree_paths(p), optree.tree_leaves(p))), (xx,)), params, x) / world
             loss.backward()
             total += loss.item()
         opt.step()
@@ -280,7 +317,7 @@ def rank_cases(strategy: str) -> dict:
         _, apply, step, state = _step(case, strategy, world)
         loss_err = 0.0
         for i in range(STEPS):
-            state, m = step(state, batch(i, world).chunk(world)[rank])
+            state, m = step(state, batch(i, world, T=case.get("T", lambda i: 8)(i)).chunk(world)[rank])
             loss_err = max(loss_err, abs(m["loss"].item() - ref_losses[i]) / abs(ref_losses[i]))
         got = sf.to_state_dict(sf.gather(state.params))
         param_err = max(_rel(got[n], ref[n]) for n in ref)
@@ -316,11 +353,13 @@ def rank_refusals() -> dict:
     s_apply, s_params = sf.functionalize(student, units=r"blocks\.\d+")
     t_apply, t_params = sf.functionalize(teacher, units=r"blocks\.\d+")
     loss_fn = lambda p, x: F.mse_loss(s_apply(p, x), t_apply(t_params, x).detach())  # noqa: E731
-    try:
-        sf.train_step(loss_fn, sf.optim.adamw(LR), sf.mesh(dp=-1)).init(s_params)
+    try:  # a copy of the student's params: the names say nothing about which model
+        sf.train_step(loss_fn, sf.optim.adamw(LR), sf.mesh(dp=-1)).init(optree.tree_map(torch.clone, s_params))
         out["ambiguous"] = "NO ERROR"
     except ValueError as e:
         out["ambiguous"] = str(e)
+    # The very tensors functionalize returned tell the student from the teacher.
+    out["found"] = sf.train_step(loss_fn, sf.optim.adamw(LR), sf.mesh(dp=-1))._model(sf.tree_paths(s_params), optree.tree_leaves(s_params)) is s_apply.info
     # The step's params handed to another model's apply.
     step = sf.train_step(lambda p, x: t_apply(p, x).sum(), sf.optim.adamw(LR), sf.mesh(dp=-1), apply=s_apply)
     state = step.init(s_params)
@@ -351,6 +390,7 @@ def test_refusals_before_anything_is_computed(pools):
     for r in pools(2).run(rank_refusals):
         assert "Opaque" in r["opaque"] and "register" in r["opaque"], r["opaque"]
         assert "apply=" in r["ambiguous"], r["ambiguous"]
+        assert r["found"], r
         assert "apply=" in r["other_model"], r["other_model"]
         assert r["teacher_err"] < 1e-5, r
 
