@@ -309,6 +309,12 @@ def _rel(a, b):
     return (a - b).norm().item() / (den if den > 0 else 1.0)
 
 
+def _param_err(state, ref: dict) -> float:
+    """The worst relative error of the trained parameters against the reference's."""
+    got = sf.to_state_dict(sf.gather(state.params))
+    return max(_rel(got[n], ref[n]) for n in ref)
+
+
 def rank_cases(strategy: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -443,8 +449,7 @@ def rank_failures() -> dict:
                 out["stale"] = str(e)
             engine._pre_backward = original
         state, m = step(state, x)
-    got = sf.to_state_dict(sf.gather(state.params))
-    out["err"] = max(_rel(got[n], ref[n]) for n in ref)
+    out["err"] = _param_err(state, ref)
     return out
 
 
@@ -570,8 +575,7 @@ def rank_early_exit() -> dict:
                 out["error"] = str(e)
             model.depth = 3
         state, _ = step(state, x)
-    got = sf.to_state_dict(sf.gather(state.params))
-    out["err"] = max(_rel(got[n], ref[n]) for n in ref)
+    out["err"] = _param_err(state, ref)
     return out
 
 
