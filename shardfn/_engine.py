@@ -163,18 +163,16 @@ def _output_tensors(output: Any) -> tuple[list[torch.Tensor], list[str]]:
     """
     tensors: list[torch.Tensor] = []
     opaque: list[str] = []
-
-    def visit(obj: Any, depth: int) -> None:
+    todo = [(output, 0)]  # a stack, not a recursive closure: that would be a reference cycle
+    while todo:  # holding the outputs until the cycle collector runs
+        obj, depth = todo.pop()
         for leaf in pytree.tree_leaves(obj):
             if isinstance(leaf, torch.Tensor):
                 tensors.append(leaf)
             elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and depth < 8:
-                for f in dataclasses.fields(leaf):
-                    visit(getattr(leaf, f.name), depth + 1)
+                todo.extend((getattr(leaf, f.name), depth + 1) for f in dataclasses.fields(leaf))
             elif not isinstance(leaf, _PRIMITIVE):
                 opaque.append(type(leaf).__name__)
-
-    visit(output, 0)
     return tensors, opaque
 
 
