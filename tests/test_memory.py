@@ -126,3 +126,39 @@ def test_full_shard_peak_memory_is_measured_within_its_bound():
         bound = UNITS * shard + 4 * unit + 2048  # gradient shards, four units, 2 MiB of activations and slack
         assert f["growth_kb"] <= bound, (f, bound)
         assert k["growth_kb"] > f["growth_kb"] + 2 * unit, (f, k)
+
+
+def rank_cycles() -> list:
+    """Tensors that a step leaves in reference cycles (freed only when the cycle collector runs)."""
+    import gc
+
+    import torch.nn.functional as F
+
+    import shardfn as sf
+    from shardfn.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, block_size=8, n_layer=3, n_head=2, d=16))
+    apply, params = sf.functionalize(model, units=r"blocks\.\d+")
+    step = sf.train_step(lambda p, b: F.cross_entropy(apply(p, b).flatten(0, 1), b.flatten()), sf.optim.adamw(1e-3), sf.mesh(dp=-1))
+    state = step.init(params)
+    x = torch.randint(0, 64, (2, 8))
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(3):
+            state, _ = step(state, x)
+        gc.collect()
+        return [tuple(o.shape) for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+def test_a_step_leaves_no_tensor_to_the_cycle_collector(pools):
+    """Activations and buffers a step made are freed when the step lets go of them, not when
+    Python's cycle collector happens to run (which would raise the peak by a step's outputs)."""
+    for r in pools(2).run(rank_cycles):
+        assert r == [], r
