@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 import weakref
 from typing import Any, Sequence
 
@@ -51,6 +52,7 @@ def install(info: Any, unit: int) -> None:
         return
     original = module.forward
     ref = weakref.ref(info)  # the module keeps its forward; its model's info must not be kept by it
+    name = info.unit_names[unit]
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -58,6 +60,13 @@ def install(info: Any, unit: int) -> None:
         wants = getattr(rt, "remat_units", None)
         if not wants or unit not in wants or getattr(rt, "info", None) is not ref() or rt.phase != "forward" or not torch.is_grad_enabled():
             return original(*args, **kwargs)
+        cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)  # only if loaded
+        if cache is not None and any(isinstance(x, cache) for x in (*args, *kwargs.values())):
+            raise ValueError(
+                f"remat of unit {name!r}, which is handed a key/value cache: the recompute would "
+                "append to the cache a second time. Pass use_cache=False to the model when training with remat "
+                "(as Hugging Face does under gradient checkpointing)"
+            )
         tensors = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
 
         def run(*a: Any, **k: Any) -> Any:

@@ -271,6 +271,7 @@ class TrainStep:
         self._dt_params = dt_params
         self._trained = trained
         self._trained_where = [w for w, t in zip(where, trained) if t]  # the optimizer's leaves, in order
+        self._trained_index = [i for i, t in enumerate(trained) if t]  # their positions in the tree
         self.grads = optree.tree_unflatten(treespec, dt_grads)
         self.engine.set_tree(treespec, paths, where)
         if self.remat:
@@ -402,7 +403,8 @@ class TrainStep:
         """The optimizer's update, in place; trained leaves at positions `skip` keep their values
         and their optimizer state (Note [leaves without a gradient])."""
         trainable = self._trainable(params)
-        kept = _keep(trainable, opt_state, skip) if skip else None
+        idx = [self._trained_index[k] for k in skip]  # positions in the tree, frozen leaves counted
+        kept = _keep(trainable, opt_state, idx) if skip else None
         step_ = getattr(self.opt.update, "step_", None)
         if step_ is not None:
             opt_state = step_(self.grads, opt_state, trainable)
@@ -415,7 +417,7 @@ class TrainStep:
             with torch.no_grad():
                 torch._foreach_copy_([p._local_tensor for p in old], [x._local_tensor if isinstance(x, DTensor) else x for x in new])
         if kept is not None:
-            _restore(trainable, opt_state, skip, kept)
+            _restore(trainable, opt_state, idx, kept)
         return opt_state
 
 
@@ -427,37 +429,46 @@ class TrainStep:
 # a leaf that got none on this rank counts as zero there; which leaves got one on some rank rides
 # on the step's metrics all-reduce, and the leaves that got none anywhere are put back, values and
 # optimizer state, after the optimizer's update (only on steps where this rank saw such a leaf).
+# The optimizer state put back is every part of it that holds something per parameter: any
+# subtree whose structure starts with the parameter tree's (moments, momentum, a masked
+# transform's inner state, a wrapped torch optimizer's per-parameter dicts).
 # One difference remains with torch's Adam: `sf.optim`'s step count is one for all leaves, as in
 # optax, so a leaf's bias correction later counts the steps it skipped.
-def _state_trees(trainable: Any, opt_state: Any) -> list:
-    """The subtrees of `opt_state` shaped like the trained parameters (moments, momentum)."""
-    spec = optree.tree_structure(trainable)
+def _per_leaf(trainable: Any, opt_state: Any) -> list[list[Any]]:
+    """The trained parameters, and each part of `opt_state` that holds something per parameter
+    (moments, momentum, a masked transform's state, a torch optimizer's state dicts), each as one
+    entry per leaf of the parameter tree (frozen leaves are None)."""
+    spec = optree.tree_structure(trainable, none_is_leaf=True)
 
-    def like(x: Any) -> bool:
-        return optree.tree_structure(x) == spec
+    def per_leaf(x: Any) -> list | None:
+        try:
+            return spec.flatten_up_to(x)
+        except (ValueError, TypeError):
+            return None
 
-    return [t for t in optree.tree_leaves(opt_state, is_leaf=like) if like(t)]
+    found = [optree.tree_leaves(trainable, none_is_leaf=True)]
+    for sub in optree.tree_leaves(opt_state, is_leaf=lambda x: per_leaf(x) is not None, none_is_leaf=True):
+        entries = per_leaf(sub)
+        if entries is not None and sub is not trainable:
+            found.append(entries)
+    return found
+
+
+def _tensors_at(entries: list[list[Any]], idx: list[int]) -> list[torch.Tensor]:
+    return [_local(t) for e in entries for i in idx for t in optree.tree_leaves(e[i]) if isinstance(t, torch.Tensor)]
 
 
 def _local(x: Any) -> torch.Tensor:
     return x._local_tensor if isinstance(x, DTensor) else x
 
 
-def _keep(trainable: Any, opt_state: Any, skip: list[int]) -> list[list[torch.Tensor]]:
-    trees = [trainable, *_state_trees(trainable, opt_state)]
-    out = []
-    for tree in trees:
-        leaves = optree.tree_leaves(tree)
-        out.append([_local(leaves[i]).clone() for i in skip])
-    return out
+def _keep(trainable: Any, opt_state: Any, idx: list[int]) -> list[torch.Tensor]:
+    return [t.clone() for t in _tensors_at(_per_leaf(trainable, opt_state), idx)]
 
 
-def _restore(trainable: Any, opt_state: Any, skip: list[int], kept: list[list[torch.Tensor]]) -> None:
-    trees = [trainable, *_state_trees(trainable, opt_state)]
+def _restore(trainable: Any, opt_state: Any, idx: list[int], kept: list[torch.Tensor]) -> None:
     with torch.no_grad():
-        for tree, saved in zip(trees, kept):
-            leaves = optree.tree_leaves(tree)
-            torch._foreach_copy_([_local(leaves[i]) for i in skip], saved)
+        torch._foreach_copy_(_tensors_at(_per_leaf(trainable, opt_state), idx), kept)
 
 
 def _explain(e: BaseException) -> BaseException | None:

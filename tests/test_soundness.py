@@ -583,3 +583,47 @@ def test_units_skipped_on_some_ranks_stop_every_rank(pools):
     for r in pools(2).run(rank_early_exit, timeout=60):
         assert "'blocks.2' ran on ranks [0] only" in r["error"], r
         assert r["err"] < 1e-5, r
+
+
+def rank_skipped_leaves() -> dict:
+    """A head that gets a gradient on some steps only keeps its value and its momentum on the
+    others, as torch.optim skips it, whatever shape the optimizer's state has (Note [leaves
+    without a gradient])."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = dict(build=lambda: Sometimes(), units=r"pos|blocks\.\d+")
+    T = lambda i: 8 if i % 2 == 0 else 6  # noqa: E731 - the extra head is used on even steps
+    opts = {
+        "sgd": lambda: sf.optim.sgd(0.1, momentum=0.9),
+        "masked": lambda: sf.optim.chain(
+            sf.optim.masked(sf.optim.trace(0.9), lambda p: optree.tree_map(lambda x: x.dim() > 1, p)),
+            sf.optim.scale_by_learning_rate(0.1),
+        ),
+        "from_torch": lambda: sf.optim.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9),
+    }
+    out = {}
+    for name, make in opts.items():
+        model = _build(case)
+        apply, params = sf.functionalize(model, units=case["units"])
+        step = sf.train_step(lambda p, x: ce(apply(p, x), x), make(), sf.mesh(dp=-1), apply=apply)
+        state = step.init(params)
+        ref = _build(case)
+        if name == "masked":  # momentum on matrices only, plain SGD on vectors
+            groups = [{"params": [p for p in ref.parameters() if p.dim() > 1], "momentum": 0.9},
+                      {"params": [p for p in ref.parameters() if p.dim() <= 1], "momentum": 0.0}]
+            opt = torch.optim.SGD(groups, lr=0.1)
+        else:
+            opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        for i in range(4):
+            x = batch(i, world, T=T(i))
+            state, _ = step(state, x.chunk(world)[rank])
+            for xr in x.chunk(world):
+                (ce(ref(xr), xr) / world).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = _param_err(state, {n: p.detach() for n, p in ref.named_parameters()})
+    return out
+
+
+def test_leaves_without_a_gradient_are_skipped_like_torch(pools):
+    for r in pools(2).run(rank_skipped_leaves):
+        assert max(r.values()) < 1e-5, r
