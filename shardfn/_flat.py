@@ -80,7 +80,7 @@ import torch
 from . import _collectives as C
 from ._memory import huge_pages
 
-__all__ = ["Segment", "LeafSpec", "FlatUnit", "buffer_sizes", "has_large_leaves", "place"]
+__all__ = ["Segment", "LeafSpec", "FlatUnit", "buffer_sizes", "place"]
 
 
 @dataclass(frozen=True)
@@ -196,11 +196,6 @@ _set_versions = torch._C._autograd._unsafe_set_version_counter
 # received straight into `full` (see Note [flat unit layout]), the small ones travel together. Each
 # message costs about as much host time as copying a few MB, so only large leaves go alone.
 SMALL_SEGMENT = 1 << 20
-
-
-def has_large_leaves(leaves: list[LeafSpec], world: int) -> bool:
-    """Whether a unit has sharded leaves that a point-to-point gather receives in place."""
-    return world > 1 and any(x.sharded and _segment_numel(x, world) >= SMALL_SEGMENT for x in leaves)
 
 
 def _segment_numel(x: LeafSpec, world: int) -> int:
