@@ -417,3 +417,22 @@ def test_sharded_trees(pools, world):
         assert max(r["err"].values()) < 1e-5, r["err"]
         assert r["norm_calls"] == 1 and r["clip_calls"] == 1 and r["plain_calls"] == 0
         assert r["norm_err"] < 1e-6 and r["clip_err"] < 1e-6
+
+
+def test_sgd_options_are_keyword_only_and_checked():
+    """optax's order is (lr, momentum, nesterov), torch's (lr, momentum, dampening, weight_decay,
+    nesterov): a positional call would silently mean something else in one of them."""
+    with pytest.raises(TypeError):
+        O.sgd(0.1, 0.9)  # type: ignore[misc]
+    for bad in (dict(momentum="0.9"), dict(nesterov=1), dict(dampening=True), dict(dampening=2.0), dict(weight_decay=None)):
+        with pytest.raises(ValueError):
+            O.sgd(0.1, **bad)
+
+
+def test_clip_by_global_norm_on_float64():
+    params = {"w": torch.randn(4, 3, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}
+    grads = {k: 10 * torch.ones_like(v) for k, v in params.items()}
+    opt = O.clip_by_global_norm(1.0)
+    updates, _ = opt.update(grads, opt.init(params), params)
+    norm = math.sqrt(sum(float((u.double() ** 2).sum()) for u in updates.values()))
+    assert abs(norm - 1.0) < 1e-5 and all(u.dtype == torch.float64 for u in updates.values())

@@ -171,6 +171,8 @@ def adamw(
 ) -> GradientTransformation:
     """AdamW, matching ``torch.optim.AdamW`` (decoupled decay: ``p -= lr * weight_decay * p``).
 
+    The default ``weight_decay=0.01`` is torch's; optax's ``adamw`` defaults to 1e-4.
+
     Built as ``chain(scale_by_adam(*betas, eps), add_decayed_weights(weight_decay),
     scale_by_learning_rate(lr))``; ``update.step_`` runs ``torch.optim``'s functional AdamW with ``fused=True`` on the local leaves.
 
@@ -195,14 +197,17 @@ def adamw(
 
 def sgd(
     lr: ScalarOrSchedule,
+    *,
     momentum: float = 0.0,
     dampening: float = 0.0,
     nesterov: bool = False,
     weight_decay: float = 0.0,
-    *,
     mask: Optional[Mask] = None,
 ) -> GradientTransformation:
     """SGD with optional momentum, matching ``torch.optim.SGD`` (first momentum buffer = gradient).
+
+    Everything after the learning rate is keyword-only: positional orders differ between optax
+    (``momentum, nesterov``) and torch (``momentum, dampening, weight_decay, nesterov``).
 
     Built as ``chain(add_decayed_weights(weight_decay), trace(momentum, nesterov, dampening),
     scale_by_learning_rate(lr))`` (parts with a zero coefficient left out); ``update.step_`` calls
@@ -223,8 +228,15 @@ def sgd(
         >>> opt = sgd(0.1, momentum=0.9, nesterov=True)
     """
     _check_lr(lr)
+    for name, value in (("momentum", momentum), ("dampening", dampening), ("weight_decay", weight_decay)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"sgd: {name} must be a number, got {value!r}")
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"sgd: nesterov must be True or False, got {nesterov!r}")
     _check_nonneg("momentum", momentum)
     _check_nonneg("weight_decay", weight_decay)
+    if not 0 <= dampening <= 1:
+        raise ValueError(f"sgd: dampening must be in [0, 1], got {dampening!r}")
     parts = _with_wd(weight_decay, mask)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum needs momentum > 0 and dampening == 0")

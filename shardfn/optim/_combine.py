@@ -87,7 +87,8 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
     Args:
         inner: the transformation to apply.
         mask: a pytree of bools with the structure of the params, or a function ``params -> mask``
-            (called on the params, or on the updates when no params are given).
+            (called on the params, or on the updates when no params are given; optax's ``masked``
+            calls it on the updates in ``update``).
 
     Returns:
         A GradientTransformation with state `MaskedState`.

@@ -280,6 +280,9 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scales updates by ``min(1, max_norm / (norm + 1e-6))``, like ``torch.nn.utils.clip_grad_norm_``.
 
+    That is torch's formula; optax's ``clip_by_global_norm`` scales by ``max_norm / norm`` only when
+    the norm exceeds ``max_norm``, without the 1e-6.
+
     The norm is that of the whole tree; on a sharded tree it covers every shard (one all-reduce).
 
     Args:
