@@ -6,6 +6,7 @@ an ordinary `loss_fn(params, batch)`.
 """
 
 from . import optim
+from ._describe import describe
 from ._engine import StaleParameterError
 from ._functional import Apply, from_state_dict, functionalize, to_state_dict
 from ._param import Param
@@ -27,6 +28,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "apply_updates",
+    "describe",
     "from_state_dict",
     "functionalize",
     "gather",
