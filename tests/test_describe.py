@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 import shardfn as sf
@@ -10,7 +9,7 @@ from reference import OPT, make_loss_fn, make_model, units_of
 
 
 def rank_describe() -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     model = make_model("mlp")  # 7x5, 5, 5x2, 2, 2x3, 3 parameters
     apply, params = sf.functionalize(model, units=units_of("mlp"))
     mesh = sf.mesh(dp=-1)
