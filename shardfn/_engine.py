@@ -440,13 +440,17 @@ class Engine:
         return u in self._running or self._active.get(u, 0) > 0
 
     def _busy_start(self, u: int) -> None:
+        if self.planned:
+            return  # the log feeds only the first step's plan
         self._clock += 1
         self._busy_since.setdefault(u, self._clock)
 
     def _busy_end(self, u: int) -> None:
+        if self.planned:
+            return
         self._clock += 1
         since = self._busy_since.pop(u, None)
-        if since is not None and not self.planned:
+        if since is not None:
             self._busy_log.setdefault(u, []).append((since, self._clock))
 
     def _next_of(self, u: int) -> int | None:
@@ -637,9 +641,9 @@ class Engine:
             self._swap_in(u, False)
         self._busy_end(u)
         wrapped = self._wrapped.pop() if self._wrapped else False
-        output = self._own_memory(u, output)
+        tensors, opaque = _output_tensors(output)
+        output, tensors = self._own_memory(u, output, tensors)
         if torch.is_grad_enabled():
-            tensors, opaque = _output_tensors(output)
             targets = _hook_targets(tensors)
             if targets:
                 torch.autograd.graph.register_multi_grad_hook(targets, lambda _g, u=u: self._pre_backward(u), mode="any")
@@ -660,28 +664,27 @@ class Engine:
                     a.release()
         return output
 
-    def _own_memory(self, u: int, output: Any) -> Any:
-        """`output` with any tensor that views the unit's full parameters (`return self.pe[:T]`)
-        copied: the unit is freed as its forward returns, and its memory given to another."""
+    def _own_memory(self, u: int, output: Any, tensors: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+        """`output` (and its `tensors`) with any tensor that views the unit's full parameters
+        (`return self.pe[:T]`) copied: the unit is freed as its forward returns, and its memory
+        given to another."""
         unit = self.units[u]
         mine = {a.base.untyped_storage().data_ptr() for a in (unit.arenas["full"], unit.arenas["stage"]) if a.allocated}
         mine.discard(0)
-        if not mine:
-            return output
 
         def views(t: torch.Tensor) -> bool:
             return t.untyped_storage().data_ptr() in mine
 
-        tensors, _ = _output_tensors(output)
-        if not any(views(t) for t in tensors):
-            return output
+        if not mine or not any(views(t) for t in tensors):
+            return output, tensors
         output = pytree.tree_map_only(torch.Tensor, lambda t: t.clone() if views(t) else t, output)
-        if any(views(t) for t in _output_tensors(output)[0]):
+        tensors = _output_tensors(output)[0]
+        if any(views(t) for t in tensors):
             raise ValueError(
                 f"unit {unit.name!r} returned a view of its own parameter inside a {type(output).__name__}, whose "
                 "tensors shardfn cannot replace; its memory is freed as the unit returns: return a copy (.clone())"
             )
-        return output
+        return output, tensors
 
     def end_forward(self) -> None:
         """`loss_fn` has returned: the backward comes next."""
