@@ -8,6 +8,7 @@ an ordinary `loss_fn(params, batch)`.
 from . import optim
 from ._describe import describe
 from ._engine import StaleParameterError
+from ._launch import launch
 from ._functional import Apply, from_state_dict, functionalize, to_state_dict
 from ._param import Param
 from ._mesh import mesh
@@ -15,6 +16,7 @@ from ._shard import gather, shard
 from ._spec import P, specs
 from ._train import MixedPrecision, TrainState, TrainStep, train_step
 from ._tree import tree_paths
+from ._watch import RankError
 from .optim import apply_updates
 
 __version__ = "0.1.0"
@@ -24,6 +26,7 @@ __all__ = [
     "MixedPrecision",
     "P",
     "Param",
+    "RankError",
     "StaleParameterError",
     "TrainState",
     "TrainStep",
@@ -32,6 +35,7 @@ __all__ = [
     "from_state_dict",
     "functionalize",
     "gather",
+    "launch",
     "mesh",
     "optim",
     "shard",

@@ -20,6 +20,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from . import _watch
+
 __all__ = ["STATS", "all_gather", "all_gather_pieces", "reduce_scatter", "all_reduce", "broadcast", "gloo_collectives", "point_to_point"]
 
 
@@ -150,8 +152,9 @@ class _Exchange:
     def wait(self, timeout: float | None = None) -> bool:
         if self.works is not None:
             works = self.works.result(timeout) if isinstance(self.works, Future) else self.works
-            for w in works:
-                wait(w, timeout)
+            with _watch.waiting():
+                for w in works:
+                    wait(w, timeout)
             self.works = None
             if self.epilogue is not None:
                 with torch.no_grad():
@@ -163,8 +166,12 @@ class _Exchange:
 def wait(work, timeout: float | None = None) -> None:
     """Waits for a pending collective, for at most `timeout` seconds (None: the group's own
     timeout); raises `TimeoutError` when it is not done by then."""
-    if timeout is None or isinstance(work, _Exchange):
-        work.wait(timeout) if isinstance(work, _Exchange) else work.wait()
+    if isinstance(work, _Exchange):
+        work.wait(timeout)
+        return
+    if timeout is None:
+        with _watch.waiting():
+            work.wait()
         return
     try:
         work.wait(datetime.timedelta(seconds=timeout))
@@ -195,7 +202,7 @@ def _exchange(group, sends: list, recvs: list, epilogue=None) -> _Exchange:
 
 def _done(pending, async_op: bool):
     if not async_op:
-        pending.wait()
+        wait(pending)
         return None
     return pending
 
@@ -277,10 +284,14 @@ def _reduce_scatter_p2p(out: torch.Tensor, inp: torch.Tensor, group, info: list)
 def all_reduce(t: torch.Tensor, group, async_op: bool = False):
     """`t` <- the sum of `t` over ranks, in place."""
     STATS.add("all_reduce", 2 * _ring_bytes(t, dist.get_world_size(group)))
-    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    if async_op:
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    with _watch.waiting():
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
 
 def broadcast(t: torch.Tensor, src: int, group) -> None:
     """`t` <- `t` of global rank `src`, in place."""
     STATS.add("broadcast", t.numel() * t.element_size())
-    dist.broadcast(t, src=src, group=group)
+    with _watch.waiting():
+        dist.broadcast(t, src=src, group=group)

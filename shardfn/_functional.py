@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils.stateless import _reparametrize_module
 
-from . import _runtime
+from . import _runtime, _watch
 from ._tree import nest, tree_flatten_with_paths
 
 __all__ = ["functionalize", "Apply", "to_state_dict", "from_state_dict", "find_apply"]
@@ -174,7 +174,7 @@ class Apply:
             if any(isinstance(x, DTensor) for x in leaves):
                 from ._inference import ShardedForward
 
-                with ShardedForward(self, params) as (gathered, runtime):
+                with _watch.watched("apply on a sharded tree"), ShardedForward(self, params) as (gathered, runtime):
                     with _runtime.activate(runtime):
                         return self._call_flat(gathered, args, buffers, kwargs)
             flat = self.flat_params(params)

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import _watch
+
 __all__ = ["mesh", "ensure_process_group", "mesh_group"]
 
 
@@ -19,14 +21,21 @@ def ensure_process_group() -> None:
     else gloo. With no distributed environment at all it starts a one-rank group in memory (NCCL
     for CUDA tensors and gloo for CPU ones when CUDA is available, else gloo), so that a script or
     notebook runs unchanged on one process.
+
+    The group's timeout is `SHARDFN_TIMEOUT` seconds (default 600): a rank that waits that long on
+    a collective stops with an error naming the rank that stalled (Note [fail fast] in
+    `shardfn/_watch.py`).
     """
     if dist.is_initialized():
         return
     backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = _watch.collective_timeout()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
+        _watch.PG_TIMEOUT_S = timeout.total_seconds()
+        _watch.start()
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 

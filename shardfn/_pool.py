@@ -24,8 +24,7 @@ from typing import Any, Callable
 __all__ = ["RankPool", "RankError"]
 
 
-class RankError(RuntimeError):
-    """A rank failed, died or timed out; every rank of the pool has been stopped."""
+from ._watch import RankError  # a rank failed, died or timed out; every rank of the pool has been stopped
 
 
 def _free_port() -> int:
@@ -133,10 +132,10 @@ class RankPool:
                     status, value = pickle.loads(c.recv_bytes())
                 except (EOFError, OSError):
                     self.close(kill=True)
-                    raise RankError(f"{what}: rank {rank} died") from None
+                    raise RankError(f"{what}: rank {rank} died", rank, "died") from None
                 if status == "err":
                     self.close(kill=True)
-                    raise RankError(f"{what}: rank {rank} raised:\n{value}")
+                    raise RankError(f"{what}: rank {rank} raised:\n{value}", rank)
                 results[rank] = value
         return [results[r] for r in range(self.world_size)]
 

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from . import _collectives as C
+from . import _watch
 from ._spec import match_specs, placements_for
 
 __all__ = ["shard", "gather"]
@@ -35,13 +36,14 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh) -> Any:
     """
     paths, leaves, spec_list, treespec = match_specs(params, specs, mesh)
     out = []
-    for leaf, spec in zip(leaves, spec_list):
-        placements = placements_for(spec, mesh)
-        if isinstance(leaf, DTensor):
-            out.append(leaf.redistribute(mesh, placements))
-            continue
-        t = leaf.detach().to(mesh.device_type)
-        out.append(distribute_tensor(t, mesh, placements, src_data_rank=None))
+    with _watch.watched("sf.shard"), _watch.waiting():
+        for leaf, spec in zip(leaves, spec_list):
+            placements = placements_for(spec, mesh)
+            if isinstance(leaf, DTensor):
+                out.append(leaf.redistribute(mesh, placements))
+                continue
+            t = leaf.detach().to(mesh.device_type)
+            out.append(distribute_tensor(t, mesh, placements, src_data_rank=None))
     return optree.tree_unflatten(treespec, out)
 
 
@@ -79,7 +81,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(x: DTensor) -> torch.Tensor:  # type: ignore[override]
-        with torch._C._DisableFuncTorch():
+        with torch._C._DisableFuncTorch(), _watch.waiting():
             return x.full_tensor() if isinstance(x, DTensor) else x.clone()
 
     @staticmethod
@@ -112,4 +114,5 @@ def gather(sharded: Any) -> Any:
     Example:
         >>> full = sf.gather(state.params)
     """
-    return optree.tree_map(lambda x: _Gather.apply(x) if isinstance(x, DTensor) else x, sharded)
+    with _watch.watched("sf.gather"):
+        return optree.tree_map(lambda x: _Gather.apply(x) if isinstance(x, DTensor) else x, sharded)

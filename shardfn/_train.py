@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
-from . import _runtime
+from . import _runtime, _watch
 from ._buffers import ModuleBuffers
 from ._engine import Engine, Policy, StaleParameterError
 from ._flat import STALE, FlatUnit, LeafSpec
@@ -350,6 +350,10 @@ class TrainStep:
 
     # -- the step -------------------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        with _watch.watched("the train step"):
+            return self._step(state, batch)
+
+    def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         if self.engine is None:
             raise ValueError("call step.init(params) before the first step")
         params = self._adopt(state.params)

@@ -1,0 +1,380 @@
+"""Fail fast: when a rank fails, dies, returns early or stalls, the others stop with its name.
+
+Note [fail fast]
+~~~~~~~~~~~~~~~~
+A gloo collective blocks until every rank has joined it, and a blocked wait cannot be interrupted
+from another thread (`ProcessGroup.abort()` does not wake it). What does end it is a peer's
+connections closing, which fails the wait at once, or the process group's own timeout. So:
+
+* a rank that raises (inside `sf.launch`, or anywhere under torchrun) writes "rank r failed:
+  <exception>" to the job's store, then its process ends (or, under `sf.launch`, drops its process
+  group first); a rank that returns from its function writes "rank r returned" the same way;
+* a rank whose shardfn call fails with a communication error reads the store and raises
+  `RankError` naming the rank and what happened to it: failed (with its exception), returned from
+  its function (a collective called on some ranks only), died without a word (its process is gone:
+  `os._exit`, a signal, out of memory), or stalled (the collective timed out while that rank was
+  running its own code, or computing without waiting on any collective);
+* every rank's heartbeat thread writes, once a second, where the rank is (outside shardfn, inside
+  a shardfn call, waiting on a collective): that is what names a stalled rank.
+
+The collective timeout is the process group's: `SHARDFN_TIMEOUT` seconds (default 600) for groups
+that shardfn starts (`sf.mesh`, `sf.launch`), `sf.launch(..., timeout=)` for launched ranks. The
+store is the job's own (`MASTER_ADDR:MASTER_PORT`, as torchrun and `sf.launch` set them); without
+one (a single process), errors pass through unchanged. Nothing here runs on the hot path but two
+attribute writes per wait.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch.distributed as dist
+
+__all__ = [
+    "RankError",
+    "collective_timeout",
+    "watched",
+    "waiting",
+    "explain",
+    "report_failure",
+    "report_returned",
+    "leave_when_waited_on",
+]
+
+TIMEOUT_ENV = "SHARDFN_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600.0
+BEAT_S = 1.0
+"""How often each rank's heartbeat says where it is."""
+
+
+class RankError(RuntimeError):
+    """Another rank failed, died, returned early or stalled, so this rank (or the launch) stops.
+
+    Attributes:
+        rank: the rank at fault (None when it cannot be told).
+        kind: "failed", "died", "returned" or "stalled".
+    """
+
+    def __init__(self, message: str, rank: int | None = None, kind: str = "failed"):
+        super().__init__(message)
+        self.rank, self.kind = rank, kind
+
+    def __reduce__(self):
+        return (RankError, (str(self), self.rank, self.kind))
+
+
+RankError.__module__ = "shardfn"  # as users name it: sf.RankError
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The timeout for process groups that shardfn starts: `SHARDFN_TIMEOUT` seconds, default 600."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        s = float(raw)
+    except ValueError:
+        s = -1.0
+    if not s > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, e.g. {TIMEOUT_ENV}=300")
+    return datetime.timedelta(seconds=s)
+
+
+class _Where:
+    """Where this rank is, read by the heartbeat thread: the shardfn call it is in (None: the
+    user's own code) since when, and since when it waits on a collective (None: not waiting)."""
+
+    op: str | None = None
+    since: float = 0.0
+    waiting: float | None = None
+
+
+WHERE = _Where()
+
+
+@contextmanager
+def watched(op: str) -> Iterator[None]:
+    """Marks a shardfn call that issues collectives; a communication error inside becomes a
+    `RankError` naming the rank at fault, when the store tells."""
+    outer = WHERE.op
+    if outer is None:
+        WHERE.op, WHERE.since = op, time.time()
+        _ensure_started()
+    try:
+        yield
+    except RankError:
+        raise
+    except (RuntimeError, TimeoutError) as e:
+        if not _communication_error(e):
+            raise
+        clear = explain(e, op if outer is None else outer)
+        if clear is e:
+            raise
+        raise clear from e
+    finally:
+        if outer is None:
+            WHERE.op, WHERE.waiting = None, None
+
+
+@contextmanager
+def waiting() -> Iterator[None]:
+    """Marks a blocking wait on a collective (for the heartbeat)."""
+    WHERE.waiting = time.time()
+    try:
+        yield
+    finally:
+        WHERE.waiting = None
+
+
+class _Watch:
+    """This rank's link to the job's store: reports, and the heartbeat thread."""
+
+    def __init__(self, host: str, port: int, rank: int, world: int, prefix: str):
+        self.rank, self.world, self.prefix = rank, world, prefix
+        self.host, self.port = host, port
+        self.store = self._connect()
+        self.store.set(f"pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
+        self._beat_store = self._connect()
+        self._stop = threading.Event()
+        self._beat()
+        threading.Thread(target=self._beating, name="shardfn-heartbeat", daemon=True).start()
+
+    def _connect(self):
+        store = dist.TCPStore(
+            self.host, self.port, is_master=False, timeout=datetime.timedelta(seconds=5), wait_for_workers=False
+        )
+        return dist.PrefixStore(self.prefix, store)
+
+    def _beat(self) -> None:
+        w = WHERE
+        self._beat_store.set(f"seen/{self.rank}", json.dumps([time.time(), w.op, w.since, w.waiting]))
+
+    def _beating(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            try:
+                self._beat()
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                return
+
+    def get(self, key: str) -> str | None:
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store is gone
+            return None
+
+
+_WATCH: list = []  # [] not started, [None] unavailable, [_Watch]
+
+
+def _prefix() -> str:
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"shardfn-watch/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def _ensure_started() -> "_Watch | None":
+    if _WATCH:
+        return _WATCH[0]
+    w = None
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and host and port:
+        try:
+            w = _Watch(host, int(port), dist.get_rank(), dist.get_world_size(), _prefix())
+        except Exception:  # noqa: BLE001 - no reachable store: errors pass through unchanged
+            w = None
+    _WATCH.append(w)
+    if w is not None:
+        _install_hooks()
+    return w
+
+
+def start() -> None:
+    """Starts the watch now (the process group must be up); idempotent."""
+    _ensure_started()
+
+
+def _install_hooks() -> None:
+    """Under torchrun nobody wraps the script: an uncaught exception reports itself, and a normal
+    exit reports "returned", so peers still waiting on this rank learn why."""
+    previous = sys.excepthook
+
+    def hook(tp, value, tb):
+        report_failure(value)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary then shows this exception
+            try:
+                from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+                get_error_handler().record_exception(value)
+            except Exception:  # noqa: BLE001 - the summary is a courtesy
+                pass
+        previous(tp, value, tb)
+
+    sys.excepthook = hook
+    atexit.register(report_returned)
+
+
+def report_failure(exc: BaseException) -> None:
+    """Tells the other ranks that this rank failed with `exc` (the first report in a job wins)."""
+    w = _WATCH[0] if _WATCH else None
+    if w is None or isinstance(exc, RankError):
+        return
+    text = f"{w.rank}\n{type(exc).__name__}: {exc}"
+    try:
+        w.store.compare_set("failed", "", text)
+    except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
+        pass
+
+
+def report_returned() -> None:
+    """Tells the other ranks that this rank's function returned (it joins no more collectives)."""
+    w = _WATCH[0] if _WATCH else None
+    if w is None:
+        return
+    try:
+        w.store.set(f"returned/{w.rank}", "1")
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def leave_when_waited_on() -> None:
+    """After this rank's function returned: a rank still blocked on a collective waits on this
+    rank, which will never join it. No call can wake that wait, but closed connections fail it at
+    once, so this process ends as soon as it sees such a rank (its result is already handed over)."""
+    w = _WATCH[0] if _WATCH else None
+    if w is None:
+        return
+
+    def run() -> None:
+        others = [r for r in range(w.world) if r != w.rank]
+        while True:
+            time.sleep(BEAT_S / 2)
+            if w.get("failed") is not None:
+                return
+            now = time.time()
+            for r in others:
+                seen = w.get(f"seen/{r}")
+                if seen is None or w.get(f"returned/{r}") is not None:
+                    continue
+                t, _, _, waiting = json.loads(seen)
+                if waiting is not None and now - waiting > 2 * BEAT_S and now - t < 3 * BEAT_S:
+                    os._exit(0)
+
+    threading.Thread(target=run, name="shardfn-linger", daemon=True).start()
+
+
+def _alive(desc: str | None) -> bool | None:
+    """Whether the process `"host pid"` lives (None: it cannot be told from here)."""
+    if not desc:
+        return None
+    host, pid = desc.rsplit(" ", 1)
+    if host != socket.gethostname():
+        return None
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        return None
+
+
+def explain(err: BaseException, op: str) -> BaseException:
+    """A `RankError` naming the rank at fault for communication error `err` in shardfn call `op`,
+    or `err` itself when the store tells nothing."""
+    w = _WATCH[0] if _WATCH else None
+    if w is None:
+        return err
+    me, others = w.rank, [r for r in range(w.world) if r != w.rank]
+    failed = w.get("failed")
+    if failed is None:
+        time.sleep(0.2)  # a rank that fails reports before its connections close; give it a moment
+        failed = w.get("failed")
+    if failed is not None:
+        rank, what = failed.split("\n", 1)
+        return RankError(f"rank {rank} failed: {what} (rank {me} stopped in {op})", int(rank), "failed")
+    returned = [r for r in others if w.get(f"returned/{r}") is not None]
+    if returned:
+        return RankError(
+            f"rank {_names(returned)} returned from its function while rank {me} waited on it in {op}: a collective "
+            "must be called on every rank (`if rank == 0: sf.gather(x)` runs it on one). Call it on every rank and "
+            "use the result where you need it",
+            returned[0],
+            "returned",
+        )
+    dead = [r for r in others if _alive(w.get(f"pid/{r}")) is False]
+    if dead:
+        return RankError(
+            f"rank {_names(dead)} died without raising an exception (its process exited: os._exit, a signal, or "
+            f"out of memory) while rank {me} was in {op}",
+            dead[0],
+            "died",
+        )
+    msg = str(err)
+    if isinstance(err, TimeoutError) or "Timed out" in msg or "timeout" in msg.lower():
+        now, outside, computing, silent = time.time(), [], [], []
+        for r in others:
+            seen = w.get(f"seen/{r}")
+            if seen is None:
+                silent.append((r, None))
+                continue
+            t, rop, since, waiting = json.loads(seen)
+            if now - t > 3 * BEAT_S + 1:
+                silent.append((r, now - t))
+            elif rop is None:
+                outside.append((r, now - t if not since else now - max(since, 0)))
+            elif waiting is None:
+                computing.append((r, rop, now - since))
+        limit = _pg_timeout_s()
+        lim = f" (the collective timeout: {limit:.0f} s; set {TIMEOUT_ENV} or sf.launch(..., timeout=))" if limit else ""
+        if outside:
+            r = outside[0][0]
+            return RankError(
+                f"rank {_names([r for r, _ in outside])} stalled: it is running its own code, outside any shardfn call, "
+                f"while rank {me} timed out waiting on it in {op}{lim}",
+                r,
+                "stalled",
+            )
+        if computing:
+            r, rop, for_s = computing[0]
+            return RankError(
+                f"rank {r} stalled: it has been in {rop} for {for_s:.0f} s without reaching the collective that rank "
+                f"{me} timed out on in {op}{lim}",
+                r,
+                "stalled",
+            )
+        if silent:
+            r = silent[0][0]
+            return RankError(
+                f"rank {r} stopped reporting (hung, or its host is gone) while rank {me} timed out in {op}{lim}",
+                r,
+                "stalled",
+            )
+    return err
+
+
+def _communication_error(e: BaseException) -> bool:
+    """Whether `e` is a collective that failed (a peer's connection closed, or a timeout)."""
+    if isinstance(e, TimeoutError):
+        return True
+    msg = str(e)
+    return any(s in msg for s in ("gloo", "Connection closed", "Connection reset", "Timed out", "NCCL", "Broken pipe"))
+
+
+def _names(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _pg_timeout_s() -> float | None:
+    return PG_TIMEOUT_S
+
+
+PG_TIMEOUT_S: float | None = None
+"""The timeout of the process group shardfn started on this rank (None: started by the user)."""

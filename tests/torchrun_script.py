@@ -1,0 +1,55 @@
+"""A training script for the torchrun tests: `torchrun --nproc-per-node 2 tests/torchrun_script.py MODE`.
+
+MODE: "ok" (prints every rank's result through sf.launch), "raise" (rank 1 raises at step 2),
+"exit" (rank 1 calls os._exit at step 2), "stall" (rank 1 sleeps at step 2), "subset" (only rank 0
+calls sf.gather, then every rank ends).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import shardfn as sf
+
+
+def train(mode: str) -> float:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    apply, params = sf.functionalize(model, units=r"\d+")
+    mesh = sf.mesh(dp=-1)
+    rank = dist.get_rank()
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(apply(p, x), y)
+
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.1), mesh)
+    state = step.init(params)
+    g = torch.Generator().manual_seed(rank)
+    for i in range(4):
+        if rank == 1 and i == 2:
+            if mode == "raise":
+                raise ValueError("planted on rank 1 at step 2")
+            if mode == "exit":
+                os._exit(3)
+            if mode == "stall":
+                time.sleep(600)
+        batch = (torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g))
+        state, metrics = step(state, batch)
+    if mode == "subset" and rank == 0:
+        sf.gather(state.params)
+    return float(metrics["loss"])
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "ok":
+        results = sf.launch(train, mode)
+        print(f"rank {dist.get_rank()} results {results}", flush=True)
+    else:
+        train(mode)
