@@ -46,7 +46,6 @@ from ._watch import RankError
 
 __all__ = ["launch"]
 
-_CHILD_ENV = "SHARDFN_LAUNCHED"
 
 
 def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout: float | None = None, **kwargs: Any) -> list:
@@ -168,7 +167,7 @@ def _rank_main(payload: bytes, errdir: str, threads: int) -> bytes:
 
     from ._mesh import ensure_process_group
 
-    os.environ[_CHILD_ENV] = "1"
+    os.environ[_watch.LAUNCHED_ENV] = "1"
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads)
     rank = int(os.environ["RANK"])

@@ -27,6 +27,7 @@ attribute writes per wait.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import json
 import os
@@ -34,7 +35,6 @@ import socket
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from typing import Iterator
 
 import torch.distributed as dist
@@ -51,6 +51,8 @@ __all__ = [
 ]
 
 TIMEOUT_ENV = "SHARDFN_TIMEOUT"
+LAUNCHED_ENV = "SHARDFN_LAUNCHED"
+"""Set in ranks that `sf.launch` started."""
 DEFAULT_TIMEOUT_S = 600.0
 BEAT_S = 1.0
 """How often each rank's heartbeat says where it is."""
@@ -101,7 +103,7 @@ class _Where:
 WHERE = _Where()
 
 
-@contextmanager
+@contextlib.contextmanager
 def watched(op: str) -> Iterator[None]:
     """Marks a shardfn call that issues collectives; a communication error inside becomes a
     `RankError` naming the rank at fault, when the store tells."""
@@ -125,7 +127,7 @@ def watched(op: str) -> Iterator[None]:
             WHERE.op, WHERE.waiting = None, None
 
 
-@contextmanager
+@contextlib.contextmanager
 def waiting() -> Iterator[None]:
     """Marks a blocking wait on a collective (for the heartbeat)."""
     WHERE.waiting = time.time()
@@ -204,9 +206,13 @@ def start() -> None:
 def _install_hooks() -> None:
     """Under torchrun nobody wraps the script: an uncaught exception reports itself, and a normal
     exit reports "returned", so peers still waiting on this rank learn why."""
+    if os.environ.get(LAUNCHED_ENV):  # a launched rank: its trampoline reports (shardfn/_launch.py)
+        return
     previous = sys.excepthook
+    failed = []
 
     def hook(tp, value, tb):
+        failed.append(True)
         report_failure(value)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary then shows this exception
             try:
@@ -217,8 +223,13 @@ def _install_hooks() -> None:
                 pass
         previous(tp, value, tb)
 
+    def at_exit() -> None:
+        if not failed:
+            with contextlib.suppress(BaseException):
+                report_returned()
+
     sys.excepthook = hook
-    atexit.register(report_returned)
+    atexit.register(at_exit)
 
 
 def report_failure(exc: BaseException) -> None:

@@ -1,6 +1,6 @@
 """A sharded training run of a small GPT on CPU ranks: loss, memory per rank, step time.
 
-    python -m shardfn.demo                      # spawns 2 CPU ranks (gloo)
+    python -m shardfn.demo                      # launches 2 CPU ranks (gloo) with sf.launch
     python -m shardfn.demo --ranks 3 --steps 100
     torchrun --nproc_per_node 2 -m shardfn.demo # under torchrun, each rank runs it
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import time
 
 import torch
@@ -100,20 +99,16 @@ def train(steps: int, strategy: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=2, help="CPU ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--ranks", type=int, default=2, help="CPU ranks to launch (under torchrun: the job's)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--strategy", default="full_shard", choices=["full_shard", "shard_grad_op", "no_shard"])
     args = parser.parse_args()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        torch.set_num_threads(1)
-        train(args.steps, args.strategy)
-        dist.destroy_process_group()
-        return
-    from ._pool import RankPool
+    import shardfn as sf
 
     t0 = time.perf_counter()
-    with RankPool(args.ranks, timeout=600) as pool:
-        results = pool.run(train, args.steps, args.strategy)
+    results = sf.launch(train, args.steps, args.strategy, nprocs=args.ranks)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
     for r in results:
         print(f"rank {r['rank']}: holds {r['held_mib']:.1f} MiB sharded state, peak RSS {r['peak_rss_mb']:.0f} MB, median step {r['median_ms']:.0f} ms")
     print(f"total wall time {time.perf_counter() - t0:.1f} s")

@@ -1,0 +1,259 @@
+"""`sf.launch` and fail-fast: from a notebook kernel (nbclient), through a kernel interrupt, and
+under torchrun. Every check is bounded: the kernel's cells, the torchrun subprocesses and the
+planted failures all have deadlines of seconds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import shardfn as sf
+from shardfn import _watch
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # jupyter_client's own deprecations
+
+HERE = Path(__file__).parent
+
+# A notebook as a user writes it: the function and the class it returns are defined in cells.
+SETUP = r'''
+import dataclasses, os, tempfile, time
+import psutil, torch, torch.distributed as dist
+import shardfn as sf
+
+kernel = psutil.Process()
+before = {p.pid for p in kernel.children(recursive=True)}
+kernel_mesh = sf.mesh(dp=-1)          # the kernel's own one-rank mesh must not leak into the ranks
+marks = tempfile.mkdtemp()
+
+@dataclasses.dataclass
+class Result:
+    rank: int
+    world: int
+    losses: list
+
+def train(mode="ok", steps=4, mark=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    apply, params = sf.functionalize(model, units=r"\d+")
+    mesh = sf.mesh(dp=-1)
+    rank = dist.get_rank()
+    calls = [0]
+
+    def plant():
+        with open(mark, "w") as f:
+            f.write(repr(time.time()))
+        if mode == "raise":
+            raise ValueError("planted on rank 1 at step 2")
+        if mode == "exit":
+            os._exit(3)
+        if mode == "stall":
+            time.sleep(600)
+
+    def loss_fn(p, batch):
+        if rank == 1 and calls[0] == 2 and mode in ("raise", "exit"):
+            plant()                        # inside the step, between gathers
+        calls[0] += 1
+        x, y = batch
+        return torch.nn.functional.mse_loss(apply(p, x), y)
+
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.1), mesh)
+    state = step.init(params)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for i in range(steps):
+        if rank == 1 and i == 2 and mode == "stall":
+            plant()                        # outside any shardfn call
+        batch = (torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g))
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    if mode == "subset" and rank == 0:
+        sf.gather(state.params)            # on one rank only: rank 1 has returned
+    return Result(rank, dist.get_world_size(), losses)
+
+def failing(mode, **kw):
+    mark = os.path.join(marks, mode)
+    t0 = time.time()
+    try:
+        sf.launch(train, mode, mark=mark, **kw)
+    except sf.RankError as e:
+        planted = float(open(mark).read()) if os.path.exists(mark) else t0
+        return e, time.time() - planted
+    raise AssertionError(f"{mode}: sf.launch returned")
+'''
+
+RESULTS = r'''
+for n in (1, 2, 4):
+    res = sf.launch(train, "ok", nprocs=n)
+    assert [type(r).__name__ for r in res] == ["Result"] * n, res
+    assert [r.rank for r in res] == list(range(n)) and all(r.world == n for r in res), res
+    assert all(r.losses == res[0].losses for r in res), res   # the loss is the mean over ranks
+    print(n, "ranks:", res[0].losses)
+'''
+
+RAISE = r'''
+e, after = failing("raise")
+print(f"raise: RankError after {after:.1f} s: {e}")
+assert e.rank == 1 and e.kind == "failed" and after < 10, (e.rank, e.kind, after)
+assert "planted on rank 1 at step 2" in str(e) and "Traceback" in str(e)
+assert isinstance(e.__cause__, ValueError) and "planted" in str(e.__cause__)
+'''
+
+EXIT = r'''
+e, after = failing("exit")
+print(f"exit: RankError after {after:.1f} s: {e}")
+assert e.rank == 1 and e.kind == "died" and "exit code 3" in str(e) and after < 10, (e, after)
+'''
+
+STALL = r'''
+e, after = failing("stall", timeout=3)
+print(f"stall: RankError {after:.1f} s after the stall began (timeout 3 s): {e}")
+assert e.rank == 1 and e.kind == "stalled" and after < 3 + 10, (e, after)
+'''
+
+SUBSET = r'''
+e, after = failing("subset")
+print(f"subset: RankError after {after:.1f} s: {e}")
+assert e.rank == 1 and e.kind == "returned" and "every rank" in str(e), e
+'''
+
+REFUSE = r'''
+try:
+    sf.launch(lambda: kernel_mesh.size(), nprocs=2)
+except ValueError as e:
+    assert "DeviceMesh" in str(e) and "sf.mesh" in str(e), e
+else:
+    raise AssertionError("a captured mesh was sent to the ranks")
+'''
+
+AGAIN = r'''
+left = {p.pid: " ".join(p.cmdline()) for p in kernel.children(recursive=True)
+        if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE}
+left = {pid: cmd for pid, cmd in left.items() if "resource_tracker" not in cmd}  # Python's own, one per kernel
+assert not left, f"processes left behind: {left}"
+res = sf.launch(train, "ok", nprocs=2)
+assert [r.rank for r in res] == [0, 1]
+'''
+
+
+def _run_notebook(cells: list[str], timeout: int) -> nbformat.NotebookNode:
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}).execute()
+    return nb
+
+
+def test_launch_from_a_notebook_returns_results_and_fails_fast():
+    nb = _run_notebook([SETUP, RESULTS, RAISE, EXIT, STALL, SUBSET, REFUSE, AGAIN], timeout=90)
+    text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    assert "[rank1]: " in text or "[rank0]: " in text or "ranks:" in text
+    for line in text.splitlines():
+        if line.startswith(("raise:", "exit:", "stall:", "subset:", "1 ranks", "2 ranks", "4 ranks")):
+            print(line[:200])
+
+
+INTERRUPT = r'''
+import time, psutil, shardfn as sf
+def sleeper():
+    print("started", flush=True)
+    time.sleep(120)
+kernel = psutil.Process()
+t0 = time.time()
+try:
+    sf.launch(sleeper, nprocs=2)
+except KeyboardInterrupt:
+    print(f"interrupted after {time.time() - t0:.1f} s", flush=True)
+time.sleep(0.5)
+left = [p.pid for p in kernel.children(recursive=True)
+        if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
+print("left", left, flush=True)
+'''
+
+
+def test_a_kernel_interrupt_stops_every_rank_and_the_kernel_launches_again():
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(HERE))
+    try:
+        out: list[str] = []
+
+        def run(code: str, until: str, deadline: float, interrupt_on: str | None = None) -> None:
+            msg_id = kc.execute(code)
+            end, sent = time.time() + deadline, False
+            while time.time() < end:
+                try:
+                    msg = kc.get_iopub_msg(timeout=1)
+                except Exception:  # noqa: BLE001 - queue.Empty: keep polling until the deadline
+                    continue
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    continue
+                if msg["msg_type"] == "stream":
+                    out.append(msg["content"]["text"])
+                    if interrupt_on and not sent and interrupt_on in "".join(out):
+                        km.interrupt_kernel()
+                        sent = True
+                if msg["msg_type"] == "error":
+                    out.append("ERROR " + msg["content"]["ename"])
+                if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                    break
+            assert until in "".join(out), "".join(out)[-2000:]
+
+        run(INTERRUPT, "left", 60, interrupt_on="started")
+        text = "".join(out)
+        assert "interrupted after" in text and "left []" in text, text[-2000:]
+        out.clear()
+        run("print(sf.launch(lambda: 7, nprocs=2))", "[7, 7]", 60)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+@pytest.mark.parametrize(
+    "mode, rc, names",
+    [
+        ("ok", 0, ["rank 0 results [", "rank 1 results ["]),
+        ("raise", 1, ["rank 1 failed: ValueError: planted on rank 1 at step 2"]),
+        ("exit", 1, ["exitcode  : 3"]),
+        ("stall", 1, ["rank 1 stalled"]),
+        ("subset", 1, ["rank 1 returned from its function while rank 0 waited on it in sf.gather"]),
+    ],
+)
+def test_torchrun_fails_fast_and_names_the_rank(mode, rc, names):
+    env = dict(os.environ, SHARDFN_TIMEOUT="4", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    t0 = time.time()
+    p = subprocess.run([*cmd, str(HERE / "torchrun_script.py"), mode], env=env, capture_output=True, text=True, timeout=60)
+    took = time.time() - t0
+    out = p.stdout + p.stderr
+    assert p.returncode == rc, out[-3000:]
+    for name in names:
+        assert name in out, out[-3000:]
+    # Start-up (two interpreters importing torch) plus at most the 4 s timeout and the reports.
+    assert took < 30, (took, out[-2000:])
+
+
+def test_bad_launch_arguments_are_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="nprocs"):
+        sf.launch(print, nprocs=0)
+    with pytest.raises(ValueError, match="callable"):
+        sf.launch("train", nprocs=2)
+    with pytest.raises(ValueError, match="timeout"):
+        sf.launch(print, nprocs=2, timeout=-1)
+    with pytest.raises(ValueError, match="cannot be sent"):
+        sf.launch(lambda g: g, (x for x in range(3)), nprocs=2)  # a generator does not pickle
+
+
+def test_collective_timeout_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SHARDFN_TIMEOUT", "12.5")
+    assert _watch.collective_timeout().total_seconds() == 12.5
+    monkeypatch.setenv("SHARDFN_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="SHARDFN_TIMEOUT"):
+        _watch.collective_timeout()
+    monkeypatch.delenv("SHARDFN_TIMEOUT")
+    assert _watch.collective_timeout().total_seconds() == _watch.DEFAULT_TIMEOUT_S
