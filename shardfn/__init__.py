@@ -6,6 +6,7 @@ an ordinary `loss_fn(params, batch)`.
 """
 
 from . import optim
+from ._checkpoint import LoadReport, SaveHandle, latest, load, load_extras, save
 from ._describe import describe
 from ._engine import StaleParameterError
 from ._functional import Apply, from_state_dict, functionalize, to_state_dict
@@ -21,9 +22,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Apply",
+    "LoadReport",
     "MixedPrecision",
     "P",
     "Param",
+    "SaveHandle",
     "StaleParameterError",
     "TrainState",
     "TrainStep",
@@ -32,8 +35,12 @@ __all__ = [
     "from_state_dict",
     "functionalize",
     "gather",
+    "latest",
+    "load",
+    "load_extras",
     "mesh",
     "optim",
+    "save",
     "shard",
     "specs",
     "to_state_dict",
