@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = ["save", "load", "latest", "load_extras", "LoadReport", "SaveHandle"]
@@ -462,7 +463,10 @@ def _write(tensors: dict, meta: dict, extras: dict | None, tmp: str, final: str,
         os.makedirs(parent, exist_ok=True)
     # Step 2: every rank's shards, into the temporary folder (DCP raises on every rank if one fails).
     writer = FileSystemWriter(tmp, sync_files=True, overwrite=False)
-    dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _dist())
+    try:
+        dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _dist())
+    except CheckpointException as e:  # a BaseException: make it one that `except Exception` sees
+        raise RuntimeError(f"writing the checkpoint {final!r} failed, nothing was committed and the previous checkpoint is intact: {e}") from e
     # Steps 3 and 4, on rank 0; then every rank learns the outcome.
     error = None
     if _rank() == 0:
@@ -597,7 +601,10 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True) -> Any:
         )
     common = {k: t for k, t in tensors.items() if k in saved_t}
     if common:
-        dcp.load(common, storage_reader=FileSystemReader(path), no_dist=not _dist())
+        try:
+            dcp.load(common, storage_reader=FileSystemReader(path), no_dist=not _dist())
+        except CheckpointException as e:  # a BaseException: make it one that `except Exception` sees
+            raise RuntimeError(f"reading the checkpoint {path!r} failed; `like` may be partly overwritten: {e}") from e
     out = [saved_v[k] if k in saved_v else x for k, x in zip(keys, leaves)]
     state = optree.tree_unflatten(spec, out)
     return state if strict else (state, LoadReport(missing, unexpected))
