@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.tensor import DTensor, Partial
 
 import shardfn as sf
 from shardfn import _checkpoint
@@ -265,6 +266,8 @@ def rank_options(d: str) -> dict:
     out["per_rank_extras"] = raises(sf.save, state, f"{d}/two", extras={"rank": rank})
     out["bad_extras"] = raises(sf.save, state, f"{d}/two", extras={"f": lambda: 0})
     out["folder"] = raises(sf.load, d, like=state)
+    pending = DTensor.from_local(torch.ones(3), sf.mesh(dp=-1), [Partial()])  # a sum not yet reduced
+    out["partial_placement"] = raises(sf.save, {"g": pending}, f"{d}/two")
 
     # strict=False: a state with one leaf more (a new head) and without the last layer's bias.
     apply, params = sf.functionalize(make_model("mlp"), units=units_of("mlp"))
@@ -335,6 +338,7 @@ def test_options_and_mistakes(pools, tmp_path):
         assert "ValueError" in out["exists"] and "never overwritten" in out["exists"], out["exists"]
         assert "ValueError" in out["per_rank_extras"] and "differ from rank 0" in out["per_rank_extras"], out["per_rank_extras"]
         assert "ValueError" in out["bad_extras"] and "function" in out["bad_extras"], out["bad_extras"]
+        assert "NotImplementedError" in out["partial_placement"] and "'g'" in out["partial_placement"], out["partial_placement"]
         assert "folder of checkpoints" in out["folder"] and "one" in out["folder"], out["folder"]
         assert "params.4.bias" in out["strict"] and "params.head.weight" in out["strict"] and "strict=False" in out["strict"]
         rep = out["report"]
