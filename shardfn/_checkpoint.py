@@ -36,15 +36,16 @@ world size needs).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import math
 import os
 import shutil
 import threading
 import time
 import uuid
-from typing import Any, NamedTuple
+import warnings
+from typing import Any, Iterator, NamedTuple
 
 import optree
 import torch
@@ -112,12 +113,12 @@ def _classify(keys: list[str], leaves: list[Any]) -> tuple[dict[str, torch.Tenso
         if isinstance(x, torch.Tensor):
             described[k] = _describe_tensor(k, x)
             tensors[k] = x
-        elif isinstance(x, _VALUE_TYPES) and not (isinstance(x, float) and not math.isfinite(x)):
+        elif isinstance(x, _VALUE_TYPES):
             values[k] = x
         else:
             raise ValueError(
                 f"state entry {k!r} is a {type(x).__name__}: a checkpoint holds tensors, DTensors, and bool/int/"
-                "finite float/str/None values; convert it (or register its type with optree so its tensors are leaves)"
+                "float/str/None values; convert it (or register its type with optree so its tensors are leaves)"
             )
     return tensors, described, values
 
@@ -151,7 +152,11 @@ def _digest(x: Any, h: Any) -> None:
     if isinstance(x, torch.Tensor):
         t = x.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(bytes(t.reshape(-1).view(torch.uint8).tolist()) if t.numel() else b"")
+        raw = t.reshape(-1).view(torch.uint8)
+        try:
+            h.update(raw.numpy().tobytes())
+        except (RuntimeError, TypeError):  # torch without numpy
+            h.update(bytes(raw.tolist()))
     elif isinstance(x, dict):
         h.update(b"{")
         for k in sorted(x, key=repr):
@@ -170,6 +175,17 @@ def _digest(x: Any, h: Any) -> None:
 # -- collectives (a single process without a process group is rank 0 of 1) -------------------------
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group: that is meant here."""
+    if _dist():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _rank() -> int:
@@ -371,6 +387,8 @@ def save(
         path: the new checkpoint's folder, e.g. `f"ckpt/step_{state.step}"`; it must not exist.
         extras: a dict of tensors, numbers, strings (nested dicts/lists of them), the same on
             every rank, e.g. `{"loader": loader.state_dict()}`; read back by `sf.load_extras`.
+            Module buffers (BatchNorm statistics) live in the module, not in the state: save
+            them here, e.g. `{"buffers": dict(model.named_buffers())}`.
         keep: if given, keep only the newest `keep` complete checkpoints in `path`'s parent folder
             (the new one included) once it is committed, and clear temporary folders of dead saves.
         asynchronous: copy every tensor to CPU memory, return, and write and commit in a
@@ -390,6 +408,8 @@ def save(
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive int (the newest checkpoints to keep, this one included) or None, got {keep!r}")
     final = os.path.abspath(os.fspath(path))
+    if os.path.basename(final).startswith("."):
+        raise ValueError(f"path {path!r}: names starting with '.' are kept for the temporary folders of saves; choose another name")
     keys, leaves, _ = _flatten(state)
     tensors, described, values = _classify(keys, leaves)
     extras = _check_extras(extras) if extras is not None else None
@@ -464,7 +484,8 @@ def _write(tensors: dict, meta: dict, extras: dict | None, tmp: str, final: str,
     # Step 2: every rank's shards, into the temporary folder (DCP raises on every rank if one fails).
     writer = FileSystemWriter(tmp, sync_files=True, overwrite=False)
     try:
-        dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _dist())
+        with _one_process():
+            dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _dist())
     except CheckpointException as e:  # a BaseException: make it one that `except Exception` sees
         raise RuntimeError(f"writing the checkpoint {final!r} failed, nothing was committed and the previous checkpoint is intact: {e}") from e
     # Steps 3 and 4, on rank 0; then every rank learns the outcome.
@@ -602,7 +623,8 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True) -> Any:
     common = {k: t for k, t in tensors.items() if k in saved_t}
     if common:
         try:
-            dcp.load(common, storage_reader=FileSystemReader(path), no_dist=not _dist())
+            with _one_process():
+                dcp.load(common, storage_reader=FileSystemReader(path), no_dist=not _dist())
         except CheckpointException as e:  # a BaseException: make it one that `except Exception` sees
             raise RuntimeError(f"reading the checkpoint {path!r} failed; `like` may be partly overwritten: {e}") from e
     out = [saved_v[k] if k in saved_v else x for k, x in zip(keys, leaves)]

@@ -359,3 +359,26 @@ def test_options_and_mistakes(pools, tmp_path):
         if not k.endswith("4.bias"):
             assert (torch.equal(partial[k], v) if isinstance(v, torch.Tensor) else partial[k] == v), k
     assert torch.equal(partial["params.head.weight"], torch.full((4, 3), 0.5))
+
+
+def test_one_process_without_a_process_group(tmp_path):
+    """A plain tensor tree in one process (no process group): the same files and rules."""
+    assert not dist.is_initialized()
+    tree = {"w": torch.randn(4, 3), "opt": (torch.zeros(4, 3), torch.tensor(2)), "step": 5, "lr": float("inf"), "tag": "run-1"}
+    for i in range(3):
+        tree["w"] = tree["w"] + 1
+        sf.save(tree, tmp_path / f"s{i}", keep=1, extras={"i": i})
+    assert sorted(os.listdir(tmp_path)) == ["s2"]
+    assert sf.latest(tmp_path) == str(tmp_path / "s2") and sf.latest(tmp_path / "nothing") is None
+    like = {"w": torch.zeros(4, 3), "opt": (torch.ones(4, 3), torch.tensor(0)), "step": 0, "lr": 0.0, "tag": "x"}
+    w = like["w"]
+    out = sf.load(tmp_path / "s2", like=like)
+    assert out["w"] is w and torch.equal(w, tree["w"]) and torch.equal(out["opt"][0], torch.zeros(4, 3))
+    assert (out["step"], out["lr"], out["tag"], int(out["opt"][1])) == (5, float("inf"), "run-1", 2)
+    assert sf.load_extras(tmp_path / "s2") == {"i": 2}
+    with pytest.raises(ValueError, match="kept for the temporary folders"):
+        sf.save(tree, tmp_path / ".hidden")
+    with pytest.raises(ValueError, match=r"differ from `like`.*'w'|w: checkpoint float32\(4, 3\), like float64\(4, 3\)"):
+        sf.load(tmp_path / "s2", like={**like, "w": torch.zeros(4, 3, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        sf.load(tmp_path / "s9", like=like)
