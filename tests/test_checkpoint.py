@@ -288,6 +288,15 @@ def rank_options(d: str) -> dict:
     like = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1)).init(params)
     out["shapes"] = raises(sf.load, f"{d}/one", like=like, strict=False)
 
+    # Frozen leaves have no optimizer state: nothing to save for them, and a state that trains them
+    # does not load silently.
+    fstep, fstate = build("mlp", frozen=r"0\..*")
+    fstate, _ = train(fstep, fstate, 0, 2, "mlp")
+    sf.save(fstate, f"{d}/frozen")
+    out["frozen_saved"] = full(fstate)
+    out["frozen_loaded"] = full(sf.load(f"{d}/frozen", like=build("mlp", frozen=r"0\..*")[1]))
+    out["frozen_into_trained"] = raises(sf.load, f"{d}/frozen", like=build("mlp")[1])
+
     # keep=2 over three saves; a dead save's temporary folder is cleared.
     if rank == 0:
         os.makedirs(f"{d}/keep/.old.tmp-dead", exist_ok=True)
@@ -345,6 +354,9 @@ def test_options_and_mistakes(pools, tmp_path):
         assert set(rep.missing_keys) == {"params.head.weight", "opt_state.0.mu.head.weight", "opt_state.0.nu.head.weight"}
         assert set(rep.unexpected_keys) == {"params.4.bias", "opt_state.0.mu.4.bias", "opt_state.0.nu.4.bias"}
         assert "params.0.weight" in out["shapes"] and "(6, 7)" in out["shapes"] and "(5, 7)" in out["shapes"], out["shapes"]
+        assert "opt_state.0.mu.0.weight" not in out["frozen_saved"] and "params.0.weight" in out["frozen_saved"]
+        assert_same(out["frozen_loaded"], out["frozen_saved"])
+        assert "missing from the checkpoint: [opt_state.0.mu.0.bias" in out["frozen_into_trained"], out["frozen_into_trained"]
         assert out["kept"] == ["s1", "s2"], out["kept"]
         assert out["latest"] == os.path.join(d, "keep", "s2")
         ex = out["extras"]
