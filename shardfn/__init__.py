@@ -6,6 +6,7 @@ an ordinary `loss_fn(params, batch)`.
 """
 
 from . import optim
+from ._checkpoint import LoadReport, SaveHandle, latest, load, load_extras, save
 from ._describe import describe
 from ._engine import StaleParameterError
 from ._launch import launch
@@ -23,10 +24,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Apply",
+    "LoadReport",
     "MixedPrecision",
     "P",
     "Param",
     "RankError",
+    "SaveHandle",
     "StaleParameterError",
     "TrainState",
     "TrainStep",
@@ -36,8 +39,12 @@ __all__ = [
     "functionalize",
     "gather",
     "launch",
+    "latest",
+    "load",
+    "load_extras",
     "mesh",
     "optim",
+    "save",
     "shard",
     "specs",
     "to_state_dict",

@@ -1,0 +1,396 @@
+"""`sf.save` / `sf.load` / `sf.latest`: sharded checkpoints, resharded on load, committed atomically.
+
+A GPT with dims that neither 2 nor 3 divide is trained 3 steps at world size 2 and saved; fresh
+ranks at world sizes 1 to 4 load it (parameters and AdamW state bit-identical) and train on, as an
+uninterrupted 6-step run does. Saves that raise or die leave the previous checkpoint the one
+`sf.latest` finds, loading exactly; the loading options, `keep=`, extras and asynchronous saves
+are checked on a small MLP.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.tensor import DTensor, Partial
+
+import shardfn as sf
+from shardfn import _checkpoint
+from shardfn._pool import RankError
+from reference import OPT, global_batch, local_batch, make_loss_fn, make_model, units_of
+
+STEPS = 3
+
+
+def full(tree) -> dict:
+    """Every leaf of a state as a full, private copy (DTensors gathered), by dotted path."""
+    paths, leaves, _ = _checkpoint._flatten(tree)
+    out = {}
+    for p, x in zip(paths, leaves):
+        if isinstance(x, torch.Tensor):
+            x = (x.full_tensor() if hasattr(x, "full_tensor") else x).detach().clone()
+        out[p] = x
+    return out
+
+
+def local(tree) -> dict:
+    """Every leaf as this rank holds it (a private copy): no collective, for the checks of big trees."""
+    paths, leaves, _ = _checkpoint._flatten(tree)
+    out = {}
+    for p, x in zip(paths, leaves):
+        if isinstance(x, torch.Tensor):
+            sharded = hasattr(x, "placements") and x.placements[0].is_shard()
+            assert not sharded or (x.device_mesh.ndim == 1 and x.placements[0].dim == 0)
+            x = ("shard" if sharded else "whole", (x.to_local() if hasattr(x, "to_local") else x).detach().clone())
+        out[p] = x
+    return out
+
+
+def assemble(per_rank: list[dict]) -> dict:
+    """The full leaves from every rank's `local` (Shard(0) pieces concatenated in rank order)."""
+    out = {}
+    for k, v in per_rank[0].items():
+        if isinstance(v, tuple):
+            out[k] = torch.cat([r[k][1] for r in per_rank]) if v[0] == "shard" else v[1]
+        else:
+            out[k] = v
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (k, (a[k] - b[k]).abs().max())
+        else:
+            assert a[k] == b[k], (k, a[k], b[k])
+
+
+def build(kind: str = "gpt", **kw):
+    apply, params = sf.functionalize(make_model(kind), units=units_of(kind))
+    step = sf.train_step(make_loss_fn(kind, apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1), **kw)
+    return step, step.init(params)
+
+
+def train(step, state, first: int, last: int, kind: str = "gpt"):
+    """Steps `first..last-1` on the same global batches at any world size (each rank its share)."""
+    r, w = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for i in range(first, last):
+        state, m = step(state, local_batch(global_batch(kind, i, 12, 1), r, w))
+        losses.append(m["loss"].item())
+    return state, losses
+
+
+# -- resume at another world size -------------------------------------------------------------------
+def rank_train_and_save(path: str) -> dict:
+    step, state = build()
+    straight, straight_losses = train(step, state, 0, 2 * STEPS)  # uninterrupted
+    result = {"straight": local(straight), "straight_losses": straight_losses}
+    step, state = build()
+    state, _ = train(step, state, 0, STEPS)
+    sf.save(state, path, extras={"data": {"position": STEPS * 12, "seed": torch.tensor([7, 8])}, "note": "gpt"})
+    result["saved"] = local(state)
+    return result
+
+
+def rank_load_and_continue(path: str) -> dict:
+    step, state = build()
+    state = sf.load(path, like=state)
+    loaded = local(state)
+    state, losses = train(step, state, STEPS, 2 * STEPS)
+    return {"loaded": loaded, "continued": local(state), "losses": losses, "extras": sf.load_extras(path)}
+
+
+@pytest.fixture(scope="module")
+def gpt_checkpoint(pools, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("resume") / "step_3")
+    res = pools(2).run(rank_train_and_save, path)
+    saved = {k: assemble([r[k] for r in res]) for k in ("straight", "saved")}
+    return path, {**saved, "straight_losses": res[0]["straight_losses"]}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_resume_at_another_world_size(pools, gpt_checkpoint, world):
+    path, saved = gpt_checkpoint
+    assert sf.latest(os.path.dirname(path)) == path
+    res = pools(world).run(rank_load_and_continue, path)
+    got = {k: assemble([r[k] for r in res]) for k in ("loaded", "continued")}
+    got["losses"], got["extras"] = res[0]["losses"], res[0]["extras"]
+    # Parameters, both AdamW moments, its count and the step: bit-identical to what was saved
+    # (moments that a fresh init holds as zeros).
+    assert_same(got["loaded"], saved["saved"])
+    assert got["loaded"]["step"] == STEPS
+    moments = [k for k in saved["saved"] if k.startswith(("opt_state.0.mu.", "opt_state.0.nu."))]
+    assert len(moments) == 2 * len([k for k in saved["saved"] if k.startswith("params.")])
+    assert all(saved["saved"][k].abs().sum() > 0 for k in moments)
+    assert got["extras"] == {"data": {"position": 36, "seed": got["extras"]["data"]["seed"]}, "note": "gpt"}
+    assert torch.equal(got["extras"]["data"]["seed"], torch.tensor([7, 8]))
+    # The next steps train from the loaded values, as the uninterrupted run did.
+    straight, continued = saved["straight"], got["continued"]
+    assert continued["step"] == 2 * STEPS
+    if world == 2:  # the same reductions: exactly
+        assert_same(continued, straight)
+        assert got["losses"] == saved["straight_losses"][STEPS:]
+    else:  # another world size sums gradients in another order: equal up to rounding
+        for k, v in straight.items():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                torch.testing.assert_close(continued[k], v, rtol=1e-5, atol=1e-6, msg=str(k))
+        assert got["losses"] == pytest.approx(saved["straight_losses"][STEPS:], rel=1e-6)
+
+
+# -- a plain DTensor tree, uneven and empty shards, another mesh ------------------------------------
+def plain_tree(mesh, fill: float | None = None):
+    g = torch.Generator().manual_seed(3)
+    tree = {
+        "w": torch.randn(5, 7, generator=g),  # 5 rows over 3 ranks: 2, 2, 1
+        "tiny": torch.randn(2, 3, generator=g),  # 2 rows over 3 ranks: one rank holds none
+        "norm": torch.randn(7, generator=g),  # replicated
+    }
+    if fill is not None:
+        tree = {k: torch.full_like(v, fill) for k, v in tree.items()}
+    axis = mesh.mesh_dim_names[-1]
+    specs = {"w": sf.P(axis), "tiny": sf.P(axis), "norm": sf.P()}
+    return {"params": sf.shard(tree, specs, mesh), "count": torch.tensor(4), "epoch": 2, "name": "run-1"}
+
+
+def rank_save_tree(path: str) -> dict:
+    tree = plain_tree(sf.mesh(dp=-1))
+    sf.save(tree, path)
+    return full(tree)
+
+
+def rank_load_tree(path: str) -> dict:
+    world = dist.get_world_size()
+    mesh = sf.mesh(replicate=2, shard=-1) if world == 4 else sf.mesh(dp=-1)
+    like = plain_tree(mesh, fill=0.0)
+    like["epoch"], like["name"], like["count"] = 0, "", torch.tensor(0)
+    locals_before = [x._local_tensor for x in like["params"].values()]
+    out = sf.load(path, like=like)
+    same_storage = all(a is x._local_tensor for a, x in zip(locals_before, out["params"].values()))
+    return {"loaded": full(out), "in_place": same_storage and out["params"]["w"] is like["params"]["w"]}
+
+
+def test_plain_tree_uneven_shards_and_another_mesh(pools, tmp_path):
+    path = str(tmp_path / "tree")
+    saved = pools(3).run(rank_save_tree, path)[0]
+    for world in (2, 4):  # 4: a hybrid (replicate=2, shard=2) mesh
+        got = pools(world).run(rank_load_tree, path)
+        for g in got:
+            assert g["in_place"]
+            assert_same(g["loaded"], saved)
+
+
+# -- saves that fail or die -------------------------------------------------------------------------
+def rank_save_mlp(path: str, steps: int) -> dict:
+    step, state = build("mlp")
+    state, _ = train(step, state, 0, steps, "mlp")
+    sf.save(state, path)
+    return full(state)
+
+
+def rank_save_that_fails(path: str, how: str) -> str:
+    """Trains further and saves to `path`, with one rank failing inside the save as `how` says."""
+    step, state = build("mlp")
+    state, _ = train(step, state, 0, 3, "mlp")
+    rank = dist.get_rank()
+    if how == "raise" and rank == 1:
+        def write_data(self, plan, planner):
+            raise OSError("No space left on device (simulated)")
+        FileSystemWriter.write_data = write_data
+    if how == "exit" and rank == 1:
+        def write_data(self, plan, planner):  # killed half-way through writing its shards
+            with open(os.path.join(self.path, "__1_0.distcp"), "wb") as f:
+                f.write(b"partial")
+            os._exit(3)
+        FileSystemWriter.write_data = write_data
+    if how == "exit_before_marker" and rank == 0:  # renamed to its final name, killed before the marker
+        write_synced = _checkpoint._write_synced
+
+        def killed(p, data):
+            if p.endswith(_checkpoint.MARKER):
+                os._exit(3)
+            write_synced(p, data)
+        _checkpoint._write_synced = killed
+    try:
+        sf.save(state, path)
+    except Exception as e:  # noqa: BLE001 - every rank must raise, none may hang
+        return f"{type(e).__name__}: {e}"
+    return "saved"
+
+
+def rank_load_mlp(path: str) -> dict:
+    step, state = build("mlp")
+    return full(sf.load(path, like=state))
+
+
+def test_failed_and_killed_saves_leave_the_previous_checkpoint(pools, tmp_path):
+    good = str(tmp_path / "a")
+    saved = pools(2).run(rank_save_mlp, good, 1)[0]
+    # A rank raises while writing its shards: every rank raises, nothing is committed.
+    errors = pools(2).run(rank_save_that_fails, str(tmp_path / "b"), "raise")
+    assert all("No space left" in e for e in errors), errors
+    assert not os.path.exists(tmp_path / "b")
+    # A rank dies while writing; then rank 0 dies between the rename and the marker.
+    for name, how in (("c", "exit"), ("d", "exit_before_marker")):
+        with pytest.raises(RankError, match="died"):
+            pools(2).run(rank_save_that_fails, str(tmp_path / name), how)
+        assert sf.latest(tmp_path) == good, os.listdir(tmp_path)
+    assert not os.path.exists(tmp_path / "c")  # only a hidden temporary folder
+    assert os.path.isdir(tmp_path / "d") and not os.path.exists(tmp_path / "d" / "COMPLETE")
+    assert any(n.startswith(".c.tmp-") for n in os.listdir(tmp_path))
+    assert_same(pools(2).run(rank_load_mlp, good)[0], saved)
+    with pytest.raises(RankError, match="not a complete checkpoint"):
+        pools(2).run(rank_load_mlp, str(tmp_path / "d"))
+
+
+# -- options and mistakes -----------------------------------------------------------------------------
+def raises(fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except (ValueError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def rank_options(d: str) -> dict:
+    rank = dist.get_rank()
+    step, state = build("mlp")
+    state, _ = train(step, state, 0, 2, "mlp")
+    out: dict = {}
+    sf.save(state, f"{d}/one")
+    out["exists"] = raises(sf.save, state, f"{d}/one")
+    out["per_rank_extras"] = raises(sf.save, state, f"{d}/two", extras={"rank": rank})
+    out["bad_extras"] = raises(sf.save, state, f"{d}/two", extras={"f": lambda: 0})
+    out["folder"] = raises(sf.load, d, like=state)
+    pending = DTensor.from_local(torch.ones(3), sf.mesh(dp=-1), [Partial()])  # a sum not yet reduced
+    out["partial_placement"] = raises(sf.save, {"g": pending}, f"{d}/two")
+
+    # strict=False: a state with one leaf more (a new head) and without the last layer's bias.
+    apply, params = sf.functionalize(make_model("mlp"), units=units_of("mlp"))
+    params = dict(params)
+    del params["4"]["bias"]
+    params["head"] = {"weight": torch.full((4, 3), 0.5)}
+    other = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1))
+    like = other.init(params)
+    out["strict"] = raises(sf.load, f"{d}/one", like=like)
+    loaded, report = sf.load(f"{d}/one", like=like, strict=False)
+    out["report"] = report
+    out["partial"], out["saved"] = full(loaded), full(state)
+
+    # A tree whose shapes differ: refused even with strict=False, naming the leaves.
+    torch.manual_seed(0)
+    wide = torch.nn.Sequential(torch.nn.Linear(7, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2), torch.nn.Tanh(), torch.nn.Linear(2, 3))
+    apply, params = sf.functionalize(wide, units=units_of("mlp"))
+    like = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1)).init(params)
+    out["shapes"] = raises(sf.load, f"{d}/one", like=like, strict=False)
+
+    # Frozen leaves have no optimizer state: nothing to save for them, and a state that trains them
+    # does not load silently.
+    fstep, fstate = build("mlp", frozen=r"0\..*")
+    fstate, _ = train(fstep, fstate, 0, 2, "mlp")
+    sf.save(fstate, f"{d}/frozen")
+    out["frozen_saved"] = full(fstate)
+    out["frozen_loaded"] = full(sf.load(f"{d}/frozen", like=build("mlp", frozen=r"0\..*")[1]))
+    out["frozen_into_trained"] = raises(sf.load, f"{d}/frozen", like=build("mlp")[1])
+
+    # keep=2 over three saves; a dead save's temporary folder is cleared.
+    if rank == 0:
+        os.makedirs(f"{d}/keep/.old.tmp-dead", exist_ok=True)
+    dist.barrier()
+    for i in range(3):
+        state, _ = train(step, state, 2 + i, 3 + i, "mlp")
+        sf.save(state, f"{d}/keep/s{i}", keep=2, extras={"i": i, "t": torch.arange(i + 1), "tag": f"s{i}", "x": [1.5, None]})
+    out["kept"] = sorted(os.listdir(f"{d}/keep"))
+    out["latest"] = sf.latest(f"{d}/keep")
+    out["extras"] = sf.load_extras(out["latest"])
+
+    # An asynchronous save: the state keeps training while it is written; sf.load waits for it.
+    handle = sf.save(state, f"{d}/async", asynchronous=True)
+    snap = full(state)
+    state, _ = train(step, state, 10, 11, "mlp")
+    out["async_loaded"] = full(sf.load(f"{d}/async", like=build("mlp")[1]))
+    out["async_snap"] = snap
+    out["async_path"] = handle.wait()
+    # A failure in the background surfaces at wait(), and at the next save or load if nobody waited.
+    write_data = FileSystemWriter.write_data
+    if rank == 1:
+        def failing(self, plan, planner):
+            raise OSError("No space left on device (simulated)")
+        FileSystemWriter.write_data = failing
+    try:
+        handle = sf.save(state, f"{d}/bad", asynchronous=True)
+        try:
+            handle.wait()
+            out["async_failure"] = "no error"
+        except RuntimeError as e:
+            out["async_failure"] = f"{e} / {e.__cause__}"
+        sf.save(state, f"{d}/bad2", asynchronous=True)
+        try:
+            sf.load(f"{d}/async", like=state)
+            out["next_load"] = "no error"
+        except RuntimeError as e:
+            out["next_load"] = str(e)
+    finally:
+        FileSystemWriter.write_data = write_data
+    out["latest_after_failures"] = sf.latest(d)
+    return out
+
+
+def test_options_and_mistakes(pools, tmp_path):
+    d = str(tmp_path)
+    res = pools(2).run(rank_options, d)
+    for out in res:
+        assert "ValueError" in out["exists"] and "never overwritten" in out["exists"], out["exists"]
+        assert "ValueError" in out["per_rank_extras"] and "differ from rank 0" in out["per_rank_extras"], out["per_rank_extras"]
+        assert "ValueError" in out["bad_extras"] and "function" in out["bad_extras"], out["bad_extras"]
+        assert "NotImplementedError" in out["partial_placement"] and "'g'" in out["partial_placement"], out["partial_placement"]
+        assert "folder of checkpoints" in out["folder"] and "one" in out["folder"], out["folder"]
+        assert "params.4.bias" in out["strict"] and "params.head.weight" in out["strict"] and "strict=False" in out["strict"]
+        rep = out["report"]
+        assert set(rep.missing_keys) == {"params.head.weight", "opt_state.0.mu.head.weight", "opt_state.0.nu.head.weight"}
+        assert set(rep.unexpected_keys) == {"params.4.bias", "opt_state.0.mu.4.bias", "opt_state.0.nu.4.bias"}
+        assert "params.0.weight" in out["shapes"] and "(6, 7)" in out["shapes"] and "(5, 7)" in out["shapes"], out["shapes"]
+        assert "opt_state.0.mu.0.weight" not in out["frozen_saved"] and "params.0.weight" in out["frozen_saved"]
+        assert_same(out["frozen_loaded"], out["frozen_saved"])
+        assert "missing from the checkpoint: [opt_state.0.mu.0.bias" in out["frozen_into_trained"], out["frozen_into_trained"]
+        assert out["kept"] == ["s1", "s2"], out["kept"]
+        assert out["latest"] == os.path.join(d, "keep", "s2")
+        ex = out["extras"]
+        assert ex["i"] == 2 and ex["tag"] == "s2" and ex["x"] == [1.5, None] and torch.equal(ex["t"], torch.arange(3))
+        assert out["async_path"] == os.path.join(d, "async")
+        assert_same(out["async_loaded"], out["async_snap"])
+        assert "bad' failed" in out["async_failure"] and "No space left" in out["async_failure"], out["async_failure"]
+        assert "bad2' failed" in out["next_load"], out["next_load"]
+        assert out["latest_after_failures"] == os.path.join(d, "async")
+    partial, saved = res[0]["partial"], res[0]["saved"]
+    for k, v in saved.items():  # the common entries are loaded; the new head keeps its values
+        if not k.endswith("4.bias"):
+            assert (torch.equal(partial[k], v) if isinstance(v, torch.Tensor) else partial[k] == v), k
+    assert torch.equal(partial["params.head.weight"], torch.full((4, 3), 0.5))
+
+
+def test_one_process_without_a_process_group(tmp_path):
+    """A plain tensor tree in one process (no process group): the same files and rules."""
+    assert not dist.is_initialized()
+    tree = {"w": torch.randn(4, 3), "opt": (torch.zeros(4, 3), torch.tensor(2)), "step": 5, "lr": float("inf"), "tag": "run-1"}
+    for i in range(3):
+        tree["w"] = tree["w"] + 1
+        sf.save(tree, tmp_path / f"s{i}", keep=1, extras={"i": i})
+    assert sorted(os.listdir(tmp_path)) == ["s2"]
+    assert sf.latest(tmp_path) == str(tmp_path / "s2") and sf.latest(tmp_path / "nothing") is None
+    like = {"w": torch.zeros(4, 3), "opt": (torch.ones(4, 3), torch.tensor(0)), "step": 0, "lr": 0.0, "tag": "x"}
+    w = like["w"]
+    out = sf.load(tmp_path / "s2", like=like)
+    assert out["w"] is w and torch.equal(w, tree["w"]) and torch.equal(out["opt"][0], torch.zeros(4, 3))
+    assert (out["step"], out["lr"], out["tag"], int(out["opt"][1])) == (5, float("inf"), "run-1", 2)
+    assert sf.load_extras(tmp_path / "s2") == {"i": 2}
+    with pytest.raises(ValueError, match="kept for the temporary folders"):
+        sf.save(tree, tmp_path / ".hidden")
+    with pytest.raises(ValueError, match=r"differ from `like`.*'w'|w: checkpoint float32\(4, 3\), like float64\(4, 3\)"):
+        sf.load(tmp_path / "s2", like={**like, "w": torch.zeros(4, 3, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        sf.load(tmp_path / "s9", like=like)
