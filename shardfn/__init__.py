@@ -8,6 +8,7 @@ an ordinary `loss_fn(params, batch)`.
 from . import optim
 from ._checkpoint import LoadReport, SaveHandle, latest, load, load_extras, save
 from ._describe import describe
+from ._donate import DonatedError, copy
 from ._engine import StaleParameterError
 from ._launch import launch
 from ._functional import Apply, from_state_dict, functionalize, to_state_dict
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Apply",
+    "DonatedError",
     "LoadReport",
     "MixedPrecision",
     "P",
@@ -34,6 +36,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "apply_updates",
+    "copy",
     "describe",
     "from_state_dict",
     "functionalize",

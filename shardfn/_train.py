@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
-from . import _runtime, _watch
+from . import _donate, _runtime, _watch
 from ._buffers import ModuleBuffers
 from ._engine import Engine, Policy, StaleParameterError
 from ._flat import STALE, FlatUnit, LeafSpec
@@ -326,7 +326,8 @@ class TrainStep:
 
     def _dtensor(self, local: torch.Tensor, placements, shape: torch.Size) -> DTensor:
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape, stride=stride)
+        spec = DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape, stride=stride)._spec
+        return _donate.wrap(local, spec)
 
     def _adopt(self, params: Any) -> Any:
         """Makes `params` this step's own flat-buffer DTensors (copying values in if they are not)."""
@@ -336,17 +337,44 @@ class TrainStep:
         paths, leaves, _ = tree_flatten_with_paths(params)
         if paths != self.paths:
             raise ValueError("state.params does not have the structure this step was initialized with")
+        for i, leaf in enumerate(leaves):
+            dst = self._dt_params[i]
+            if not isinstance(leaf, DTensor) or leaf.placements != dst.placements or leaf.shape != dst.shape:
+                raise ValueError(
+                    f"state.params leaf {paths[i]!r} is {type(leaf).__name__} "
+                    f"{getattr(leaf, 'placements', '')} {tuple(leaf.shape)}; expected a DTensor "
+                    f"{dst.placements} {tuple(dst.shape)} as step.init returns"
+                )
+            if _donate.is_donated(leaf):
+                raise _donate.DonatedError(leaf._local_tensor._message)
+        # The step's buffers take these values: the state that held them before is donated.
+        self._dt_params = [_donate.donate(p, _replaced()) for p in self._dt_params]
         with torch.no_grad():
-            for i, leaf in enumerate(leaves):
-                dst = self._dt_params[i]
-                if not isinstance(leaf, DTensor) or leaf.placements != dst.placements or leaf.shape != dst.shape:
-                    raise ValueError(
-                        f"state.params leaf {paths[i]!r} is {type(leaf).__name__} "
-                        f"{getattr(leaf, 'placements', '')} {tuple(leaf.shape)}; expected a DTensor "
-                        f"{dst.placements} {tuple(dst.shape)} as step.init returns"
-                    )
+            for dst, leaf in zip(self._dt_params, leaves):
                 dst._local_tensor.copy_(leaf._local_tensor)
         return optree.tree_unflatten(self.treespec, self._dt_params)
+
+    def _donate(self, state: TrainState, opt_state: Any) -> tuple[Any, Any]:
+        """New DTensors over the step's memory for the returned state and `step.grads`; the input
+        state's and the old gradients' DTensors are donated (Note [donated state])."""
+        message = _donated(state.step + 1)
+        memo: dict[int, DTensor] = {}
+
+        def one(x: Any) -> Any:
+            if not isinstance(x, DTensor):
+                return x
+            if id(x) not in memo:
+                memo[id(x)] = _donate.donate(x, message)
+            return memo[id(x)]
+
+        for leaf in optree.tree_leaves(state.params):  # a copy that was copied in is donated too
+            if isinstance(leaf, DTensor) and not _donate.is_donated(leaf):
+                one(leaf)
+        self._dt_params = [one(p) for p in self._dt_params]
+        grads = [one(g) for g in optree.tree_leaves(self.grads, none_is_leaf=True)]
+        self.grads = optree.tree_unflatten(optree.tree_structure(self.grads, none_is_leaf=True), grads)
+        opt_state = optree.tree_map(one, opt_state, none_is_leaf=True)
+        return optree.tree_unflatten(self.treespec, self._dt_params), opt_state
 
     # -- the step -------------------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
@@ -399,7 +427,11 @@ class TrainStep:
             coef = torch.clamp(self.max_grad_norm / (grad_norm + 1e-6), max=1.0)
             if self._norm_segments:  # the trained segments: frozen ones hold no gradient
                 torch._foreach_mul_(self._norm_segments, coef.to(self._norm_segments[0].device))
-        opt_state = self._optimize(params, state.opt_state, skip)
+        # Scalars of the optimizer state (its step count) are updated in place: the input state
+        # keeps its own (Note [donated state]).
+        opt_in = optree.tree_map(_scalar_copy, state.opt_state, none_is_leaf=True)
+        opt_state = self._optimize(params, opt_in, skip)
+        params, opt_state = self._donate(state, opt_state)
         metrics = {"loss": loss_mean, "grad_norm": grad_norm, "aux": aux}
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
@@ -473,6 +505,25 @@ def _keep(trainable: Any, opt_state: Any, idx: list[int]) -> list[torch.Tensor]:
 def _restore(trainable: Any, opt_state: Any, idx: list[int], kept: list[torch.Tensor]) -> None:
     with torch.no_grad():
         torch._foreach_copy_(_tensors_at(_per_leaf(trainable, opt_state), idx), kept)
+
+
+def _scalar_copy(x: Any) -> Any:
+    return x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.numel() == 1 else x
+
+
+def _donated(step: int) -> str:
+    return (
+        f"this state was donated to the train step that made step {step}: its memory holds the state that "
+        "step returned. Use the returned state, or keep one with sf.copy(state) before the step (Note "
+        "[donated state] in shardfn/_donate.py)"
+    )
+
+
+def _replaced() -> str:
+    return (
+        "this state was replaced: another state was passed to the train step, whose values now fill its memory. "
+        "Keep a state with sf.copy(state) before the step (Note [donated state] in shardfn/_donate.py)"
+    )
 
 
 def _explain(e: BaseException) -> BaseException | None:

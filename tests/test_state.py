@@ -1,0 +1,122 @@
+"""The state contract: a train step donates its input state (reads raise, never show changed values),
+`sf.copy` keeps one, and states, parameter trees and gradients pickle and `torch.save`."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardfn as sf
+from reference import OPT, global_batch, local_batch, make_loss_fn, make_model, units_of
+
+
+def _batch(i: int):
+    return local_batch(global_batch("mlp", i, dist.get_world_size()), dist.get_rank(), dist.get_world_size())
+
+
+def _full(tree) -> list[torch.Tensor]:
+    return [x.detach().clone() for x in optree.tree_leaves(sf.gather(tree))]
+
+
+def _raises_donated(fn) -> bool:
+    try:
+        fn()
+    except sf.DonatedError:
+        return True
+    return False
+
+
+def rank_donation() -> dict:
+    model = make_model("mlp")
+    apply, params = sf.functionalize(model, units=units_of("mlp"))
+    mesh = sf.mesh(dp=-1)
+    step = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), mesh)
+    s0 = step.init(params)
+    s1, _ = step(s0, _batch(0))
+    kept = sf.copy(s1)
+    g1 = step.grads
+    kept_grads = sf.copy(g1)
+    s2, _ = step(s1, _batch(1))
+    old_w = s1.params["0"]["weight"]
+    out = {
+        # Every read of a donated state fails, on every path a user takes.
+        "local": _raises_donated(lambda: old_w.to_local() + 1),
+        "gather": _raises_donated(lambda: sf.gather(s1.params)),
+        "moments": _raises_donated(lambda: sf.gather(s1.opt_state)),
+        "grads": _raises_donated(lambda: sf.gather(g1)),
+        "again": _raises_donated(lambda: step(s1, _batch(1))),
+        "pickle": _raises_donated(lambda: pickle.dumps(s1)),
+        "printed": "donated" in repr(old_w),
+        # Scalars keep their own values; the copy kept everything.
+        "count": (int(kept.opt_state[0].count), int(s1.opt_state[0].count), int(s2.opt_state[0].count)),
+        "kept_equal": all(torch.equal(a, b) for a, b in zip(_full(kept.params), _full(s2.params))) is False,
+        "kept_grads_differ": any(not torch.equal(a, b) for a, b in zip(_full(kept_grads), _full(step.grads))),
+    }
+    # A rollback: the copy, stepped again on the same batch, gives exactly the state s2 was.
+    s2_full = _full(s2.params)
+    s2_opt = _full(s2.opt_state)
+    r2, _ = step(sf.copy(kept), _batch(1))
+    out["rollback"] = all(torch.equal(a, b) for a, b in zip(_full(r2.params), s2_full))
+    out["rollback_opt"] = all(torch.equal(a, b) for a, b in zip(_full(r2.opt_state), s2_opt))
+    out["replaced"] = _raises_donated(lambda: s2.params["0"]["weight"].to_local().sum())  # its memory now holds r2
+    # Training goes on from the returned state.
+    r3, m = step(r2, _batch(2))
+    out["finite"] = bool(torch.isfinite(m["loss"]))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_step_donates_its_input_state(pools, world):
+    for rank, out in enumerate(pools(world).run(rank_donation)):
+        for key in ("local", "gather", "moments", "grads", "again", "pickle", "printed", "kept_grads_differ", "rollback",
+                    "rollback_opt", "replaced", "finite"):
+            assert out[key], (rank, key, out)
+        assert out["count"] == (1, 1, 2), out
+        assert out["kept_equal"], out  # the kept copy holds step 1, not step 2
+
+
+def rank_pickle() -> dict:
+    model = make_model("mlp")
+    apply, params = sf.functionalize(model, units=units_of("mlp"))
+    mesh = sf.mesh(dp=-1)
+    step = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), mesh)
+    state, _ = step(step.init(params), _batch(0))
+    tree = sf.shard(sf.gather(state.params), sf.specs(state.params, mesh), mesh)
+    out = {}
+    for name, obj in (("state", state), ("params", state.params), ("grads", step.grads), ("tree", tree)):
+        for how in ("pickle", "torch.save"):
+            if how == "pickle":
+                back = pickle.loads(pickle.dumps(obj))
+            else:
+                buf = io.BytesIO()
+                torch.save(obj, buf)
+                buf.seek(0)
+                back = torch.load(buf, weights_only=False)
+            a, b = optree.tree_leaves(obj), optree.tree_leaves(back)
+            same = len(a) == len(b) and all(
+                type(x) is type(y)
+                and (not isinstance(x, torch.Tensor) or (x.shape == y.shape and torch.equal(_local(x), _local(y))))
+                and getattr(x, "placements", None) == getattr(y, "placements", None)
+                for x, y in zip(a, b)
+            )
+            # A state read back trains on: it is copied into the step's buffers.
+            out[f"{name} {how}"] = same
+    back = pickle.loads(pickle.dumps(state))
+    _, m = step(back, _batch(1))
+    out["trains"] = bool(torch.isfinite(m["loss"]))
+    return out
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if hasattr(x, "to_local") else x
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_states_trees_and_gradients_pickle(pools, world):
+    for rank, out in enumerate(pools(world).run(rank_pickle)):
+        assert all(out.values()), (rank, out)
