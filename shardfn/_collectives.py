@@ -274,6 +274,9 @@ def _reduce_scatter_p2p(out: torch.Tensor, inp: torch.Tensor, group, info: list)
     own = chunks[rank]
 
     def epilogue():
+        if world == 1:  # no peer wrote into `out`
+            out.copy_(own)
+            return
         out.add_(own)
         for b in bufs[1:]:
             out.add_(b)

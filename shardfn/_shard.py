@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from . import _collectives as C
-from . import _watch
+from . import _donate, _watch
 from ._spec import match_specs, placements_for
 
 __all__ = ["shard", "gather"]
@@ -86,17 +86,56 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        (x,) = inputs
-        ctx.meta = (x.device_mesh, x.placements, x.shape, x.stride()) if isinstance(x, DTensor) else None
+        x = _base(inputs[0])
+        ctx.meta = (x.device_mesh, x.placements, x.shape, x._spec) if isinstance(x, DTensor) else None
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> Any:  # type: ignore[override]
         if ctx.meta is None:
             return grad
-        mesh, placements, shape, stride = ctx.meta
+        mesh, placements, shape, spec = ctx.meta
+        if _batched(grad):
+            raise NotImplementedError(
+                "the gradient of sf.gather under vmap (per-sample gradients of a sharded tree) is not supported "
+                "yet: gather outside the vmap, `full = sf.gather(params)`, and vmap over the full tree"
+            )
         with torch._C._DisableFuncTorch():
             local = _reduce_to_placements(grad, mesh, placements, shape)
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        # The plain constructor: `DTensor.from_local` is an autograd.Function, refused inside torch.func.
+        return _donate.wrap(local, spec)
+
+    @staticmethod
+    def vmap(info, in_dims, x):  # type: ignore[override]
+        if in_dims[0] is not None:
+            raise NotImplementedError("sf.gather of a tree batched by vmap is not supported: vmap over the gathered tree")
+        return _Gather.apply(x), None
+
+    @staticmethod
+    def jvp(ctx, tangent: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if ctx.meta is None:
+            return tangent
+        with torch._C._DisableFuncTorch(), _watch.waiting():
+            return tangent.full_tensor() if isinstance(tangent, DTensor) else tangent.clone()
+
+
+def _base(x: Any) -> Any:
+    """`x` without torch.func's wrappers (inside a transform, a DTensor leaf is seen wrapped)."""
+    while isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x
+
+
+def _batched(x: Any) -> bool:
+    """Whether `x` is batched by a vmap at any of torch.func's levels."""
+    while isinstance(x, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x):
+        if torch._C._functorch.is_batchedtensor(x):
+            return True
+        x = torch._C._functorch.get_unwrapped(x)
+    return False
+
+
+def _holds_dtensor(x: Any) -> bool:
+    return isinstance(_base(x), DTensor)
 
 
 def gather(sharded: Any) -> Any:
@@ -115,4 +154,4 @@ def gather(sharded: Any) -> Any:
         >>> full = sf.gather(state.params)
     """
     with _watch.watched("sf.gather"):
-        return optree.tree_map(lambda x: _Gather.apply(x) if isinstance(x, DTensor) else x, sharded)
+        return optree.tree_map(lambda x: _Gather.apply(x) if _holds_dtensor(x) else x, sharded)

@@ -1,0 +1,60 @@
+"""torch.func through shards: `grad` and `vjp` of a function of `sf.gather(sharded)` are sharded trees
+equal to the unsharded gradients summed over ranks (each rank's function sees its own batch);
+what is not supported yet refuses with the way around it."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import shardfn as sf
+from reference import make_model, rel_err, units_of
+
+
+def _x(rank: int) -> torch.Tensor:
+    return torch.randn(3, 7, generator=torch.Generator().manual_seed(rank))
+
+
+def rank_transforms() -> dict:
+    from torch.func import grad, grad_and_value, vjp, vmap
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model("mlp")
+    apply, params = sf.functionalize(model, units=units_of("mlp"))
+    mesh = sf.mesh(dp=-1)
+    sharded = sf.shard(params, sf.specs(params, mesh), mesh)
+
+    def loss(p, x):
+        return apply(p, x).pow(2).sum()
+
+    # The unsharded reference: every rank's gradient, summed (the gradient of sf.gather is the sum).
+    ref = [sum(g) for g in zip(*[optree.tree_leaves(grad(loss)(params, _x(r))) for r in range(world)])]
+    out = {}
+    g = grad(lambda p: loss(sf.gather(p), _x(rank)))(sharded)
+    out["grad"] = [(type(a).__name__, a.placements, rel_err(sf.gather(a), b)) for a, b in zip(optree.tree_leaves(g), ref)]
+    g2, value = grad_and_value(lambda p: loss(sf.gather(p), _x(rank)))(sharded)
+    out["grad_and_value"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(g2), ref))
+    out["value"] = rel_err(value, loss(params, _x(rank)))
+    _, fn = vjp(lambda p: apply(sf.gather(p), _x(rank)), sharded)
+    cot = torch.ones(3, 3)
+    (gv,) = fn(cot)
+    ref_vjp = [sum(t) for t in zip(*[optree.tree_leaves(vjp(lambda p: apply(p, _x(r)), params)[1](cot)[0]) for r in range(world)])]
+    out["vjp"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(gv), ref_vjp))
+    try:
+        vmap(grad(lambda p, x: loss(sf.gather(p), x[None])), in_dims=(None, 0))(sharded, _x(rank))
+        out["vmap"] = "ran"
+    except NotImplementedError as e:
+        out["vmap"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_grad_and_vjp_through_gather_are_sharded_and_exact(pools, world):
+    for rank, out in enumerate(pools(world).run(rank_transforms)):
+        for kind, placements, err in out["grad"]:
+            assert kind == "DTensor" and err < 1e-5, (rank, out["grad"])
+        assert out["grad_and_value"] < 1e-5 and out["value"] < 1e-6 and out["vjp"] < 1e-5, (rank, out)
+        assert "gather outside the vmap" in out["vmap"], out["vmap"]
