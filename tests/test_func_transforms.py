@@ -8,7 +8,6 @@ import optree
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import shardfn as sf
 from reference import make_model, rel_err, units_of
