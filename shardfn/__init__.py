@@ -11,6 +11,7 @@ from ._describe import describe
 from ._donate import DonatedError, copy
 from ._engine import StaleParameterError
 from ._launch import launch
+from ._grad import grad, value_and_grad
 from ._functional import Apply, from_state_dict, functionalize, to_state_dict
 from ._param import Param
 from ._mesh import mesh
@@ -41,6 +42,7 @@ __all__ = [
     "from_state_dict",
     "functionalize",
     "gather",
+    "grad",
     "launch",
     "latest",
     "load",
@@ -53,4 +55,5 @@ __all__ = [
     "to_state_dict",
     "train_step",
     "tree_paths",
+    "value_and_grad",
 ]

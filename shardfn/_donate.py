@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["DonatedError", "copy", "donate", "wrap"]
+__all__ = ["DonatedError", "adopt", "copy", "donate", "wrap"]
 
 
 class DonatedError(RuntimeError):
@@ -84,6 +84,12 @@ def wrap(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> DTensor
     dt = DTensor(local, spec, requires_grad=requires_grad)
     dt.__reduce_ex__ = _Reduce(dt)
     return dt
+
+
+def adopt(dt: DTensor, local: torch.Tensor) -> None:
+    """Makes `dt` (a user's DTensor) hold `local` (a view into a flat buffer), and pickle."""
+    dt._local_tensor = local
+    dt.__reduce_ex__ = _Reduce(dt)
 
 
 def donate(dt: DTensor, message: str) -> DTensor:

@@ -281,7 +281,8 @@ class TrainStep:
             for u in self.engine.remat_units:
                 install_remat(info, u)
         params_tree = optree.tree_unflatten(treespec, dt_params)
-        return TrainState(params=params_tree, opt_state=self.opt.init(self._trainable(params_tree)), step=0)
+        opt_state = self.opt.init(self._trainable(params_tree)) if self.opt is not None else None
+        return TrainState(params=params_tree, opt_state=opt_state, step=0)
 
     def _model(self, paths: list[str], leaves: list):
         """The functionalized model whose units the step runs: `apply=`, or the one whose parameter
@@ -297,7 +298,7 @@ class TrainStep:
             raise ValueError(
                 f"{len(found)} functionalized models have exactly these parameter names ({kinds}: a teacher, an EMA "
                 "copy, ...), and these params are not the tensors one of them returned; say which one loss_fn "
-                "trains: sf.train_step(..., apply=apply)"
+                "trains: sf.train_step(..., apply=apply) or sf.value_and_grad(..., apply=apply)"
             )
         return found[0] if found else None
 
@@ -385,6 +386,24 @@ class TrainStep:
         if self.engine is None:
             raise ValueError("call step.init(params) before the first step")
         params = self._adopt(state.params)
+        loss_mean, grad_norm, skip, aux = self.gradients(params, batch)
+        if self.max_grad_norm is not None:
+            coef = torch.clamp(self.max_grad_norm / (grad_norm + 1e-6), max=1.0)
+            if self._norm_segments:  # the trained segments: frozen ones hold no gradient
+                torch._foreach_mul_(self._norm_segments, coef.to(self._norm_segments[0].device))
+        # Scalars of the optimizer state (its step count) are updated in place: the input state
+        # keeps its own (Note [donated state]).
+        opt_in = optree.tree_map(_scalar_copy, state.opt_state, none_is_leaf=True)
+        opt_state = self._optimize(params, opt_in, skip)
+        params, opt_state = self._donate(state, opt_state)
+        metrics = {"loss": loss_mean, "grad_norm": grad_norm, "aux": aux}
+        return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+    def gradients(self, params: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor, list[int], Any]:
+        """The gradient half of a step, what `sf.value_and_grad` runs: forward and backward on the
+        unit schedule, gradients reduced into `self.grads`; returns the loss averaged over ranks,
+        the global gradient norm, the trained leaves (positions among them) that got no gradient
+        on any rank, and this rank's aux. `params` must be this step's own tree (`_adopt`)."""
         for u in self._units.values():  # the last step's gradient shards are spent
             u.release_grad()
         k = self.accumulation_steps
@@ -411,7 +430,6 @@ class TrainStep:
                 raise clear from e
             raise
         self._buffers.sync()
-        # One all-reduce for the loss and the squared gradient norm.
         # One all-reduce for the loss, the squared gradient norm, and which leaves got a gradient
         # on some rank (Note [leaves without a gradient]).
         sq = local_sumsq(self._norm_parts).to(loss_sum.device) if self._norm_parts else loss_sum.new_zeros(())
@@ -423,17 +441,7 @@ class TrainStep:
         grad_norm = stats[1].sqrt()
         # Read back (a host sync on GPUs) only where this rank saw a leaf without a gradient.
         skip = [i for i, n in enumerate(stats[2:].tolist()) if n == 0] if not all(had) else []
-        if self.max_grad_norm is not None:
-            coef = torch.clamp(self.max_grad_norm / (grad_norm + 1e-6), max=1.0)
-            if self._norm_segments:  # the trained segments: frozen ones hold no gradient
-                torch._foreach_mul_(self._norm_segments, coef.to(self._norm_segments[0].device))
-        # Scalars of the optimizer state (its step count) are updated in place: the input state
-        # keeps its own (Note [donated state]).
-        opt_in = optree.tree_map(_scalar_copy, state.opt_state, none_is_leaf=True)
-        opt_state = self._optimize(params, opt_in, skip)
-        params, opt_state = self._donate(state, opt_state)
-        metrics = {"loss": loss_mean, "grad_norm": grad_norm, "aux": aux}
-        return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+        return loss_mean, grad_norm, skip, aux
 
     def _optimize(self, params: Any, opt_state: Any, skip: list[int]) -> Any:
         """The optimizer's update, in place; trained leaves at positions `skip` keep their values

@@ -1,0 +1,190 @@
+"""`sf.value_and_grad` / `sf.grad`: the FSDP gradient of a sharded tree, as a transform.
+
+Note [gradient transform]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+`value_and_grad(loss_fn)(params, batch)` runs the gradient half of a train step
+(`TrainStep.gradients`): units gathered just in time, freed, gathered again for the backward,
+their gradients reduce-scattered as soon as they are complete, the next gather prefetched. Each
+rank passes its own batch and gets the loss and the gradients of the mean over ranks, as a train
+step does. A train step is this plus the optimizer update, so a step written by hand with
+`sf.optim` runs the same code.
+
+The engine computes on per-unit flat buffers (Note [flat unit layout] in `shardfn/_flat.py`). On
+the first call, the transform copies the tree's shards into its buffers and then hands the
+buffers to the tree's own DTensors: the tree is unchanged to the user (same objects, same values),
+and later calls with it copy nothing. An in-place optimizer step (`opt.update.step_(grads, state,
+params)`) keeps it so. A different tree (one that `sf.apply_updates` returned) is copied in and
+takes the buffers over, and the tree that held them before is donated: reading it raises
+`sf.DonatedError` (Note [donated state] in `shardfn/_donate.py`). The gradients returned are
+DTensors over the transform's gradient buffers, donated at the next call: `sf.copy` keeps them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import _donate, _watch
+from ._describe import _spec_of
+from ._train import MixedPrecision, TrainStep
+from ._tree import tree_flatten_with_paths
+
+__all__ = ["value_and_grad", "grad", "ValueAndGrad"]
+
+
+class ValueAndGrad:
+    """`sf.value_and_grad(loss_fn, ...)`: call it as `fn(params, batch)`; see `value_and_grad`."""
+
+    def __init__(self, loss_fn: Callable, has_aux: bool, options: dict):
+        if not callable(loss_fn):
+            raise ValueError(f"sf.value_and_grad(loss_fn): loss_fn must be callable, got {type(loss_fn).__name__}")
+        self.loss_fn, self.has_aux, self.options = loss_fn, bool(has_aux), options
+        self._step: TrainStep | None = None
+        self._locals: list[torch.Tensor] = []  # the step's flat-buffer shards, leaf by leaf
+
+    def _loss(self, params: Any, batch: Any) -> Any:
+        out = self.loss_fn(params, batch)
+        if self.has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise ValueError("has_aux=True: loss_fn must return (loss, aux)")
+            return out
+        if isinstance(out, tuple):
+            raise ValueError("loss_fn returned a tuple: pass has_aux=True to return (loss, aux)")
+        return out
+
+    def __call__(self, params: Any, batch: Any) -> tuple[Any, Any]:
+        with _watch.watched("sf.value_and_grad"):
+            step = self._take(params)
+            loss, _, _, aux = step.gradients(optree.tree_unflatten(step.treespec, step._dt_params), batch)
+            message = (
+                "these gradients were donated to the next sf.value_and_grad call, whose gradients fill their memory; "
+                "keep them with sf.copy(grads)"
+            )
+            leaves = [None if g is None else _donate.donate(g, message) for g in optree.tree_leaves(step.grads, none_is_leaf=True)]
+            step.grads = optree.tree_unflatten(optree.tree_structure(step.grads, none_is_leaf=True), leaves)
+            return ((loss, aux) if self.has_aux else loss), step.grads
+
+    def _take(self, params: Any) -> TrainStep:
+        """The step whose buffers `params` now lives in (built on the first call)."""
+        paths, leaves, treespec = tree_flatten_with_paths(params)
+        bad = [(p, type(x).__name__) for p, x in zip(paths, leaves) if not isinstance(x, DTensor)]
+        if bad:
+            raise ValueError(
+                f"sf.value_and_grad takes a sharded tree (DTensor leaves, e.g. from sf.shard); leaf {bad[0][0]!r} is a "
+                f"{bad[0][1]}. Shard the tree with sf.shard(params, sf.specs(params, mesh), mesh), or use torch.func.grad "
+                "for full tensors"
+            )
+        for p, x in zip(paths, leaves):
+            if _donate.is_donated(x):
+                raise _donate.DonatedError(x._local_tensor._message)
+        step = self._step
+        if step is None or step.paths != paths or step.treespec != treespec:
+            step = self._step = self._build(params, paths, leaves)
+        if all(x._local_tensor is own for x, own in zip(leaves, self._locals)):
+            step._dt_params = list(leaves)
+            return step
+        for p, x, own in zip(paths, leaves, step._dt_params):
+            if x.placements != own.placements or x.shape != own.shape:
+                raise ValueError(
+                    f"leaf {p!r} is a DTensor {x.placements} {tuple(x.shape)}; this transform's tree has "
+                    f"{own.placements} {tuple(own.shape)} there. Use one sf.value_and_grad per tree layout"
+                )
+        message = (
+            "this tree was donated: another tree was passed to sf.value_and_grad, and its values now fill this "
+            "tree's memory. Keep a tree with sf.copy(params)"
+        )
+        with torch.no_grad():
+            for x, before, local in zip(leaves, step._dt_params, self._locals):
+                if x._local_tensor is local:
+                    continue
+                local.copy_(x._local_tensor)  # a new tree, or one that another transform took over
+                if before is not x and before._local_tensor is local:
+                    _donate.donate(before, message)
+                _donate.adopt(x, local)
+        step._dt_params = list(leaves)
+        return step
+
+    def _build(self, params: Any, paths: list[str], leaves: list[DTensor]) -> TrainStep:
+        mesh = leaves[0].device_mesh
+        for p, x in zip(paths, leaves):
+            if x.device_mesh != mesh:
+                raise ValueError(f"leaf {p!r} is on another mesh than {paths[0]!r}: one mesh per tree")
+        o = self.options
+        specs = optree.tree_unflatten(optree.tree_structure(params), [_spec_of(x) for x in leaves])
+        step = TrainStep(
+            self._loss, None, mesh, specs, o["strategy"], o["mixed_precision"], o["remat"], o["accumulation_steps"], None,
+            apply=o["apply"], frozen=o["frozen"], accumulation=o["accumulation"],
+        )
+        step.init(params)  # copies the shards into the step's flat buffers
+        self._locals = [own._local_tensor for own in step._dt_params]
+        for x, local in zip(leaves, self._locals):
+            _donate.adopt(x, local)
+        step._dt_params = list(leaves)
+        return step
+
+
+def value_and_grad(
+    loss_fn: Callable[[Any, Any], Any],
+    has_aux: bool = False,
+    *,
+    strategy: str = "full_shard",
+    mixed_precision: MixedPrecision | None = None,
+    remat: Any = False,
+    accumulation_steps: int = 1,
+    accumulation: str = "sharded",
+    apply: Any = None,
+    frozen: Any = None,
+) -> ValueAndGrad:
+    """The loss and its gradient with respect to a sharded tree, on the FSDP unit schedule.
+
+    Each rank passes its own batch; the loss is the mean over ranks and the gradients are those of
+    that mean (the global batch's), as in `train_step`, which is this plus the optimizer update
+    (Note [gradient transform] in `shardfn/_grad.py`).
+
+    Args:
+        loss_fn: `loss_fn(params, batch) -> loss`, or `(loss, aux)` with `has_aux=True`; `params`
+            hold full values wherever they are used, as in `train_step`.
+        has_aux: whether `loss_fn` returns `(loss, aux)`.
+        strategy, mixed_precision, remat, accumulation_steps, accumulation, apply, frozen: as in
+            `train_step`.
+
+    Returns:
+        `fn(params, batch) -> (loss, grads)` (or `((loss, aux), grads)`), where `params` is a tree of
+        DTensors (e.g. from `sf.shard`) and `grads` a tree of DTensors like it (None for frozen
+        leaves). The tree passed is taken into the transform's buffers on the first call.
+
+    Example:
+        >>> grad_fn = sf.value_and_grad(loss_fn)
+        >>> opt_state = opt.init(params)
+        >>> for batch in data:
+        ...     loss, grads = grad_fn(params, batch)
+        ...     opt_state = opt.update.step_(grads, opt_state, params)   # in place
+    """
+    options = dict(strategy=strategy, mixed_precision=mixed_precision, remat=remat, accumulation_steps=accumulation_steps,
+                   accumulation=accumulation, apply=apply, frozen=frozen)
+    return ValueAndGrad(loss_fn, has_aux, options)
+
+
+def grad(loss_fn: Callable[[Any, Any], Any], has_aux: bool = False, **options: Any) -> Callable[[Any, Any], Any]:
+    """The gradient of `loss_fn` with respect to a sharded tree: `value_and_grad` without the value.
+
+    Args:
+        loss_fn, has_aux, **options: as in `value_and_grad`.
+
+    Returns:
+        `fn(params, batch) -> grads`, or `(grads, aux)` with `has_aux=True` (as `jax.grad`).
+
+    Example:
+        >>> grads = sf.grad(loss_fn)(sharded_params, batch)
+    """
+    vg = value_and_grad(loss_fn, has_aux, **options)
+
+    def fn(params: Any, batch: Any) -> Any:
+        value, grads = vg(params, batch)
+        return (grads, value[1]) if has_aux else grads
+
+    fn.value_and_grad = vg  # type: ignore[attr-defined]
+    return fn

@@ -1,0 +1,129 @@
+"""`sf.value_and_grad` / `sf.grad`: the FSDP gradient as a transform. Its gradients equal the
+unsharded ones on the global batch; a step written by hand with it and `sf.optim.adamw` equals
+`train_step` step for step; trees are taken over without a per-step copy, and old trees and
+gradients are donated."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardfn as sf
+from shardfn import _collectives as C
+from reference import OPT, global_batch, local_batch, loss_of, make_loss_fn, make_model, rel_err, units_of
+
+KINDS = ["mlp", "gpt"]
+
+
+def rank_gradients(kind: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(kind)
+    ref_model = make_model(kind)
+    apply, params = sf.functionalize(model, units=units_of(kind))
+    mesh = sf.mesh(dp=-1)
+    sharded = sf.shard(params, sf.specs(params, mesh), mesh)
+    loss_fn = make_loss_fn(kind, apply)
+    batch = global_batch(kind, 0, world)
+    vg = sf.value_and_grad(lambda p, b: (loss_fn(p, b), b[0].shape[0]), has_aux=True)
+    (loss, aux), grads = vg(sharded, local_batch(batch, rank, world))
+    # The unsharded reference on the global batch.
+    ref_loss = loss_of(kind, ref_model(batch[0]), batch[1])
+    ref_loss.backward()
+    want = {n: p.grad for n, p in ref_model.named_parameters()}
+    got = sf.to_state_dict(sf.gather(grads))
+    out = {"loss": rel_err(loss, ref_loss), "aux": aux, "grads": max(rel_err(got[n], want[n]) for n in got),
+           "types": {type(g).__name__ for g in optree.tree_leaves(grads)}}
+    # The same tree again: no copy in, the old gradients donated.
+    first = [g.detach().clone() for g in optree.tree_leaves(sf.gather(grads))]
+    leaves_before = [x._local_tensor.data_ptr() for x in optree.tree_leaves(sharded)]
+    second = vg(sharded, local_batch(batch, rank, world))[1]
+    out["same_memory"] = leaves_before == [x._local_tensor.data_ptr() for x in optree.tree_leaves(sharded)]
+    try:
+        sf.gather(grads)
+        out["old_grads"] = "readable"
+    except sf.DonatedError:
+        out["old_grads"] = "donated"
+    out["second"] = max(rel_err(a, b) for a, b in zip(optree.tree_leaves(sf.gather(second)), first))
+    # sf.grad takes the tree into its own buffers; the first transform then takes it back.
+    g2 = sf.grad(loss_fn)(sharded, local_batch(batch, rank, world))
+    out["grad"] = max(rel_err(a, b) for a, b in zip(optree.tree_leaves(sf.gather(g2)), first))
+    third = vg(sharded, local_batch(batch, rank, world))[1]
+    out["third"] = max(rel_err(a, b) for a, b in zip(optree.tree_leaves(sf.gather(third)), first))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("kind", KINDS)
+def test_value_and_grad_equals_the_unsharded_gradient(pools, kind, world):
+    for rank, out in enumerate(pools(world).run(rank_gradients, kind)):
+        assert out["loss"] < 1e-6 and out["grads"] < 1e-5, (rank, out)
+        assert out["types"] == {"DTensor"}, out
+        assert out["aux"] == global_batch(kind, 0, world)[0].chunk(world)[rank].shape[0]
+        assert out["grad"] < 1e-6 and out["second"] < 1e-6 and out["third"] < 1e-6, {k: out[k] for k in ("grad", "second", "third")}
+        assert out["same_memory"] and out["old_grads"] == "donated", {k: out[k] for k in ("same_memory", "old_grads")}
+
+
+def rank_hand_written_step(kind: str, steps: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # train_step.
+    apply, params = sf.functionalize(make_model(kind), units=units_of(kind))
+    mesh = sf.mesh(dp=-1)
+    step = sf.train_step(make_loss_fn(kind, apply), sf.optim.adamw(**OPT), mesh)
+    state = step.init(params)
+    losses_step = []
+    for i in range(steps):
+        state, m = step(state, local_batch(global_batch(kind, i, world), rank, world))
+        losses_step.append(float(m["loss"]))
+    # The same, written by hand: value_and_grad plus the optimizer's in-place update.
+    apply2, params2 = sf.functionalize(make_model(kind), units=units_of(kind))
+    opt = sf.optim.adamw(**OPT)
+    grad_fn = sf.value_and_grad(make_loss_fn(kind, apply2), apply=apply2)
+    tree = sf.shard(params2, sf.specs(params2, mesh), mesh)
+    opt_state = opt.init(tree)
+    losses_hand, gathers = [], []
+    for i in range(steps):
+        C.STATS.reset()
+        loss, grads = grad_fn(tree, local_batch(global_batch(kind, i, world), rank, world))
+        opt_state = opt.update.step_(grads, opt_state, tree)
+        losses_hand.append(float(loss))
+        gathers.append(dict(C.STATS.calls))
+    # And functionally: sf.apply_updates makes a new tree, copied in at the next call.
+    apply3, params3 = sf.functionalize(make_model(kind), units=units_of(kind))
+    grad_fn3 = sf.value_and_grad(make_loss_fn(kind, apply3), apply=apply3)
+    tree3 = sf.shard(params3, sf.specs(params3, mesh), mesh)
+    opt_state3 = opt.init(tree3)
+    losses_fun = []
+    for i in range(steps):
+        loss, grads = grad_fn3(tree3, local_batch(global_batch(kind, i, world), rank, world))
+        updates, opt_state3 = opt.update(grads, opt_state3, tree3)
+        old, tree3 = tree3, sf.apply_updates(tree3, updates)
+        losses_fun.append(float(loss))
+    final = [sf.gather(x) for x in optree.tree_leaves(state.params)]
+    hand = [sf.gather(x) for x in optree.tree_leaves(tree)]
+    fun = [sf.gather(x) for x in optree.tree_leaves(tree3)]
+    return {
+        "losses": (losses_step, losses_hand, losses_fun),
+        "params": max(rel_err(a, b) for a, b in zip(hand, final)),
+        "params_fun": max(rel_err(a, b) for a, b in zip(fun, final)),
+        "gathers": gathers[-1],
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_hand_written_step_equals_train_step(pools, world):
+    for rank, out in enumerate(pools(world).run(rank_hand_written_step, "gpt", 3)):
+        step_l, hand_l, fun_l = out["losses"]
+        assert max(abs(a - b) for a, b in zip(step_l, hand_l)) < 1e-6, out["losses"]
+        assert max(abs(a - b) for a, b in zip(step_l, fun_l)) < 1e-6, out["losses"]
+        assert out["params"] < 1e-6 and out["params_fun"] < 1e-6, out
+        assert out["gathers"].get("all_gather", 0) > 0 and out["gathers"].get("reduce_scatter", 0) > 0, out
+
+
+def test_value_and_grad_refuses_full_tensors():
+    fn = sf.value_and_grad(lambda p, b: p["w"].sum())
+    with pytest.raises(ValueError, match="sharded tree"):
+        fn({"w": torch.ones(3)}, None)
+    with pytest.raises(ValueError, match="callable"):
+        sf.value_and_grad("loss")
