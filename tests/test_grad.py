@@ -100,6 +100,12 @@ def rank_hand_written_step(kind: str, steps: int) -> dict:
         updates, opt_state3 = opt.update(grads, opt_state3, tree3)
         old, tree3 = tree3, sf.apply_updates(tree3, updates)
         losses_fun.append(float(loss))
+    grad_fn3(tree3, local_batch(global_batch(kind, 0, world), rank, world))  # copies tree3 in: `old` is donated
+    try:
+        sf.gather(old)
+        donated = False
+    except sf.DonatedError:
+        donated = True
     final = [sf.gather(x) for x in optree.tree_leaves(state.params)]
     hand = [sf.gather(x) for x in optree.tree_leaves(tree)]
     fun = [sf.gather(x) for x in optree.tree_leaves(tree3)]
@@ -108,6 +114,7 @@ def rank_hand_written_step(kind: str, steps: int) -> dict:
         "params": max(rel_err(a, b) for a, b in zip(hand, final)),
         "params_fun": max(rel_err(a, b) for a, b in zip(fun, final)),
         "gathers": gathers[-1],
+        "donated": donated,
     }
 
 
@@ -117,7 +124,7 @@ def test_a_hand_written_step_equals_train_step(pools, world):
         step_l, hand_l, fun_l = out["losses"]
         assert max(abs(a - b) for a, b in zip(step_l, hand_l)) < 1e-6, out["losses"]
         assert max(abs(a - b) for a, b in zip(step_l, fun_l)) < 1e-6, out["losses"]
-        assert out["params"] < 1e-6 and out["params_fun"] < 1e-6, out
+        assert out["params"] < 1e-6 and out["params_fun"] < 1e-6 and out["donated"], out
         assert out["gathers"].get("all_gather", 0) > 0 and out["gathers"].get("reduce_scatter", 0) > 0, out
 
 
