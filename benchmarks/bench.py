@@ -62,7 +62,7 @@ from _proc import status_kb  # benchmarks/_proc.py, beside this script
 # -- settings (each one can be overridden by the flag of the same name) ---------------------------
 MODELS = "mlp,gpt"
 WORLD = 2
-IMPLS = "shardfn,shardfn_no_shard,fsdp2,ddp"
+IMPLS = "shardfn,shardfn_vg,shardfn_no_shard,fsdp2,ddp"
 ROUNDS = 4  # timing rounds; each implementation runs WARMUP + STEPS steps per round
 STEPS = 7  # timed steps per round
 WARMUP = 3  # untimed steps per round
@@ -83,7 +83,13 @@ MALLOC_MMAP_THRESHOLD = "65536"  # glibc env of the memory runs' ranks; "none": 
 TIMING_MALLOC_MMAP_THRESHOLD = "same"  # the same env for the timing ranks ("same" as above, a value, or "none")
 POOL_TIMEOUT = 900.0  # seconds one call into the ranks may take
 
-NAMES = {"shardfn": "shardfn full_shard", "shardfn_no_shard": "shardfn no_shard", "fsdp2": "FSDP2", "ddp": "DDP"}
+NAMES = {
+    "shardfn": "shardfn full_shard",
+    "shardfn_vg": "shardfn value_and_grad + adamw (by hand)",
+    "shardfn_no_shard": "shardfn no_shard",
+    "fsdp2": "FSDP2",
+    "ddp": "DDP",
+}
 STRATEGY = {"shardfn": "full_shard", "shardfn_no_shard": "no_shard"}
 
 
@@ -203,7 +209,37 @@ class _Torch(_Impl):
         return loss.detach()  # this rank's loss; the parent averages over ranks
 
 
+class _ShardfnByHand(_Impl):
+    """The step a user writes: sf.value_and_grad, then sf.optim.adamw's in-place update."""
+
+    def __init__(self, model: str, cfg: dict):
+        import shardfn as sf
+
+        self.kind = "shardfn"
+        net = _build(model, cfg)
+        crit = _criterion(model)
+        apply, params = sf.functionalize(net, units=cfg["units"])
+
+        def loss_fn(params, batch):
+            x, y = batch
+            return crit(apply(params, x), y)
+
+        mesh = sf.mesh(dp=-1)
+        self.opt = sf.optim.adamw(cfg["lr"], weight_decay=cfg["weight_decay"])
+        self.grad_fn = sf.value_and_grad(loss_fn, remat=cfg["remat"], apply=apply)
+        self.params = sf.shard(params, sf.specs(params, mesh), mesh)
+        self.opt_state = self.opt.init(self.params)
+        del params
+
+    def step(self, batch):
+        loss, grads = self.grad_fn(self.params, batch)
+        self.opt_state = self.opt.update.step_(grads, self.opt_state, self.params)
+        return loss  # the mean over ranks
+
+
 def _make(impl: str, model: str, cfg: dict, **kw) -> _Impl:
+    if impl == "shardfn_vg":
+        return _ShardfnByHand(model, cfg)
     if impl in STRATEGY:
         return _Shardfn(model, cfg, STRATEGY[impl])
     return _Torch(model, cfg, impl, **kw)
@@ -597,7 +633,7 @@ def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=MODELS, help="comma-separated: mlp,gpt")
     p.add_argument("--world", type=int, default=WORLD)
-    p.add_argument("--impls", default=IMPLS, help="comma-separated: shardfn,shardfn_no_shard,fsdp2,ddp")
+    p.add_argument("--impls", default=IMPLS, help="comma-separated: shardfn,shardfn_vg,shardfn_no_shard,fsdp2,ddp")
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--warmup", type=int, default=WARMUP)
@@ -678,7 +714,7 @@ def main() -> None:
             r["profile"] = out
             r["growth_mb"] = max(o["growth_mb"] for o in out)
             r["hwm_mb"] = max(o["hwm_mb"] for o in out)
-            if impl in STRATEGY:
+            if impl in STRATEGY or impl == "shardfn_vg":
                 r["sent_mb"] = max(o["sf_bytes_per_step"] for o in out) / 1e6
                 r["sent_how"] = "shardfn STATS"
             elif impl == "ddp":
@@ -833,7 +869,7 @@ def _plot(args, res, floors, path) -> None:
 
     models = list(res)
     impls = args.impls
-    colors = {"shardfn": "#1f77b4", "shardfn_no_shard": "#6baed6", "fsdp2": "#ff7f0e", "ddp": "#2ca02c"}
+    colors = {"shardfn": "#1f77b4", "shardfn_vg": "#08306b", "shardfn_no_shard": "#6baed6", "fsdp2": "#ff7f0e", "ddp": "#2ca02c"}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     width = 0.8 / len(impls)
     for ax, key, title in ((axes[0], "median_ms", "median step time (ms)"), (axes[1], "hwm_mb", "peak RSS per rank (MB)")):
