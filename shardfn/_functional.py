@@ -22,7 +22,6 @@ from typing import Any, Sequence
 import optree
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _runtime, _watch
@@ -121,6 +120,15 @@ def _unit_hooks(info: ModelInfo, index: int):
     return pre, post
 
 
+def _needs_grad(leaves: list, args: tuple, kwargs: dict) -> bool:
+    """Whether a gradient may flow through `apply` on a sharded tree (else it is inference)."""
+    if not torch.is_grad_enabled():
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return True
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*leaves, *optree.tree_leaves((args, kwargs))))
+
+
 class Apply:
     """A module's method as a pure function of a parameter tree: `apply(params, *args, **kwargs)`.
 
@@ -170,8 +178,14 @@ class Apply:
         # computes on (Note [parameters outside apply] in `_param.py`).
         flat = rt.flat_params(self, params) if rt is not None and hasattr(rt, "flat_params") else None
         if flat is None:
+            from ._shard import _holds_dtensor, gather
+
             leaves = optree.tree_leaves(params)
-            if any(isinstance(x, DTensor) for x in leaves):
+            if any(_holds_dtensor(x) for x in leaves):
+                if _needs_grad(leaves, args, kwargs):
+                    # A gradient will flow (to the inputs, to the tree, or inside a torch.func
+                    # transform): the tree is gathered differentiably, its gradient the reduce-scatter.
+                    return self(gather(params), *args, buffers=buffers, **kwargs)
                 from ._inference import ShardedForward
 
                 with _watch.watched("apply on a sharded tree"), ShardedForward(self, params) as (gathered, runtime):

@@ -1,6 +1,7 @@
-"""torch.func through shards: `grad` and `vjp` of a function of `sf.gather(sharded)` are sharded trees
-equal to the unsharded gradients summed over ranks (each rank's function sees its own batch);
-what is not supported yet refuses with the way around it."""
+"""torch.func through shards: `grad` and `vjp` of a function of `sf.gather(sharded)` or of
+`apply(sharded, x)` are sharded trees equal to the unsharded gradients summed over ranks (each
+rank's function sees its own batch); gradients to the inputs are exact; what is not supported yet
+refuses with the way around it."""
 
 from __future__ import annotations
 
@@ -42,6 +43,16 @@ def rank_transforms() -> dict:
     (gv,) = fn(cot)
     ref_vjp = [sum(t) for t in zip(*[optree.tree_leaves(vjp(lambda p: apply(p, _x(r)), params)[1](cot)[0]) for r in range(world)])]
     out["vjp"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(gv), ref_vjp))
+    # Through `apply` on the sharded tree: gradients to the tree and to the inputs.
+    ga = grad(lambda p: loss(p, _x(rank)))(sharded)
+    out["apply_grad"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(ga), ref))
+    gx = grad(lambda x: apply(sharded, x).pow(2).sum())(_x(rank))
+    out["input_grad"] = rel_err(gx, grad(lambda x: apply(params, x).pow(2).sum())(_x(rank)))
+    x = _x(rank).requires_grad_()
+    (gx2,) = torch.autograd.grad(apply(sharded, x).pow(2).sum(), x)
+    out["input_autograd"] = rel_err(gx2, gx)
+    with torch.no_grad():
+        out["inference"] = rel_err(apply(sharded, _x(rank)), apply(params, _x(rank)))
     try:
         vmap(grad(lambda p, x: loss(sf.gather(p), x[None])), in_dims=(None, 0))(sharded, _x(rank))
         out["vmap"] = "ran"
@@ -57,3 +68,4 @@ def test_grad_and_vjp_through_gather_are_sharded_and_exact(pools, world):
             assert kind == "DTensor" and err < 1e-5, (rank, out["grad"])
         assert out["grad_and_value"] < 1e-5 and out["value"] < 1e-6 and out["vjp"] < 1e-5, (rank, out)
         assert "gather outside the vmap" in out["vmap"], out["vmap"]
+        assert max(out[k] for k in ("apply_grad", "input_grad", "input_autograd", "inference")) < 1e-5, (rank, out)
