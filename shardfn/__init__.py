@@ -9,6 +9,7 @@ from . import optim
 from ._checkpoint import LoadReport, SaveHandle, latest, load, load_extras, save
 from ._describe import describe
 from ._engine import StaleParameterError
+from ._export import export, import_state_dict
 from ._launch import launch
 from ._functional import Apply, from_state_dict, functionalize, to_state_dict
 from ._param import Param
@@ -35,9 +36,11 @@ __all__ = [
     "TrainStep",
     "apply_updates",
     "describe",
+    "export",
     "from_state_dict",
     "functionalize",
     "gather",
+    "import_state_dict",
     "launch",
     "latest",
     "load",
