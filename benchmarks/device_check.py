@@ -108,10 +108,10 @@ def check(label: str, kwargs: dict, bf16: bool, device: str) -> dict:
     peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else float("nan")
     full = sf.to_state_dict(sf.gather(state.params))
     ref_params = dict(ref.named_parameters())
-    param_err = max(_rel(full[k], ref_params[k]) for k in full)
+    param_err = max(_rel(full[k], ref_params[k]) for k in ref_params)
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     return dict(label=label, loss_err=loss_err, param_err=param_err, peak_mb=peak, seconds=seconds,
-                devices=sorted({str(v.device) for v in full.values()}))
+                devices=sorted({str(full[k].device) for k in ref_params}))
 
 
 def main() -> None:

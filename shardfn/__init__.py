@@ -10,6 +10,7 @@ from ._checkpoint import LoadReport, SaveHandle, latest, load, load_extras, save
 from ._describe import describe
 from ._donate import DonatedError, copy
 from ._engine import StaleParameterError
+from ._export import export, import_state_dict
 from ._launch import launch
 from ._grad import grad, value_and_grad
 from ._functional import Apply, from_state_dict, functionalize, to_state_dict
@@ -39,10 +40,12 @@ __all__ = [
     "apply_updates",
     "copy",
     "describe",
+    "export",
     "from_state_dict",
     "functionalize",
     "gather",
     "grad",
+    "import_state_dict",
     "launch",
     "latest",
     "load",

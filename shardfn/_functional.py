@@ -25,9 +25,10 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _runtime, _watch
+from ._meta_init import record_rng
 from ._tree import nest, tree_flatten_with_paths
 
-__all__ = ["functionalize", "Apply", "to_state_dict", "from_state_dict", "find_apply"]
+__all__ = ["functionalize", "Apply", "to_state_dict", "from_state_dict", "find_apply", "model_of"]
 
 
 @dataclass(eq=False)
@@ -41,6 +42,7 @@ class ModelInfo:
     unit_of: dict[str, int]  # canonical path -> unit index, -1 for the root unit
     buffer_paths: list[str] = field(default_factory=list)
     returned: dict[str, weakref.ref] = field(default_factory=dict)  # path -> the leaf functionalize returned
+    init_rng: torch.Tensor | None = None  # a meta-device module: the CPU generator state to init from
 
     def returned_tree(self, paths: Sequence[str], leaves: Sequence[Any]) -> bool:
         """Whether these leaves are the very tensors `functionalize` returned for this model."""
@@ -267,6 +269,7 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
         unit_names=unit_names,
         unit_of=unit_of,
         buffer_paths=[n for n, _ in module.named_buffers()],
+        init_rng=record_rng(module),
     )
 
     detached = {path: t.detach() for path, t in tensors.items()}
@@ -290,34 +293,93 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
     return Apply(info), params
 
 
+def model_of(tree: Any, apply: "Apply | None" = None, what: str = "this tree") -> ModelInfo | None:
+    """The functionalized model a parameter tree belongs to: `apply`'s when given, else the live
+    model whose parameter names are the tree's (the one that returned these very tensors, when
+    several have the names). None for a tree no functionalized model has the names of. Several
+    models whose state dicts would differ (tied names, buffer values) are refused: pass `apply=`."""
+    paths, leaves, _ = tree_flatten_with_paths(tree)
+    if apply is not None:
+        if not isinstance(apply, Apply):
+            raise ValueError(f"apply= takes the function sf.functionalize returned, got {type(apply).__name__}")
+        if set(apply.info.param_paths) != set(paths):
+            missing = sorted(set(apply.info.param_paths) - set(paths))
+            extra = sorted(set(paths) - set(apply.info.param_paths))
+            raise ValueError(
+                f"{what} does not match apply=: missing {missing[:5]}, unexpected {extra[:5]}; pass the tree "
+                "sf.functionalize returned with that apply (or one with its structure, e.g. state.params)"
+            )
+        return apply.info
+    found = find_apply(paths, leaves)
+    if len(found) > 1 and not all(_same_state_dict(found[0], other) for other in found[1:]):
+        kinds = ", ".join(type(i.module).__name__ for i in found)
+        raise ValueError(
+            f"{len(found)} functionalized models have exactly the parameter names of {what} ({kinds}) and "
+            "differ in their tied names or buffers; say which one it belongs to with apply=apply"
+        )
+    return found[0] if found else None
+
+
+def _persistent_buffers(info: ModelInfo) -> dict[str, torch.Tensor]:
+    buffers = dict(info.module.named_buffers(remove_duplicate=False))
+    return {n: buffers[n] for n in info.module.state_dict(keep_vars=True) if n in buffers}
+
+
+def _same_state_dict(a: ModelInfo, b: ModelInfo) -> bool:
+    """Whether the two models name and fill a state dict alike (then it does not matter which)."""
+    if a.aliases != b.aliases:
+        return False
+    ba, bb = _persistent_buffers(a), _persistent_buffers(b)
+    if list(ba) != list(bb):
+        return False
+    for n, x in ba.items():
+        y = bb[n]
+        if x.is_meta or y.is_meta or x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y.to(x.device)):
+            return False
+    return True
+
+
+def _params_of(tree: Any) -> Any:
+    """A train state's parameter tree; any other tree as it is."""
+    from ._train import TrainState  # _train imports this module
+
+    return tree.params if isinstance(tree, TrainState) else tree
+
+
 def to_state_dict(tree: Any, apply: Apply | None = None) -> dict[str, torch.Tensor]:
-    """Flattens a parameter tree to `{dotted name: tensor}`, as `module.state_dict()` names them.
+    """A parameter tree as `module.state_dict()` of its model: loads with `load_state_dict(strict=True)`.
+
+    The model is the functionalized one the tree belongs to (found by its parameter names, as
+    `sf.train_step` finds it; `apply=` says which when several models have these names and differ).
+    Its tied names (e.g. `lm_head.weight` tied to `wte.weight`) map to the same tensor, and its
+    persistent buffers are added, in `state_dict()` order. A tree of no functionalized model gives
+    its own leaves by dotted path.
 
     Args:
-        tree: a parameter tree (plain or DTensor leaves, kept as they are).
-        apply: when given, tied aliases and the module's buffers are added, so the result loads
-            into the original module with `load_state_dict`.
+        tree: a parameter tree (plain or DTensor leaves, kept as they are), or a `TrainState`
+            (its params).
+        apply: the `sf.functionalize` function of the model, to say which model when several have
+            these parameter names.
 
     Returns:
-        An ordered dict of names to tensors.
+        An ordered dict of names to tensors (DTensor leaves stay DTensors; buffers are the
+        module's own tensors).
 
     Example:
-        >>> torch.save(sf.to_state_dict(params, apply), "model.pt")
+        >>> model.load_state_dict(sf.to_state_dict(params))            # strict=True
+        >>> torch.save(sf.to_state_dict(sf.gather(state.params)), "model.pt")
     """
+    tree = _params_of(tree)
+    info = model_of(tree, apply)
     paths, leaves, _ = tree_flatten_with_paths(tree)
     out = dict(zip(paths, leaves))
-    if apply is None:
+    if info is None:
         return out
+    by_name = {name: out[path] for path in info.param_paths for name in info.aliases[path]}
+    buffers = _persistent_buffers(info)
     full: dict[str, torch.Tensor] = {}
-    for path in apply.info.param_paths:
-        if path not in out:
-            raise ValueError(f"the tree has no leaf {path!r} of the model")
-        for name in apply.info.aliases[path]:
-            full[name] = out[path]
-    buffers = dict(apply.info.module.named_buffers())
-    for name in apply.info.module.state_dict(keep_vars=True):  # persistent buffers only, as state_dict
-        if name in buffers:
-            full[name] = buffers[name]
+    for name in info.module.state_dict(keep_vars=True):  # state_dict's own order
+        full[name] = by_name[name] if name in by_name else buffers[name]
     return full
 
 

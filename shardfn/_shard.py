@@ -11,12 +11,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from . import _collectives as C
 from . import _donate, _watch
+from ._meta_init import materialize
 from ._spec import match_specs, placements_for
 
 __all__ = ["shard", "gather"]
 
 
-def shard(params: Any, specs: Any, mesh: DeviceMesh) -> Any:
+def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
     """Shards a full parameter tree over `mesh`: a tree of DTensors holding only local shards.
 
     Every rank must hold the same full values (e.g. the same seed); each keeps its own shards, so no
@@ -27,24 +28,72 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh) -> Any:
         params: the full parameter tree.
         specs: a tree of `P` with the structure of `params` (see `sf.specs`).
         mesh: the device mesh.
+        init: the module `params` came from (or its `sf.functionalize` function), when it was built
+            on the meta device: its meta leaves are initialized by the module's own initializers,
+            one module at a time, with the values an eager build would have (Note [meta init] in
+            `shardfn/_meta_init.py`); every rank then holds only its shards plus one module. This
+            takes the CPU generator's state from rank 0 (a collective).
 
     Returns:
         A tree of `torch.distributed.tensor.DTensor`, the structure of `params`.
 
     Example:
         >>> sharded = sf.shard(params, sf.specs(params, mesh), mesh)
+        >>> with torch.device("meta"):
+        ...     model = Model(cfg)
+        >>> apply, params = sf.functionalize(model, units=r"blocks\\.\\d+")
+        >>> sharded = sf.shard(params, sf.specs(params, mesh), mesh, init=model)
     """
     paths, leaves, spec_list, treespec = match_specs(params, specs, mesh)
-    out = []
+    out: list[Any] = [None] * len(leaves)
+    meta = {i for i, leaf in enumerate(leaves) if leaf.is_meta}
+    if meta:
+        at = {paths[i]: i for i in meta}
+        info = _init_model(init, paths, leaves, paths[min(meta)])
+
+        def emit(path: str, full: torch.Tensor) -> None:
+            i = at[path]
+            placements = placements_for(spec_list[i], mesh)
+            d = distribute_tensor(full.to(mesh.device_type), mesh, placements, src_data_rank=None)
+            local = d.to_local().clone()  # not a view: the full value is dropped
+            out[i] = DTensor.from_local(local, mesh, placements, run_check=False, shape=d.shape, stride=d.stride())
+
+        materialize(info, set(at), emit, buffer_device=mesh.device_type)
+    elif init is not None:
+        raise ValueError("init= is for parameters on the meta device; these params hold values: drop init=")
     with _watch.watched("sf.shard"), _watch.waiting():
-        for leaf, spec in zip(leaves, spec_list):
+        for i, (leaf, spec) in enumerate(zip(leaves, spec_list)):
+            if i in meta:
+                continue
             placements = placements_for(spec, mesh)
             if isinstance(leaf, DTensor):
-                out.append(leaf.redistribute(mesh, placements))
+                out[i] = leaf.redistribute(mesh, placements)
                 continue
             t = leaf.detach().to(mesh.device_type)
-            out.append(distribute_tensor(t, mesh, placements, src_data_rank=None))
+            out[i] = distribute_tensor(t, mesh, placements, src_data_rank=None)
     return optree.tree_unflatten(treespec, out)
+
+
+def _init_model(init: Any, paths: list[str], leaves: list[Any], first: str) -> Any:
+    """The functionalized model whose initializers set the meta leaves."""
+    from ._functional import Apply, find_apply
+
+    if init is None:
+        raise ValueError(
+            f"leaf {first!r} is on the meta device: pass the module it was built with, "
+            "sf.shard(params, specs, mesh, init=model), to initialize it with the module's own initializers"
+        )
+    if isinstance(init, Apply):
+        return init.info
+    if not isinstance(init, torch.nn.Module):
+        raise ValueError(f"init= takes the meta-device module (or its sf.functionalize function), got {type(init).__name__}")
+    found = [i for i in find_apply(paths, leaves) if i.module is init]
+    if not found:
+        raise ValueError(
+            f"init= is a {type(init).__name__} whose functionalized parameters are not these: pass the module "
+            "sf.functionalize(module) turned into these params"
+        )
+    return found[0]
 
 
 def _mesh_dim_group(mesh: DeviceMesh, dim: int):

@@ -18,6 +18,7 @@ from ._buffers import ModuleBuffers
 from ._engine import Engine, Policy, StaleParameterError
 from ._flat import STALE, FlatUnit, LeafSpec
 from ._functional import find_apply
+from ._meta_init import materialize
 from ._mesh import mesh_group
 from .optim._norm import local_sumsq
 from ._remat import install as install_remat
@@ -229,14 +230,27 @@ class TrainStep:
             group=mesh_group(self.mesh) if self.world > 1 else None,
         )
 
-        # Fill the local shards and build the user-facing DTensors over them.
+        # Fill the local shards and build the user-facing DTensors over them. Meta leaves: the
+        # module's own initializers, one module at a time (Note [meta init] in `_meta_init.py`).
+        meta = {i for i, leaf in enumerate(leaves) if leaf.is_meta}
+        if meta:
+            if info is None:
+                raise ValueError(
+                    f"leaf {paths[min(meta)]!r} is on the meta device and belongs to no functionalized module whose "
+                    "initializers could set it: pass the tree sf.functionalize returned (or apply=), or real tensors"
+                )
+            at = {paths[i]: i for i in meta}
+
+            def emit(path: str, full: torch.Tensor) -> None:
+                u, j = where[at[path]]
+                units[u].fill(j, full)
+
+            materialize(info, set(at), emit, buffer_device=device)
         dt_params, dt_grads = [], []
         for i, (leaf, spec) in enumerate(zip(leaves, spec_list)):
             u, j = where[i]
-            src = leaf.full_tensor() if isinstance(leaf, DTensor) else leaf
-            if src.is_meta:
-                raise ValueError(f"leaf {paths[i]!r} is on the meta device: materialize the parameters before init")
-            units[u].fill(j, src)
+            if i not in meta:
+                units[u].fill(j, leaf.full_tensor() if isinstance(leaf, DTensor) else leaf)
             local, grad, shape = units[u].shard(j)
             placements = placements_for(spec, self.mesh)
             dt_params.append(self._dtensor(local, placements, shape))

@@ -117,11 +117,12 @@ def test_tree_paths_and_state_dict_round_trip():
     apply, params = sf.functionalize(model)
     paths = sf.tree_paths(params)
     assert "blocks.0.attn.qkv.weight" in paths and "head.weight" not in paths
-    full = sf.to_state_dict(params, apply)
-    assert set(full) == set(sd)
+    full = sf.to_state_dict(params)  # the model found by its names: tied head and buffers included
+    assert list(full) == list(sd) and "head.weight" in full and "pos" in full
     assert all(torch.equal(full[k], sd[k]) for k in sd)
+    assert full.keys() == sf.to_state_dict(params, apply).keys()
     twin = make_model("gpt", seed=1)
-    twin.load_state_dict(full)
+    twin.load_state_dict(full, strict=True)
     x = torch.randint(0, GPT_CFG.vocab, (2, 8))
     assert torch.equal(twin(x), apply(params, x))
     back = sf.from_state_dict(apply, sd)
@@ -129,3 +130,20 @@ def test_tree_paths_and_state_dict_round_trip():
     assert all(torch.equal(a, b) for a, b in zip(torch.utils._pytree.tree_leaves(back), torch.utils._pytree.tree_leaves(params)))
     with pytest.raises(ValueError, match="missing"):
         sf.from_state_dict(apply, {k: v for k, v in sd.items() if k != "ln_f.weight"})
+
+
+def test_to_state_dict_between_models_with_the_same_names():
+    """Twins that would give the same state dict are no ambiguity; twins whose buffers differ are."""
+    a_apply, a_params = sf.functionalize(make_model("gpt"))
+    b_model = make_model("gpt", seed=1)
+    b_apply, b_params = sf.functionalize(b_model)
+    plain = {k: v.clone() for k, v in sf.to_state_dict(a_params).items()}  # not the tensors either returned
+    tree = sf.from_state_dict(a_apply, plain)
+    tree = torch.utils._pytree.tree_map(torch.clone, tree)
+    assert list(sf.to_state_dict(tree)) == list(plain)
+    b_model.pos.add_(1)
+    with pytest.raises(ValueError, match="apply=apply"):
+        sf.to_state_dict(tree)
+    assert torch.equal(sf.to_state_dict(tree, b_apply)["pos"], b_model.pos)
+    assert list(sf.to_state_dict({"w": torch.zeros(2)})) == ["w"]  # no model has these names
+    del a_apply, b_apply

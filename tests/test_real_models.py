@@ -240,8 +240,9 @@ def sharded_run(case: Case, strategy_id: str, rank: int, world: int) -> dict:
         state, metrics = step(state, local_batch(global_batch(name, i, world), rank, world))
         losses.append(metrics["loss"].item())
         norms.append(metrics["grad_norm"].item())
-    full = sf.to_state_dict(sf.gather(state.params))
-    return dict(losses=losses, grad_norms=norms, params={k: v.detach().clone() for k, v in full.items()})
+    full = sf.to_state_dict(sf.gather(state.params), apply)
+    names = set(apply.info.param_paths)  # the parameters, each once (no tied names, no buffers)
+    return dict(losses=losses, grad_norms=norms, params={k: v.detach().clone() for k, v in full.items() if k in names})
 
 
 def compare(ref: dict, got: dict, initial: dict[str, torch.Tensor], frozen: set[str]) -> dict:

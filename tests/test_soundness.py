@@ -309,9 +309,14 @@ def _rel(a, b):
     return (a - b).norm().item() / (den if den > 0 else 1.0)
 
 
+def _by_path(tree) -> dict:
+    """A tree's leaves by dotted path: each parameter once, under its first name."""
+    return dict(zip(sf.tree_paths(tree), optree.tree_leaves(tree)))
+
+
 def _param_err(state, ref: dict) -> float:
     """The worst relative error of the trained parameters against the reference's."""
-    got = sf.to_state_dict(sf.gather(state.params))
+    got = _by_path(sf.gather(state.params))
     return max(_rel(got[n], ref[n]) for n in ref)
 
 
@@ -325,7 +330,7 @@ def rank_cases(strategy: str) -> dict:
         for i in range(STEPS):
             state, m = step(state, batch(i, world, T=case.get("T", lambda i: 8)(i)).chunk(world)[rank])
             loss_err = max(loss_err, abs(m["loss"].item() - ref_losses[i]) / abs(ref_losses[i]))
-        got = sf.to_state_dict(sf.gather(state.params))
+        got = _by_path(sf.gather(state.params))
         param_err = max(_rel(got[n], ref[n]) for n in ref)
         frozen_kept = all(torch.equal(got[n], ref[n]) for n in ref if not _trained(_build(case), n, case))
         out[name] = (loss_err, param_err, frozen_kept)
@@ -387,7 +392,7 @@ def rank_refusals() -> dict:
             (F.mse_loss(ref_s(xr), ref_t(xr).detach()) / world).backward()
         opt.step()
         opt.zero_grad()
-    got = sf.to_state_dict(sf.gather(state.params))
+    got = _by_path(sf.gather(state.params))
     out["teacher_err"] = max(_rel(got[n], p.detach()) for n, p in ref_s.named_parameters())
     return out
 
@@ -520,7 +525,7 @@ def rank_mixed_precision() -> dict:
             (F.mse_loss(ref(xr).float(), yr) / world).backward()
         opt.step()
         opt.zero_grad()
-    got = sf.to_state_dict(sf.gather(state.params))
+    got = _by_path(sf.gather(state.params))
     names = [n for n, _ in ref.named_parameters()]  # bf16 rounding: the whole model as one vector
     want = dict(ref.named_parameters())
     err = _rel(torch.cat([got[n].float().reshape(-1) for n in names]), torch.cat([want[n].detach().float().reshape(-1) for n in names]))

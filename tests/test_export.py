@@ -1,0 +1,129 @@
+"""`sf.export` / `sf.import_state_dict`: a Hugging Face model to a sharded state and back.
+
+A tiny Llama with tied embeddings is saved by Hugging Face (`save_pretrained` omits the tied
+`lm_head.weight`), imported into a train state at world sizes 2 and 3 (dims that 3 does not
+divide) and exported again: every tensor equals the original state dict, the file loads into the
+original module with `strict=True` and into `from_pretrained` with the same outputs, and no rank
+ever held more than one unit's full parameters (every gathered leaf is counted while it lives).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+import shardfn as sf
+from shardfn import _export
+
+UNITS = r"model\.layers\.\d+"
+
+
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=53, hidden_size=40, intermediate_size=52, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=16)
+
+
+def llama(seed: int):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(llama_config()).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    model = llama(0)
+    model.save_pretrained(d)
+    return str(d), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def rank_round_trip(src: str, out: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = llama(1)  # other values: the import must overwrite every one
+    apply, params = sf.functionalize(model, units=UNITS)
+    step = sf.train_step(lambda p, b: apply(p, input_ids=b).logits.sum(), sf.optim.sgd(0.1), sf.mesh(dp=-1))
+    state = step.init(params)
+    del params
+    same = sf.import_state_dict(src, like=state)
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sf.to_state_dict(state).items()}
+
+    # Count every full leaf the export gathers while it is alive on this rank.
+    live, peak = [0], [0]
+    real = _export._gather_leaf
+
+    def counted(x):
+        t = real(x)
+        if t is not x:
+            n = t.numel() * t.element_size()
+            live[0] += n
+            peak[0] = max(peak[0], live[0])
+            weakref.finalize(t, lambda: live.__setitem__(0, live[0] - n))
+        return t
+
+    _export._gather_leaf = counted
+    try:
+        sf.export(state, out)
+    finally:
+        _export._gather_leaf = real
+    info = apply.info
+    unit_bytes = {}
+    for p in info.param_paths:
+        x = full[p]
+        unit_bytes[info.unit_of[p]] = unit_bytes.get(info.unit_of[p], 0) + x.numel() * x.element_size()
+    return dict(same=same is state, full={k: v.clone() for k, v in full.items()}, peak=peak[0], left=live[0],
+                max_unit=max(unit_bytes.values()), model_bytes=sum(unit_bytes.values()), rank=rank, world=world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_hf_round_trip(pools, hf_dir, tmp_path, world):
+    from transformers import LlamaForCausalLM
+
+    src, sd = hf_dir
+    assert "lm_head.weight" not in load_file(os.path.join(src, "model.safetensors"))  # tied: omitted by HF
+    out = str(tmp_path / "export" / "model.safetensors")
+    results = pools(world).run(rank_round_trip, src, out)
+    for r in results:
+        assert r["same"]
+        assert list(r["full"]) == list(sd) and all(torch.equal(r["full"][k], sd[k]) for k in sd)
+        assert r["left"] == 0 and 0 < r["peak"] <= r["max_unit"] < r["model_bytes"] / 2, r
+    back = load_file(out)
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    assert not any(n.startswith(".") for n in os.listdir(tmp_path / "export"))  # no temporary file left
+    x = torch.randint(0, 53, (2, 7))
+    want = llama(0)(input_ids=x).logits
+    twin = llama(2)
+    twin.load_state_dict(back, strict=True)
+    assert torch.equal(twin(input_ids=x).logits, want)
+    shutil.copy(os.path.join(src, "config.json"), tmp_path / "export")
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert torch.equal(hf(input_ids=x).logits, want)
+
+
+def test_import_checks_names_and_shapes(tmp_path):
+    model = llama(0)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    apply, params = sf.functionalize(model, units=UNITS)
+    with pytest.raises(ValueError, match=r"missing from the source: \['model.norm.weight'\]"):
+        sf.import_state_dict({k: v for k, v in sd.items() if k != "model.norm.weight"}, like=params)
+    with pytest.raises(ValueError, match=r"in the source but not in the model: \['extra'\]"):
+        sf.import_state_dict({**sd, "extra": torch.zeros(1)}, like=params)
+    with pytest.raises(ValueError, match=r"model.norm.weight: source \(3,\), like \(40,\)"):
+        sf.import_state_dict({**sd, "model.norm.weight": torch.zeros(3)}, like=params, strict=False)
+    zeros = {k: torch.zeros_like(v) for k, v in sd.items() if k != "model.norm.weight"}
+    tree, report = sf.import_state_dict({**zeros, "extra": torch.zeros(1)}, like=params, strict=False)
+    assert report.missing_keys == ["model.norm.weight"] and report.unexpected_keys == ["extra"]
+    assert tree is params and params["model"]["embed_tokens"]["weight"].abs().sum() == 0
+    assert torch.equal(params["model"]["norm"]["weight"], sd["model.norm.weight"])  # kept
+    sf.export(params, tmp_path / "m.safetensors", metadata={"note": "x"})  # one process, no process group
+    assert set(load_file(tmp_path / "m.safetensors")) == set(sd)
+    with pytest.raises(ValueError, match="str keys and str values"):
+        sf.export(params, tmp_path / "n.safetensors", metadata={"n": 1})
