@@ -147,19 +147,27 @@ class _Impl:
         raise NotImplementedError
 
 
+def _functional(model: str, cfg: dict):
+    """The benchmark model as shardfn sees it: (apply, params, loss_fn)."""
+    import shardfn as sf
+
+    net = _build(model, cfg)
+    crit = _criterion(model)
+    apply, params = sf.functionalize(net, units=cfg["units"])
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return crit(apply(params, x), y)
+
+    return apply, params, loss_fn
+
+
 class _Shardfn(_Impl):
     def __init__(self, model: str, cfg: dict, strategy: str):
         import shardfn as sf
 
         self.kind = "shardfn"
-        net = _build(model, cfg)
-        crit = _criterion(model)
-        apply, params = sf.functionalize(net, units=cfg["units"])
-
-        def loss_fn(params, batch):
-            x, y = batch
-            return crit(apply(params, x), y)
-
+        apply, params, loss_fn = _functional(model, cfg)
         mesh = sf.mesh(dp=-1)
         opt = sf.optim.adamw(cfg["lr"], weight_decay=cfg["weight_decay"])
         self.ts = sf.train_step(loss_fn, opt, mesh, strategy=strategy, remat=cfg["remat"], apply=apply)
@@ -216,14 +224,7 @@ class _ShardfnByHand(_Impl):
         import shardfn as sf
 
         self.kind = "shardfn"
-        net = _build(model, cfg)
-        crit = _criterion(model)
-        apply, params = sf.functionalize(net, units=cfg["units"])
-
-        def loss_fn(params, batch):
-            x, y = batch
-            return crit(apply(params, x), y)
-
+        apply, params, loss_fn = _functional(model, cfg)
         mesh = sf.mesh(dp=-1)
         self.opt = sf.optim.adamw(cfg["lr"], weight_decay=cfg["weight_decay"])
         self.grad_fn = sf.value_and_grad(loss_fn, remat=cfg["remat"], apply=apply)
