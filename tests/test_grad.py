@@ -33,7 +33,7 @@ def rank_gradients(kind: str) -> dict:
     ref_loss.backward()
     want = {n: p.grad for n, p in ref_model.named_parameters()}
     got = sf.to_state_dict(sf.gather(grads))
-    out = {"loss": rel_err(loss, ref_loss), "aux": aux, "grads": max(rel_err(got[n], want[n]) for n in got),
+    out = {"loss": rel_err(loss, ref_loss), "aux": aux, "grads": max(rel_err(got[n], want[n]) for n in want),
            "types": {type(g).__name__ for g in optree.tree_leaves(grads)}}
     # The same tree again: no copy in, the old gradients donated.
     first = [g.detach().clone() for g in optree.tree_leaves(sf.gather(grads))]
