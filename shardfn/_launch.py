@@ -11,9 +11,14 @@ fails, and no process left behind when the call returns, fails or is interrupted
   defined in a notebook cell work; what cannot cross a process boundary (a DeviceMesh, a process
   group or a DTensor made in this process) is refused before anything starts, with the fix;
 * each rank runs under a trampoline (`_rank_main`) that starts the process group with the
-  collective timeout, reports a failure or a return to the other ranks through the job's store,
-  and drops its process group on the way out, so a rank still waiting on it fails at once with
-  an error naming it (Note [fail fast] in `shardfn/_watch.py`);
+  collective timeout and reports a failure or a return to the other ranks through the job's
+  store; a rank that failed ends its process (its connections close, so ranks waiting on it fail
+  at once), and a rank that returned while another still waits on it in a collective ends its
+  process too (Note [fail fast] in `shardfn/_watch.py`). `sys.exit` and `KeyboardInterrupt` inside
+  the function count as failures (torch's launcher would take them for a result that never comes);
+* the error that names the root cause is chosen over the others: a real failure, then a rank that
+  died or never started the function, then the `RankError`s of the ranks that stopped because of
+  it, then bare communication errors;
 * a failure is re-raised here as `RankError` naming the rank that caused it (not the ranks that
   stopped because of it), with that rank's exception as its cause and its traceback in the
   message.
@@ -28,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import multiprocessing
 import os
 import pickle
@@ -48,7 +54,7 @@ __all__ = ["launch"]
 
 
 
-def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout: float | None = None, **kwargs: Any) -> list:
+def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, timeout: float | None = None, **kwargs: Any) -> list:
     """Runs `fn(*args, **kwargs)` on `nprocs` ranks and returns every rank's result, rank 0's first.
 
     Each rank is a fresh process with the default process group started (gloo on CPU; NCCL with
@@ -61,7 +67,7 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout: float |
         fn: the function every rank runs.
         *args, **kwargs: its arguments (they travel with cloudpickle; `fn` cannot take arguments
             named `nprocs` or `timeout`: bind those with `functools.partial`).
-        nprocs: the number of ranks.
+        nprocs: the number of ranks (default 2); under torchrun, the job's (a different number is an error).
         timeout: the collective timeout in seconds: a rank that waits longer on a collective stops,
             naming the rank that stalled (default: `SHARDFN_TIMEOUT`, else 600).
 
@@ -87,12 +93,20 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout: float |
         )
     if not callable(fn):
         raise ValueError(f"sf.launch(fn, ...): fn must be callable, got {type(fn).__name__}")
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+    if nprocs is not None and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
         raise ValueError(f"sf.launch(..., nprocs={nprocs!r}): nprocs is a positive int, the number of ranks")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"sf.launch(..., timeout={timeout!r}): the collective timeout is a positive number of seconds")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf):
+        raise ValueError(f"sf.launch(..., timeout={timeout!r}): the collective timeout is a positive, finite number of seconds")
+    _watch.collective_timeout()  # a bad SHARDFN_TIMEOUT is refused here, before anything starts
     if _in_job():
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+        if nprocs is not None and nprocs != world:
+            raise ValueError(
+                f"sf.launch(..., nprocs={nprocs}) in a job of {world} ranks (torchrun): the job's ranks run fn. Drop "
+                "nprocs, or start the job with that many ranks"
+            )
         return _run_in_job(fn, args, kwargs)
+    nprocs = 2 if nprocs is None else nprocs
     if torch.cuda.is_available() and nprocs > torch.cuda.device_count():
         raise ValueError(
             f"sf.launch(..., nprocs={nprocs}) with {torch.cuda.device_count()} GPU(s): each rank takes one GPU. Use "
@@ -161,28 +175,42 @@ def _dumps(obj: Any, what: str) -> bytes:
 # ---- the ranks -----------------------------------------------------------------------------------
 
 
-def _rank_main(payload: bytes, errdir: str, threads: int) -> bytes:
+def _rank_main(payload: bytes, errdir: str, threads: int, timeout: float | None) -> bytes:
     """What each launched rank runs (Note [launch])."""
     import cloudpickle
 
     from ._mesh import ensure_process_group
 
     os.environ[_watch.LAUNCHED_ENV] = "1"
+    if timeout is not None:
+        os.environ[_watch.TIMEOUT_ENV] = repr(float(timeout))
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads)
     rank = int(os.environ["RANK"])
     try:
         ensure_process_group()
         fn, args, kwargs = cloudpickle.loads(payload)
+        open(os.path.join(errdir, f"{rank}.started"), "w").close()
         out = fn(*args, **kwargs)
         blob = _dumps(out, f"rank {rank}'s result")
     except BaseException as e:
+        if isinstance(e, (SystemExit, KeyboardInterrupt)):
+            # torch's launcher takes these for a success without a result and would wait forever.
+            how = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else "KeyboardInterrupt"
+            e = _Stopped(f"rank {rank} stopped with {how} inside the launched function: return from it instead "
+                         "(the other ranks may be waiting on this one in a collective)")
+        elif _watch._communication_error(e):
+            e = _watch.explain(e, "a torch.distributed call of the launched function")
         _watch.report_failure(e)
         _write_error(errdir, rank, e)
-        raise  # the process ends, its connections close, and ranks waiting on it fail at once
+        raise e from None  # the process ends, its connections close, and ranks waiting on it fail at once
     _watch.report_returned()
     _watch.leave_when_waited_on()
     return blob
+
+
+class _Stopped(RuntimeError):
+    """A launched rank called sys.exit or was interrupted inside its function."""
 
 
 def _write_error(errdir: str, rank: int, e: BaseException) -> None:
@@ -192,8 +220,11 @@ def _write_error(errdir: str, rank: int, e: BaseException) -> None:
     except Exception:  # noqa: BLE001 - an exception that does not pickle: its text is enough
         exc = None
     path = os.path.join(errdir, f"{rank}")
+    # How much it says about the rank at fault: a real failure, a RankError naming one, a bare
+    # communication error (which only says that some rank went away).
+    weight = 0 if not isinstance(e, RankError) and not _watch._communication_error(e) else 1 if isinstance(e, RankError) else 2
     with open(path + ".tmp", "wb") as f:
-        pickle.dump({"time": time.time(), "traceback": tb, "exc": exc, "secondary": isinstance(e, RankError)}, f)
+        pickle.dump({"time": time.time(), "traceback": tb, "exc": exc, "weight": weight, "text": f"{type(e).__name__}: {e}"}, f)
     os.replace(path + ".tmp", path)
 
 
@@ -212,8 +243,7 @@ def _spawn(payload: bytes, nprocs: int, timeout: float | None) -> list:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     threads = max(1, (os.cpu_count() or 1) // nprocs)
-    env = {_watch.TIMEOUT_ENV: str(float(timeout))} if timeout is not None else {}
-    with tempfile.TemporaryDirectory(prefix="shardfn-launch-") as tmp, _quiet_elastic(), _kept_signals(), _env(env):
+    with tempfile.TemporaryDirectory(prefix="shardfn-launch-") as tmp, _quiet_elastic(), _kept_signals():
         errdir = os.path.join(tmp, "errors")
         os.mkdir(errdir)
         config = LaunchConfig(
@@ -230,9 +260,9 @@ def _spawn(payload: bytes, nprocs: int, timeout: float | None) -> list:
             log_line_prefix_template="[rank${rank}]: ",
         )
         try:
-            out = elastic_launch(config, _rank_main)(payload, errdir, threads)
+            out = elastic_launch(config, _rank_main)(payload, errdir, threads, timeout)
         except ChildFailedError as e:
-            raise _culprit(e, errdir) from _cause(errdir)
+            raise _culprit(e, errdir, nprocs) from _cause(errdir)
         except SignalException as e:
             if e.sigval == signal.SIGINT:
                 raise KeyboardInterrupt from None
@@ -242,18 +272,24 @@ def _spawn(payload: bytes, nprocs: int, timeout: float | None) -> list:
 
 def _cause(errdir: str) -> BaseException | None:
     first = _first_error(errdir)
-    if first is None or first[1]["exc"] is None:
+    if first is None or first[1]["weight"] == 2:
         return None
-    try:
-        exc = pickle.loads(first[1]["exc"])
-    except Exception:  # noqa: BLE001 - a class the launching process cannot import
-        return None
-    exc.add_note(f"(raised on rank {first[0]}; its traceback is in the RankError above)")
+    rank, info = first
+    exc = None
+    if info["exc"] is not None:
+        try:
+            exc = pickle.loads(info["exc"])
+        except Exception:  # noqa: BLE001 - e.g. a constructor that takes other arguments
+            exc = None
+    if exc is None:
+        exc = RuntimeError(f"(stand-in for an exception that could not be sent back) {info['text']}")
+    exc.add_note(f"(raised on rank {rank}; its traceback is in the RankError above)")
     return exc
 
 
 def _first_error(errdir: str) -> tuple[int, dict] | None:
-    """The root failure: the earliest error that is not a consequence of another rank's."""
+    """The error that says most about the root failure: a real failure before a RankError naming a
+    rank, before a bare communication error; the earliest of a kind."""
     found = []
     for name in os.listdir(errdir):
         if name.isdigit():
@@ -261,20 +297,29 @@ def _first_error(errdir: str) -> tuple[int, dict] | None:
                 found.append((int(name), pickle.load(f)))
     if not found:
         return None
-    found.sort(key=lambda x: (x[1]["secondary"], x[1]["time"]))  # a RankError is a consequence
+    found.sort(key=lambda x: (x[1]["weight"], x[1]["time"]))
     return found[0]
 
 
-def _culprit(e: Exception, errdir: str) -> RankError:
+def _culprit(e: Exception, errdir: str, nprocs: int) -> RankError:
     first = _first_error(errdir)
-    if first is not None and not first[1]["secondary"]:
+    if first is not None and first[1]["weight"] == 0:
         rank, info = first
         return RankError(f"rank {rank} failed; every rank was stopped. Its traceback:\n\n{info['traceback']}", rank, "failed")
     failures = getattr(e, "failures", {})
     died = sorted((f.local_rank, f.exitcode) for f in failures.values() if f.local_rank is not None and not _has_file(errdir, f.local_rank))
     if died:
         rank, code = died[0]
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.Signals._value2member_map_ else f"exit code {code}"
+        if not os.path.exists(os.path.join(errdir, f"{rank}.started")):
+            return RankError(
+                f"rank {rank} exited with code {code} before running the function (see its output above: often an error "
+                "while importing the main script, e.g. a script without `if __name__ == \"__main__\":`); every rank was "
+                "stopped",
+                rank,
+                "died",
+            )
+        signame = signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else None
+        how = f"killed by {signame}" + (" (often the out-of-memory killer)" if signame == "SIGKILL" else "") if signame else f"exit code {code}"
         return RankError(
             f"rank {rank} died without raising an exception ({how}: os._exit, a signal, or out of memory); every rank "
             "was stopped",
@@ -283,10 +328,14 @@ def _culprit(e: Exception, errdir: str) -> RankError:
         )
     if first is not None:  # only consequences: the first names the rank at fault
         rank, info = first
-        exc = pickle.loads(info["exc"]) if info["exc"] is not None else None
-        culprit = getattr(exc, "rank", None)
-        kind = getattr(exc, "kind", "failed")
-        return RankError(f"{exc if exc is not None else 'a rank failed'} (seen by rank {rank}); every rank was stopped", culprit, kind)
+        exc = None
+        if info["exc"] is not None:
+            try:
+                exc = pickle.loads(info["exc"])
+            except Exception:  # noqa: BLE001
+                exc = None
+        culprit, kind = getattr(exc, "rank", None), getattr(exc, "kind", "failed")
+        return RankError(f"{info['text']} (seen by rank {rank}); every rank was stopped", culprit, kind)
     return RankError(f"a rank failed; every rank was stopped: {e}")
 
 
@@ -321,17 +370,3 @@ def _kept_signals():
         for s, h in old.items():
             if h is not None:
                 signal.signal(s, h)
-
-
-@contextlib.contextmanager
-def _env(extra: dict[str, str]):
-    old = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

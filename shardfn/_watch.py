@@ -86,7 +86,7 @@ def collective_timeout() -> datetime.timedelta:
         s = float(raw)
     except ValueError:
         s = -1.0
-    if not s > 0:
+    if not 0 < s < float("inf"):
         raise ValueError(f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, e.g. {TIMEOUT_ENV}=300")
     return datetime.timedelta(seconds=s)
 
@@ -214,13 +214,15 @@ def _install_hooks() -> None:
     def hook(tp, value, tb):
         failed.append(True)
         report_failure(value)
-        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary then shows this exception
-            try:
-                from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if path and not os.path.exists(path):  # torchrun's summary then shows this exception
+            import traceback
 
-                get_error_handler().record_exception(value)
-            except Exception:  # noqa: BLE001 - the summary is a courtesy
-                pass
+            text = "".join(traceback.format_exception(tp, value, tb))
+            with contextlib.suppress(Exception):
+                with open(path, "w") as f:
+                    json.dump({"message": {"message": f"{tp.__name__}: {value}",
+                                           "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}, f)
         previous(tp, value, tb)
 
     def at_exit() -> None:
@@ -235,8 +237,8 @@ def _install_hooks() -> None:
 def report_failure(exc: BaseException) -> None:
     """Tells the other ranks that this rank failed with `exc` (the first report in a job wins)."""
     w = _WATCH[0] if _WATCH else None
-    if w is None or isinstance(exc, RankError):
-        return
+    if w is None or isinstance(exc, RankError) or _communication_error(exc):
+        return  # a consequence of another rank's failure, not a cause
     text = f"{w.rank}\n{type(exc).__name__}: {exc}"
     try:
         w.store.compare_set("failed", "", text)

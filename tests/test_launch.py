@@ -12,6 +12,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 
 import shardfn as sf
 from shardfn import _watch
@@ -238,13 +239,38 @@ def test_torchrun_fails_fast_and_names_the_rank(mode, rc, names):
     assert took < 30, (took, out[-2000:])
 
 
+def _exits(how: str) -> int:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        if how == "exit0":
+            sys.exit(0)
+        if how == "exit":
+            sys.exit()
+        raise KeyboardInterrupt
+    t = torch.ones(1)
+    dist.all_reduce(t)  # rank 0 waits on rank 1
+    return dist.get_rank()
+
+
+@pytest.mark.parametrize("how", ["exit0", "exit", "interrupt"])
+def test_sys_exit_or_an_interrupt_in_a_rank_fails_fast(how):
+    t0 = time.time()
+    with pytest.raises(sf.RankError) as info:
+        sf.launch(_exits, how, nprocs=2)
+    assert info.value.rank == 1 and info.value.kind == "failed", info.value
+    assert ("sys.exit" in str(info.value)) == how.startswith("exit"), info.value
+    assert time.time() - t0 < 30
+
+
 def test_bad_launch_arguments_are_refused_before_anything_starts():
     with pytest.raises(ValueError, match="nprocs"):
         sf.launch(print, nprocs=0)
     with pytest.raises(ValueError, match="callable"):
         sf.launch("train", nprocs=2)
-    with pytest.raises(ValueError, match="timeout"):
-        sf.launch(print, nprocs=2, timeout=-1)
+    for bad in (-1, float("inf"), True):
+        with pytest.raises(ValueError, match="timeout"):
+            sf.launch(print, nprocs=2, timeout=bad)
     with pytest.raises(ValueError, match="cannot be sent"):
         sf.launch(lambda g: g, (x for x in range(3)), nprocs=2)  # a generator does not pickle
 
