@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["DonatedError", "adopt", "copy", "donate", "wrap"]
+__all__ = ["DonatedError", "adopt", "alias", "copy", "donate", "same_memory", "wrap"]
 
 
 class DonatedError(RuntimeError):
@@ -86,9 +86,30 @@ def wrap(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> DTensor
     return dt
 
 
-def adopt(dt: DTensor, local: torch.Tensor) -> None:
-    """Makes `dt` (a user's DTensor) hold `local` (a view into a flat buffer), and pickle."""
-    dt._local_tensor = local
+def alias(view: torch.Tensor) -> torch.Tensor:
+    """A tensor object of its own over `view`'s memory, to hand out: whatever a user does to it
+    (even `set_`), the owner's own view keeps pointing at its buffer."""
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(
+        view.untyped_storage(), view.storage_offset(), view.shape, view.stride()
+    )
+
+
+def same_memory(t: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether `t` holds exactly `view`'s memory."""
+    return (
+        t.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+        and t.storage_offset() == view.storage_offset()
+        and t.shape == view.shape
+        and t.stride() == view.stride()
+    )
+
+
+def adopt(dt: DTensor, view: torch.Tensor) -> None:
+    """Points `dt`'s local tensor (the same object: local tensors a user took with `to_local()`
+    follow) at `view`'s memory, a shard in a flat buffer; `dt` then pickles its values."""
+    local = dt._local_tensor
+    with torch.no_grad():
+        local.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
     dt.__reduce_ex__ = _Reduce(dt)
 
 

@@ -10,9 +10,12 @@ step does. A train step is this plus the optimizer update, so a step written by 
 `sf.optim` runs the same code.
 
 The engine computes on per-unit flat buffers (Note [flat unit layout] in `shardfn/_flat.py`). On
-the first call, the transform copies the tree's shards into its buffers and then hands the
-buffers to the tree's own DTensors: the tree is unchanged to the user (same objects, same values),
-and later calls with it copy nothing. An in-place optimizer step (`opt.update.step_(grads, state,
+the first call, the transform copies the tree's shards into its buffers and then points the
+tree's own local tensors at them (`set_`): the tree is unchanged to the user (same DTensors, same
+local tensor objects, same values), and later calls with it copy nothing. Views taken with
+`to_local()` before the first call still look at the tree's old memory: take them after it. Ownership is checked by
+memory, not by object: a tree whose memory another transform (or a train step) took over since is
+copied back in. An in-place optimizer step (`opt.update.step_(grads, state,
 params)`) keeps it so. A different tree (one that `sf.apply_updates` returned) is copied in and
 takes the buffers over, and the tree that held them before is donated: reading it raises
 `sf.DonatedError` (Note [donated state] in `shardfn/_donate.py`). The gradients returned are
@@ -43,7 +46,6 @@ class ValueAndGrad:
             raise ValueError(f"sf.value_and_grad(loss_fn): loss_fn must be callable, got {type(loss_fn).__name__}")
         self.loss_fn, self.has_aux, self.options = loss_fn, bool(has_aux), options
         self._step: TrainStep | None = None
-        self._locals: list[torch.Tensor] = []  # the step's flat-buffer shards, leaf by leaf
 
     def _loss(self, params: Any, batch: Any) -> Any:
         out = self.loss_fn(params, batch)
@@ -83,10 +85,12 @@ class ValueAndGrad:
         step = self._step
         if step is None or step.paths != paths or step.treespec != treespec:
             step = self._step = self._build(params, paths, leaves)
-        if all(x._local_tensor is own for x, own in zip(leaves, self._locals)):
+        views = step._flat_views
+        if all(_donate.same_memory(x._local_tensor, v) for x, v in zip(leaves, views)):
             step._dt_params = list(leaves)
             return step
-        for p, x, own in zip(paths, leaves, step._dt_params):
+        for p, x, v in zip(paths, leaves, views):
+            own = step._spec_of[p]
             if x.placements != own.placements or x.shape != own.shape:
                 raise ValueError(
                     f"leaf {p!r} is a DTensor {x.placements} {tuple(x.shape)}; this transform's tree has "
@@ -97,13 +101,13 @@ class ValueAndGrad:
             "tree's memory. Keep a tree with sf.copy(params)"
         )
         with torch.no_grad():
-            for x, before, local in zip(leaves, step._dt_params, self._locals):
-                if x._local_tensor is local:
+            for x, before, v in zip(leaves, step._dt_params, views):
+                if _donate.same_memory(x._local_tensor, v):
                     continue
-                local.copy_(x._local_tensor)  # a new tree, or one that another transform took over
-                if before is not x and before._local_tensor is local:
+                v.copy_(x._local_tensor)  # a new tree, or one that another transform took over
+                if before is not x and _donate.same_memory(before._local_tensor, v):
                     _donate.donate(before, message)
-                _donate.adopt(x, local)
+                _donate.adopt(x, v)
         step._dt_params = list(leaves)
         return step
 
@@ -119,9 +123,16 @@ class ValueAndGrad:
             apply=o["apply"], frozen=o["frozen"], accumulation=o["accumulation"],
         )
         step.init(params)  # copies the shards into the step's flat buffers
-        self._locals = [own._local_tensor for own in step._dt_params]
-        for x, local in zip(leaves, self._locals):
-            _donate.adopt(x, local)
+        for p, x, own in zip(paths, leaves, step._dt_params):
+            if x.placements != own.placements:
+                raise ValueError(
+                    f"strategy={o['strategy']!r} lays leaf {p!r} out as {own.placements}, but the tree has it as "
+                    f"{x.placements}: under 'no_shard' every leaf is whole on every rank, so pass a replicated tree "
+                    "(sf.shard(params, sf.specs(params, mesh, default=sf.P()), mesh))"
+                )
+        step._spec_of = {p: own for p, own in zip(paths, step._dt_params)}
+        for x, v in zip(leaves, step._flat_views):
+            _donate.adopt(x, v)
         step._dt_params = list(leaves)
         return step
 

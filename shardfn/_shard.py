@@ -118,7 +118,14 @@ def _reduce_to_placements(grad: torch.Tensor, mesh: DeviceMesh, placements, shap
     for d, p in enumerate(placements):
         if not isinstance(p, Replicate) or mesh.size(d) > 1:
             C.all_reduce(total, _mesh_dim_group(mesh, d))
-    return distribute_tensor(total, mesh, placements, src_data_rank=None).to_local()
+    # This rank's part, split as DTensor's Shard does (torch.chunk; trailing ranks may get less or
+    # nothing), by hand: distribute_tensor cannot run inside torch.func transforms.
+    for d, p in enumerate(placements):
+        if isinstance(p, Shard):
+            n, k = mesh.size(d), mesh.get_local_rank(d)
+            chunks = list(torch.chunk(total, n, dim=p.dim))
+            total = chunks[k] if k < len(chunks) else total.narrow(p.dim, 0, 0)
+    return total.contiguous()
 
 
 class _Gather(torch.autograd.Function):

@@ -246,14 +246,15 @@ class TrainStep:
                 units[u].fill(j, full)
 
             materialize(info, set(at), emit, buffer_device=device)
-        dt_params, dt_grads = [], []
+        dt_params, dt_grads, flat_views = [], [], []
         for i, (leaf, spec) in enumerate(zip(leaves, spec_list)):
             u, j = where[i]
             if i not in meta:
                 units[u].fill(j, leaf.full_tensor() if isinstance(leaf, DTensor) else leaf)
             local, grad, shape = units[u].shard(j)
             placements = placements_for(spec, self.mesh)
-            dt_params.append(self._dtensor(local, placements, shape))
+            flat_views.append(local)  # the step's own; users get aliases (Note [donated state])
+            dt_params.append(self._dtensor(_donate.alias(local), placements, shape))
             dt_grads.append(self._dtensor(grad, placements, shape) if grad is not None else None)
         if info is not None and self.mp.buffer_dtype is not None:
             _cast_buffers(info.module, self.mp.buffer_dtype)
@@ -283,6 +284,7 @@ class TrainStep:
         self.paths = paths
         self._units = units
         self._dt_params = dt_params
+        self._flat_views = flat_views
         self._trained = trained
         self._trained_where = [w for w, t in zip(where, trained) if t]  # the optimizer's leaves, in order
         self._trained_index = [i for i, t in enumerate(trained) if t]  # their positions in the tree
@@ -347,7 +349,9 @@ class TrainStep:
     def _adopt(self, params: Any) -> Any:
         """Makes `params` this step's own flat-buffer DTensors (copying values in if they are not)."""
         leaves = optree.tree_leaves(params)
-        if len(leaves) == len(self._dt_params) and all(a is b for a, b in zip(leaves, self._dt_params)):
+        if len(leaves) == len(self._dt_params) and all(
+            a is b and _donate.same_memory(a._local_tensor, v) for a, b, v in zip(leaves, self._dt_params, self._flat_views)
+        ):
             return params
         paths, leaves, _ = tree_flatten_with_paths(params)
         if paths != self.paths:
@@ -362,11 +366,16 @@ class TrainStep:
                 )
             if _donate.is_donated(leaf):
                 raise _donate.DonatedError(leaf._local_tensor._message)
-        # The step's buffers take these values: the state that held them before is donated.
-        self._dt_params = [_donate.donate(p, _replaced()) for p in self._dt_params]
+        # The step's buffers take these values (a copy, an unpickled state, or its own state that
+        # another transform took over): the state that held them before is donated.
         with torch.no_grad():
-            for dst, leaf in zip(self._dt_params, leaves):
-                dst._local_tensor.copy_(leaf._local_tensor)
+            for view, leaf in zip(self._flat_views, leaves):
+                if not _donate.same_memory(leaf._local_tensor, view):
+                    view.copy_(leaf._local_tensor)
+        for p, view in zip(self._dt_params, self._flat_views):
+            if _donate.same_memory(p._local_tensor, view):
+                _donate.donate(p, _replaced())
+        self._dt_params = [_donate.wrap(_donate.alias(v), p._spec) for p, v in zip(self._dt_params, self._flat_views)]
         return optree.tree_unflatten(self.treespec, self._dt_params)
 
     def _donate(self, state: TrainState, opt_state: Any) -> tuple[Any, Any]:
@@ -428,7 +437,7 @@ class TrainStep:
         engine = self.engine
         self._buffers.mark()
         try:
-            with _runtime.activate(engine):
+            with _runtime.activate(engine), torch.enable_grad():
                 for m, micro in enumerate(_split_batch(batch, k)):
                     last = m == k - 1
                     engine.begin(accumulate=m > 0 and not local, reduce=last or not local)
@@ -455,6 +464,7 @@ class TrainStep:
         grad_norm = stats[1].sqrt()
         # Read back (a host sync on GPUs) only where this rank saw a leaf without a gradient.
         skip = [i for i, n in enumerate(stats[2:].tolist()) if n == 0] if not all(had) else []
+        aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux, none_is_leaf=True)
         return loss_mean, grad_norm, skip, aux
 
     def _optimize(self, params: Any, opt_state: Any, skip: list[int]) -> Any:

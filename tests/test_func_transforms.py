@@ -61,6 +61,29 @@ def rank_transforms() -> dict:
     return out
 
 
+def rank_other_layouts() -> float:
+    from torch.func import grad
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = sf.mesh(dp=-1)
+    full = {"a": torch.randn(5, 7, generator=torch.Generator().manual_seed(0)), "s": torch.tensor(1.5),
+            "b": torch.randn(3, 5, generator=torch.Generator().manual_seed(1))}
+    tree = sf.shard(full, {"a": sf.P(None, "dp"), "s": sf.P(), "b": sf.P()}, mesh)
+
+    def f(p, x):
+        return (p["s"] * torch.tanh(x @ p["a"].T) @ p["b"].T).pow(2).sum()
+
+    g = grad(lambda p: f(sf.gather(p), _x(rank)))(tree)
+    ref = [sum(t) for t in zip(*[optree.tree_leaves(grad(f)(full, _x(r))) for r in range(world)])]
+    return max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(g), ref))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_grad_through_gather_of_replicated_and_other_dim_leaves(pools, world):
+    errs = pools(world).run(rank_other_layouts)
+    assert max(errs) < 1e-5, errs
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_grad_and_vjp_through_gather_are_sharded_and_exact(pools, world):
     for rank, out in enumerate(pools(world).run(rank_transforms)):

@@ -134,3 +134,65 @@ def test_value_and_grad_refuses_full_tensors():
         fn({"w": torch.ones(3)}, None)
     with pytest.raises(ValueError, match="callable"):
         sf.value_and_grad("loss")
+
+
+def rank_ownership() -> dict:
+    """Trees shared between a train step and a transform, and local tensors a user holds."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = sf.mesh(dp=-1)
+    out = {}
+    # A train step whose state's params a transform reads in between keeps training exactly.
+    runs = []
+    for peek in (False, True):
+        apply, params = sf.functionalize(make_model("mlp"), units=units_of("mlp"))
+        step = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), mesh, apply=apply)
+        state, losses = step.init(params), []
+        for i in range(3):
+            batch = local_batch(global_batch("mlp", i, world), rank, world)
+            if peek and i == 1:
+                sf.value_and_grad(make_loss_fn("mlp", apply), apply=apply)(state.params, batch)
+            state, m = step(state, batch)
+            losses.append(float(m["loss"]))
+        runs.append((losses, [sf.gather(x) for x in optree.tree_leaves(state.params)]))
+    out["peek_losses"] = runs[0][0] == runs[1][0]
+    out["peek_params"] = all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    # In-place writes through local tensors (taken after the first call) are seen.
+    apply, params = sf.functionalize(make_model("mlp"), units=units_of("mlp"))
+    tree = sf.shard(params, sf.specs(params, mesh), mesh)
+    loss_fn = make_loss_fn("mlp", apply)
+    vg = sf.value_and_grad(loss_fn, apply=apply)
+    batch = local_batch(global_batch("mlp", 0, world), rank, world)
+    vg(tree, batch)
+    held = [x.to_local() for x in optree.tree_leaves(tree)]
+    with torch.no_grad():
+        for t in held:
+            t.mul_(0.5)  # through the held local tensors
+    with torch.no_grad():  # grad mode is the transform's business
+        loss, grads = vg(tree, batch)
+    ref_model = make_model("mlp")
+    with torch.no_grad():
+        for p in ref_model.parameters():
+            p.mul_(0.5)
+    x, y = global_batch("mlp", 0, world)
+    loss_of("mlp", ref_model(x), y).backward()
+    ref = [p.grad for p in ref_model.parameters()]
+    grads = sf.to_state_dict(sf.gather(grads))
+    grads = [grads[n] for n, _ in ref_model.named_parameters()]
+    out["held"] = max(rel_err(a, b) for a, b in zip(grads, ref))
+    # Under no_shard a sharded tree is refused before anything changes.
+    full = sf.gather(tree)
+    tree2 = sf.shard(full, sf.specs(full, mesh), mesh)
+    try:
+        sf.value_and_grad(loss_fn, strategy="no_shard", apply=apply)(tree2, batch)
+        out["no_shard"] = "ran"
+    except ValueError as e:
+        out["no_shard"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ownership_is_checked_by_memory(pools, world):
+    for rank, out in enumerate(pools(world).run(rank_ownership)):
+        assert out["peek_losses"] and out["peek_params"], (rank, out)
+        assert out["held"] < 1e-5, (rank, out)
+        assert "replicated tree" in out["no_shard"], out["no_shard"]
