@@ -11,16 +11,24 @@ given it, whatever the construction does: `reset_parameters`, `_init_weights`, `
 `nn.init.*` anywhere in `__init__`, `.data.normal_()`, random draws that are not parameters,
 `.to(torch.bfloat16)` inside the block, ties.
 
-Recording (`_Recorder`, a `TorchDispatchMode`, under `torch.device("meta")`): each ATen operation
-that touches a meta tensor is stored with its arguments, tensors replaced by references to their
-storage (a storage index plus size, stride, offset and dtype, so views, `.data` and ties alias as
-they did) and real tensors by a copy of their values (constants). Which arguments an operation
-writes comes from its schema; random operations are those tagged `nondeterministic_seeded`. What
-cannot be replayed exactly is refused while recording: reading a tensor's value into Python
-(`.item()`, `if t.any()`: the construction would depend on values the meta device does not have),
-an explicit `generator=`, a random draw on a real device (its values would exist now, out of
-order), `resize_` of a recorded storage. `torch.tensor(data)` and friends are created on the CPU
-and moved to meta, so their values are recorded.
+Recording: inside the block, tensors are fake CPU tensors (`FakeTensorMode`: metadata, no memory,
+nothing drawn), not meta tensors, because construction code branches on the device
+(`nn.init.orthogonal_` and others return early on a meta tensor, some libraries skip init there):
+the construction must run exactly the Python an eager build runs. A `TorchDispatchMode` above it
+(`_Recorder`) stores each ATen operation with its arguments, tensors replaced by references to
+their storage (a storage index plus size, stride, offset and dtype, so views, `.data` and ties
+alias as they did) and real tensors (`torch.tensor(data)`, tensors from outside) by a copy of their
+values (constants). Which arguments an operation writes comes from its schema; random operations
+are those tagged `nondeterministic_seeded`. What cannot be replayed exactly is refused while
+recording: reading a tensor's value into Python (`.item()`, `if t.any()`), reading or setting the
+generator's state (`torch.manual_seed`, `get_rng_state`, `set_rng_state`, `fork_rng`: patched to
+raise inside the block; a generator state that changed anyway is refused at replay), an explicit
+`generator=`, a tensor on a device other than the CPU, `resize_`. At the end of the block the fake
+parameters, buffers and tensor attributes of the modules built in it become meta tensors that alias
+as the fake ones did; their storages map to the recording's, and their version counters are noted.
+(`module.to(dtype)` swaps fake parameters with `torch.utils.swap_tensors`, which refuses tensors
+that the fake mode's conversion memo references weakly; inside the block that memo entry is dropped
+first.)
 
 Replay (`materialize`) runs the recording on the CPU from the recorded generator state, on every
 rank (the state is rank 0's), and first decides, before computing anything, what to run:
