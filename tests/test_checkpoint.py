@@ -264,6 +264,7 @@ def rank_options(d: str) -> dict:
     sf.save(state, f"{d}/one")
     out["exists"] = raises(sf.save, state, f"{d}/one")
     out["per_rank_extras"] = raises(sf.save, state, f"{d}/two", extras={"rank": rank})
+    out["per_rank_plain"] = raises(sf.save, {"w": torch.full((3,), float(rank))}, f"{d}/two")  # saved from rank 0 only
     out["bad_extras"] = raises(sf.save, state, f"{d}/two", extras={"f": lambda: 0})
     out["folder"] = raises(sf.load, d, like=state)
     pending = DTensor.from_local(torch.ones(3), sf.mesh(dp=-1), [Partial()])  # a sum not yet reduced
@@ -346,6 +347,7 @@ def test_options_and_mistakes(pools, tmp_path):
     for out in res:
         assert "ValueError" in out["exists"] and "never overwritten" in out["exists"], out["exists"]
         assert "ValueError" in out["per_rank_extras"] and "differ from rank 0" in out["per_rank_extras"], out["per_rank_extras"]
+        assert "ValueError" in out["per_rank_plain"] and "plain (non-DTensor) tensors" in out["per_rank_plain"], out["per_rank_plain"]
         assert "ValueError" in out["bad_extras"] and "function" in out["bad_extras"], out["bad_extras"]
         assert "NotImplementedError" in out["partial_placement"] and "'g'" in out["partial_placement"], out["partial_placement"]
         assert "folder of checkpoints" in out["folder"] and "one" in out["folder"], out["folder"]
