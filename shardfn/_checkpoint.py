@@ -36,11 +36,13 @@ world size needs).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -363,6 +365,18 @@ def _settle() -> None:
     while _in_flight:
         handle = _in_flight.pop()
         handle.wait()
+
+
+def _settle_at_exit() -> None:
+    """At interpreter exit: an asynchronous save nobody waited for is finished, not lost (its
+    daemon thread would be killed mid-write); a failure is printed, as nobody can catch it."""
+    try:
+        _settle()
+    except RuntimeError as e:
+        print(f"shardfn: {e}: {e.__cause__!r}", file=sys.stderr)
+
+
+atexit.register(_settle_at_exit)  # registered after torch's own: runs before them (last in, first out)
 
 
 def save(
