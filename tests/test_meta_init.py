@@ -102,6 +102,15 @@ def test_equal_to_eager_build(pools, world):
         assert all(v for k, v in r.items() if k[1] == "buffers")
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """The in-process checks below make a one-process group; later test modules expect none."""
+    was = dist.is_initialized()
+    yield
+    if not was and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _init(model: nn.Module) -> None:
     _, params = sf.functionalize(model)
     mesh = sf.mesh(dp=-1)
