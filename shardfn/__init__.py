@@ -16,6 +16,7 @@ from ._grad import grad, value_and_grad
 from ._functional import Apply, from_state_dict, functionalize, to_state_dict
 from ._param import Param
 from ._mesh import mesh
+from ._meta_init import meta_device
 from ._shard import gather, shard
 from ._spec import P, specs
 from ._train import MixedPrecision, TrainState, TrainStep, train_step
@@ -51,6 +52,7 @@ __all__ = [
     "load",
     "load_extras",
     "mesh",
+    "meta_device",
     "optim",
     "save",
     "shard",

@@ -36,11 +36,13 @@ world size needs).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -365,6 +367,18 @@ def _settle() -> None:
         handle.wait()
 
 
+def _settle_at_exit() -> None:
+    """At interpreter exit: an asynchronous save nobody waited for is finished, not lost (its
+    daemon thread would be killed mid-write); a failure is printed, as nobody can catch it."""
+    try:
+        _settle()
+    except RuntimeError as e:
+        print(f"shardfn: {e}: {e.__cause__!r}", file=sys.stderr)
+
+
+atexit.register(_settle_at_exit)  # registered after torch's own: runs before them (last in, first out)
+
+
 def save(
     state: Any,
     path: str | os.PathLike,
@@ -416,7 +430,9 @@ def save(
     if extras is not None and not isinstance(extras, dict):
         raise ValueError(f"extras must be a dict, got {type(extras).__name__}")
     h = hashlib.sha256()
-    _digest([final, keys, described, values, extras], h)
+    # A plain (non-DTensor) tensor is saved from rank 0: its values must be every rank's.
+    plain = {k: t for k, t in tensors.items() if not isinstance(t, DTensor)}
+    _digest([final, keys, described, values, extras, plain], h)
 
     # Step 1: every rank agrees on the tree, the extras and the path; rank 0 on whether it is free.
     taken = None
@@ -434,9 +450,10 @@ def save(
         raise ValueError(views[0][1])
     if len({v[0] for v in views}) > 1:
         raise ValueError(
-            "sf.save was called with a different path, state tree, plain values or extras on different ranks "
+            "sf.save was called with a different path, state tree, plain values, plain (non-DTensor) tensors or extras on different ranks "
             f"(ranks {[r for r, v in enumerate(views) if v[0] != views[0][0]]} differ from rank 0): every rank "
-            "must save the same checkpoint. Extras must be the same on every rank: for per-rank values, "
+            "must save the same checkpoint (a plain tensor is saved once, from rank 0: make it a DTensor or the same "
+            "on every rank). Extras must be the same on every rank: for per-rank values, "
             "gather them (e.g. dist.all_gather_object) into one list first"
         )
     parent, name = os.path.split(final)

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _watch
 from ._checkpoint import LoadReport
-from ._functional import _params_of, _persistent_buffers, model_of
+from ._functional import _params_of, _persistent_buffers, find_apply, model_of
 from ._tree import tree_flatten_with_paths
 
 __all__ = ["export", "import_state_dict"]
@@ -340,6 +340,14 @@ def import_state_dict(
     buffers = (dict(info.module.named_buffers(remove_duplicate=False)) if info is not None else {})
     persistent = set(_persistent_buffers(info)) if info is not None else set()
     have = set(src.keys())
+    if apply is None and info is not None and have & set(buffers):
+        several = find_apply(paths, leaves)
+        if len(several) > 1:  # buffers are written into one module: equal buffers do not make them the same
+            kinds = ", ".join(type(i.module).__name__ for i in several)
+            raise ValueError(
+                f"{len(several)} functionalized models have exactly the parameter names of like ({kinds}) and the "
+                "source has buffers, which are written into one of them: say which with apply=apply; nothing was read"
+            )
     found: dict[str, str] = {}
     missing = []
     for p in paths:
@@ -364,6 +372,18 @@ def import_state_dict(
             differ.append(f"{b}: source {src.shape(b)}, buffer {tuple(buffers[b].shape)}")
     if differ:
         raise ValueError(f"{len(differ)} entries differ in shape between the source and like: {differ[:6]}; nothing was read")
+    for p in paths:  # a tied parameter given different values under two of its names cannot be both
+        given = [n for n in names[p] if n in have]
+        if len(given) > 1:
+            first = src.read(given[0], None)
+            for n in given[1:]:
+                other = src.read(n, None)
+                if other.shape != first.shape or not torch.equal(other.to(first.dtype), first):
+                    raise ValueError(
+                        f"the source gives {given[0]!r} and {n!r} different values, but they are one tied parameter "
+                        "of the model: untie them in the model (or drop one name from the source); nothing was read"
+                    )
+            del first
     if strict and (missing or unexpected):
         raise ValueError(
             f"the source and like have different entries: missing from the source: {missing[:8]}"

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _runtime, _watch
-from ._meta_init import record_rng
+from ._meta_init import capture
 from ._tree import nest, tree_flatten_with_paths
 
 __all__ = ["functionalize", "Apply", "to_state_dict", "from_state_dict", "find_apply", "model_of"]
@@ -42,7 +42,7 @@ class ModelInfo:
     unit_of: dict[str, int]  # canonical path -> unit index, -1 for the root unit
     buffer_paths: list[str] = field(default_factory=list)
     returned: dict[str, weakref.ref] = field(default_factory=dict)  # path -> the leaf functionalize returned
-    init_rng: torch.Tensor | None = None  # a meta-device module: the CPU generator state to init from
+    meta_init: Any = None  # a meta-device module: its recorded construction (`_meta_init.Capture`)
 
     def returned_tree(self, paths: Sequence[str], leaves: Sequence[Any]) -> bool:
         """Whether these leaves are the very tensors `functionalize` returned for this model."""
@@ -269,7 +269,7 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
         unit_names=unit_names,
         unit_of=unit_of,
         buffer_paths=[n for n, _ in module.named_buffers()],
-        init_rng=record_rng(module),
+        meta_init=capture(module, tensors),
     )
 
     detached = {path: t.detach() for path, t in tensors.items()}

@@ -192,6 +192,9 @@ def _rank_main(payload: bytes, errdir: str, threads: int, timeout: float | None)
         fn, args, kwargs = cloudpickle.loads(payload)
         open(os.path.join(errdir, f"{rank}.started"), "w").close()
         out = fn(*args, **kwargs)
+        from ._checkpoint import _settle
+
+        _settle()  # an asynchronous save still in flight is finished (and its failure is this rank's)
         blob = _dumps(out, f"rank {rank}'s result")
     except BaseException as e:
         if isinstance(e, (SystemExit, KeyboardInterrupt)):

@@ -1,115 +1,420 @@
-"""Big-model init: the parameters of a module built on the meta device, made real unit by unit.
+"""Big-model init: a module built under `sf.meta_device()`, its recorded construction replayed unit by unit.
 
 Note [meta init]
 ----------------
-`with torch.device("meta"): model = Model(cfg)` builds the module without memory and without
-drawing a random number. `step.init(params)` and `sf.shard(params, specs, mesh, init=model)` then
-give every parameter the value an eager build (`torch.manual_seed(s); Model(cfg)` on the CPU, in
-one process) would have given it, holding only this rank's shards plus one module's parameters.
+`with sf.meta_device(): model = Model(cfg)` builds the module on the meta device (no memory, no
+random numbers drawn) while recording every tensor operation the construction runs, in order.
+`step.init(params)` and `sf.shard(params, specs, mesh, init=model)` replay that recording and give
+every parameter and buffer exactly the value an eager build (`torch.manual_seed(s); Model(cfg)` on
+the CPU, in one process, with the generator in the state it had when the block began) would have
+given it, whatever the construction does: `reset_parameters`, `_init_weights`, `self.apply(fn)`,
+`nn.init.*` anywhere in `__init__`, `.data.normal_()`, random draws that are not parameters,
+`.to(torch.bfloat16)` inside the block, ties.
 
-The values of an eager build come from the initializers it ran, in the order it ran them, on the
-global CPU random generator. What can be replayed is what the module exposes:
+Recording: inside the block, tensors are fake CPU tensors (`FakeTensorMode`: metadata, no memory,
+nothing drawn), not meta tensors, because construction code branches on the device
+(`nn.init.orthogonal_` and others return early on a meta tensor, some libraries skip init there):
+the construction must run exactly the Python an eager build runs. A `TorchDispatchMode` above it
+(`_Recorder`) stores each ATen operation with its arguments, tensors replaced by references to
+their storage (a storage index plus size, stride, offset and dtype, so views, `.data` and ties
+alias as they did) and real tensors (`torch.tensor(data)`, tensors from outside) by a copy of their
+values (constants). Which arguments an operation writes comes from its schema; random operations
+are those tagged `nondeterministic_seeded`. What cannot be replayed exactly is refused while
+recording: reading a tensor's value into Python (`.item()`, `if t.any()`), reading or setting the
+generator's state (`torch.manual_seed`, `get_rng_state`, `set_rng_state`, `fork_rng`: patched to
+raise inside the block; a generator state that changed anyway is refused at replay), an explicit
+`generator=`, a tensor on a device other than the CPU, `resize_`. At the end of the block the fake
+parameters, buffers and tensor attributes of the modules built in it become meta tensors that alias
+as the fake ones did; their storages map to the recording's, and their version counters are noted.
+(`module.to(dtype)` swaps fake parameters with `torch.utils.swap_tensors`, which refuses tensors
+that the fake mode's conversion memo references weakly; inside the block that memo entry is dropped
+first.)
 
-1. Construction: every submodule that owns parameters or buffers and has `reset_parameters()`
-   (every torch layer calls it at the end of its `__init__`) is initialized by it, children
-   before parents (`__init__` builds children first), siblings in registration order, which is
-   construction order for ordinary code (`self.a = A(); self.b = B()`).
-2. Hugging Face models (`transformers.PreTrainedModel`, each nested one included) then run their
-   `post_init()` as at the end of their own `__init__`: `_init_weights` over their submodules,
-   children first, skipping modules an inner model already initialized (`initialize_weights`'
-   `smart_apply`).
+Replay (`materialize`) runs the recording on the CPU from the recorded generator state, on every
+rank (the state is rank 0's), and first decides, before computing anything, what to run:
 
-Every rank replays this whole sequence from the same generator state (the CPU generator's state
-when `functionalize` saw the meta module, taken from rank 0), one module at a time: the module's
-own parameters get fresh full CPU tensors, its initializer runs, and a parameter's value is kept
-(its shard copied out, the full tensor dropped) at the last step that initializes it. Earlier
-steps run on scratch tensors: only their draws from the generator matter, which depend on sizes
-and not on values. A name tied to an earlier one (`lm_head.weight` to the embedding) gets scratch
-tensors too: eager code ties after construction, so the head's own initializers drew numbers for
-a tensor that was then replaced. Memory: this rank's shards plus one module's full parameters;
-time: every rank draws the whole model's random numbers.
+* backwards from the end, the storages whose values matter are the wanted parameters and the
+  buffers; an operation that writes one of them runs, and what it reads then matters; an
+  operation that writes all of a storage without reading it (`normal_`, `uniform_`, `fill_`,
+  `zero_`, `copy_`, a new output) ends the storage's earlier history: earlier writes do not
+  matter.
+* a random operation whose result does not matter still runs, on a scratch tensor with the same
+  size, stride and dtype, so the generator advances exactly as in the eager build (the number of
+  draws depends on those, not on values); its cost is time and the size of that one tensor.
+* an operation that neither matters nor draws is skipped, as are views (a reference already says
+  where a view's values are).
+* refused: a value that comes from before the recording (a meta tensor made outside the block)
+  or from `torch.empty` memory nothing sets (in an eager build, garbage).
 
-So the values equal an eager build's exactly, at any world size, for modules that follow these
-conventions. What cannot be replayed is refused rather than guessed: a parameter or buffer that
-no step initializes (a module without `reset_parameters`, e.g. an `nn.Parameter(torch.randn(..))`
-or a buffer computed in `__init__`; a model that re-initializes itself with its own
-`self.apply(fn)`), and a final step that leaves some values unset (they would need an earlier
-step's values). Numbers drawn in an `__init__` outside `reset_parameters` (Hugging Face GPT-2's
-`Conv1D`) are drawn eagerly but cannot be replayed: values then differ from an eager build.
-Buffers are materialized on the mesh's device and stay the module's (replicated, as eager).
+A storage is allocated at its first operation that runs and freed after its last; a parameter's
+value is handed on (its shard kept) then. An operation without side effects that reads storages
+(a cast) is moved to right after the last write of what it reads, so `.to(torch.bfloat16)` at the
+end of `__init__` does not keep every fp32 parameter alive until then. Memory: this rank's shards
+plus the tensors whose operations are running, for ordinary models one module's parameters.
+Time: every rank draws the whole model's random numbers.
+
+A module built under plain `torch.device("meta")` has no recording: initializing it is refused
+(`ValueError`), because which initializers its construction ran cannot be known (custom init in
+`__init__`, `self.apply`, draws that are not parameters all leave no trace on the meta device).
+Changes made after the block are not recorded: a parameter replaced by a new tensor (`.to()`
+outside the block) is refused as not recorded, and one changed in place through its own object
+(`nn.init.*`, `copy_`, `load_state_dict`) is refused by its version counter; changes through
+`.data` after the block cannot be seen, so the docs say to do everything inside the block.
 """
 
 from __future__ import annotations
 
-import sys
-from typing import Any, Callable
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _watch
 
-__all__ = ["materialize", "has_meta", "record_rng"]
+__all__ = ["meta_device", "materialize", "has_meta", "capture"]
+
+aten = torch.ops.aten
+
+# Operations that write all of their first argument without reading it (Note [meta init]).
+_OVERWRITE = {
+    "fill_", "zero_", "normal_", "uniform_", "copy_", "random_", "bernoulli_", "exponential_",
+    "geometric_", "cauchy_", "log_normal_",
+}
+_UNINITIALIZED = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+                  aten.new_empty.default, aten.new_empty_strided.default}
+_READS_VALUE = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
+_METADATA_ONLY = {aten.set_.source_Tensor, aten.set_.source_Storage, aten.set_.source_Storage_storage_offset}
 
 
 def has_meta(leaves: list[Any]) -> bool:
     return any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves)
 
 
-def record_rng(module: nn.Module) -> torch.Tensor | None:
-    """The CPU generator's state, when `module` has meta parameters (their init replays from it)."""
-    if any(p.is_meta for p in module.parameters()):
-        return torch.random.get_rng_state()
-    return None
+@dataclass(frozen=True)
+class _Ref:
+    """A recorded tensor: which storage, and the view of it."""
+
+    s: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
 
 
-def _pretrained_class() -> type | None:
-    tf = sys.modules.get("transformers")
-    return getattr(tf, "PreTrainedModel", None) if tf is not None else None
+@dataclass(frozen=True)
+class _Const:
+    value: torch.Tensor
 
 
-def _owns(m: nn.Module) -> bool:
-    return any(p is not None for p in m._parameters.values()) or any(b is not None for b in m._buffers.values())
+@dataclass
+class _Op:
+    func: Any
+    args: Any  # pytree with _Ref / _Const in place of tensors
+    kwargs: Any
+    outs: list[_Ref | None]  # the flat outputs' references
+    reads: set[int]
+    writes: set[int]  # written storages, new outputs included
+    full: set[int]  # written storages whose every byte this operation sets without reading them
+    random: bool
+    dtype: torch.dtype  # the default dtype when it ran
 
 
-def _steps(root: nn.Module) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:
-    """(module, initializer) in the order an eager build runs them (Note [meta init])."""
-    hf = _pretrained_class()
-    steps: list[tuple[nn.Module, Callable]] = []
+@dataclass(eq=False)
+class _Record:
+    """One `sf.meta_device()` block: its operations, storages and generator state."""
+
+    rng: torch.Tensor
+    ops: list[_Op] = field(default_factory=list)
+    index: dict[int, int] = field(default_factory=dict)  # storage cdata -> storage index
+    storages: list[Any] = field(default_factory=list)  # kept alive: their addresses stay unique
+    created: set[int] = field(default_factory=set)  # storages an operation of the block created
+    versions: dict[int, tuple[Any, int]] = field(default_factory=dict)  # id(param/buffer) -> (weakref, version at exit)
+    alias: list[Any] = field(default_factory=list)  # the meta storages standing for fake ones after the block
+    open: bool = True
+    problem: str | None = None  # why this recording cannot be replayed
+
+    def ref(self, t: torch.Tensor) -> _Ref:
+        st = t.untyped_storage()
+        key = st._cdata
+        s = self.index.get(key)
+        if s is None:
+            s = self.index[key] = len(self.storages)
+            self.storages.append(st)
+        return _Ref(s, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+    def known(self, t: torch.Tensor) -> _Ref | None:
+        s = self.index.get(t.untyped_storage()._cdata)
+        if s is None or s not in self.created:
+            return None
+        return _Ref(s, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+
+_state = threading.local()
+
+
+def _active() -> _Record | None:
+    return getattr(_state, "record", None)
+
+
+def _covers(r: _Ref, nbytes: int) -> bool:
+    """Whether the view `r` is every byte of its storage, each once."""
+    numel = 1
+    for n in r.size:
+        numel *= n
+    if r.offset != 0 or numel * r.dtype.itemsize != nbytes:
+        return False
+    expected = 1
+    for n, st in sorted(((n, st) for n, st in zip(r.size, r.stride) if n != 1), key=lambda x: x[1]):
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _refuse(what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"sf.meta_device() cannot record this construction exactly: {what}. Build the module eagerly, or move "
+        "this out of the module's construction (Note [meta init] in shardfn/_meta_init.py)"
+    )
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every operation on meta tensors into a `_Record` (Note [meta init])."""
+
+    def __init__(self, record: _Record):
+        super().__init__()
+        self.record = record
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rec = self.record
+        flat_in = pytree.tree_leaves((args, kwargs))
+        meta_in = any(isinstance(x, FakeTensor) or (isinstance(x, torch.Tensor) and x.is_meta) for x in flat_in)
+        if func in _READS_VALUE and meta_in:
+            raise _refuse(f"{func} reads a tensor's value into Python (a meta tensor has none; an eager build "
+                          "would branch on it)")
+        if kwargs.get("generator") is not None:
+            raise _refuse(f"{func} draws from an explicit generator= (only the default CPU generator is replayed)")
+        random = torch.Tag.nondeterministic_seeded in func.tags
+        if func in (aten.resize_.default, aten.resize_as_.default) and meta_in:
+            raise _refuse(f"{func} changes a recorded storage's size")
+        # Which arguments the schema says this operation writes (before running it: refs are
+        # taken of the inputs as they are now).
+        written: list[tuple[torch.Tensor, bool]] = []  # (tensor, overwritten whole without being read)
+        name = func._schema.name.split("::")[-1]
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+            for t in pytree.tree_leaves(v):
+                if isinstance(t, torch.Tensor):
+                    written.append((t, (i == 0 and name in _OVERWRITE) or a.name == "out"))
+        written_ids = {id(t) for t, _ in written if _}
+        out = func(*args, **kwargs)
+        flat_out = pytree.tree_leaves(out)
+        if func in _METADATA_ONLY or not any(isinstance(x, torch.Tensor) for x in flat_out) and not random:
+            return out
+        for x in flat_out:
+            if isinstance(x, torch.Tensor) and (not isinstance(x, FakeTensor) or x.device.type != "cpu"):
+                raise _refuse(f"{func} makes a tensor on {x.device} (only CPU tensors are recorded and replayed: "
+                              "build on the default device)")
+        reads: set[int] = set()
+
+        def template(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            if not isinstance(x, FakeTensor) and not x.is_meta:
+                return _Const(x.detach().clone())
+            r = rec.ref(x)
+            if id(x) not in written_ids:
+                reads.add(r.s)
+            return r
+
+        targs, tkwargs = pytree.tree_map(template, (args, kwargs))
+        writes: set[int] = set()
+        full: set[int] = set()
+        for t, whole in written:
+            if isinstance(t, FakeTensor) or t.is_meta:
+                r = rec.ref(t)
+                writes.add(r.s)
+                if whole and _covers(r, rec.storages[r.s].nbytes()):
+                    full.add(r.s)
+        outs: list[_Ref | None] = []
+        for x in flat_out:
+            if not isinstance(x, torch.Tensor):
+                outs.append(None)
+                continue
+            new = x.untyped_storage()._cdata not in rec.index
+            r = rec.ref(x)
+            if new:
+                rec.created.add(r.s)
+                writes.add(r.s)
+                full.add(r.s)
+            outs.append(r)
+        if not writes and not random:
+            return out  # a view (or a query): references already say where its values are
+        rec.ops.append(_Op(func, targs, tkwargs, outs, reads, writes, full, random, torch.get_default_dtype()))
+        return out
+
+
+@contextlib.contextmanager
+def meta_device() -> Iterator[None]:
+    """Builds modules on the meta device, recording their construction so it can be replayed exactly.
+
+    Inside the block, tensors are created on the meta device (no memory, nothing drawn) and every
+    operation on them is recorded. `step.init(params)` and `sf.shard(params, specs, mesh,
+    init=model)` then replay the recording unit by unit and give the parameters and buffers
+    exactly the values an eager build of the same code would give, on the CPU, with the CPU
+    generator in the state it had when the block began, at any world size (rank 0's state is
+    used on every rank). Do every change to the module (casts, custom init, ties) inside the
+    block. Constructions that cannot be replayed exactly are refused with `NotImplementedError`
+    (Note [meta init] in `shardfn/_meta_init.py`).
+
+    Example:
+        >>> torch.manual_seed(0)
+        >>> with sf.meta_device():
+        ...     model = Model(cfg)
+        >>> apply, params = sf.functionalize(model, units=r"blocks\\.\\d+")
+        >>> state = step.init(params)  # the values of torch.manual_seed(0); Model(cfg)
+    """
+    if _active() is not None:
+        raise ValueError("sf.meta_device() blocks do not nest: build everything in one block")
+    rec = _Record(rng=torch.random.get_rng_state())
+    tagged: list[tuple[Any, str]] = []
+
+    def tag(module: nn.Module, name: str, value: Any) -> None:
+        module.__dict__["_shardfn_meta_record"] = rec
+        tagged.append((weakref.ref(module), name))
+
+    def rng_refused(*args: Any, **kwargs: Any) -> Any:
+        raise _refuse("the construction reads or sets the random generator's state (manual_seed, get_rng_state, "
+                      "set_rng_state, fork_rng): only draws are recorded")
+
+    from torch.nn.modules import module as _m
+
+    hooks = [
+        _m.register_module_parameter_registration_hook(tag),
+        _m.register_module_buffer_registration_hook(tag),
+        _m.register_module_module_registration_hook(tag),
+    ]
+    fake = FakeTensorMode(allow_non_fake_inputs=True)  # before patching: it imports torch._dynamo
+    patched = [(mod, name, getattr(mod, name)) for mod in (torch, torch.random)
+               for name in ("manual_seed", "seed", "get_rng_state", "set_rng_state")]
+    for mod, name, _ in patched:
+        setattr(mod, name, rng_refused)
+    swap = torch.utils.swap_tensors
+
+    def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        # `module.to(dtype)` swaps fake parameters; the fake mode's converter memo holds weak
+        # references to them, which swap_tensors refuses. The memo only caches conversions.
+        memo = fake.fake_tensor_converter.meta_converter.tensor_memo
+        for k, v in list(memo.items()):
+            if v is t1 or v is t2:
+                del memo[k]
+        swap(t1, t2)
+
+    torch.utils.swap_tensors = swap_tensors
+    patched.append((torch.utils, "swap_tensors", swap))
+    _state.record = rec
+    try:
+        with fake, _Recorder(rec):
+            yield
+    finally:
+        _state.record = None
+        rec.open = False
+        for mod, name, fn in patched:
+            setattr(mod, name, fn)
+        for h in hooks:
+            h.remove()
+        if not torch.equal(torch.random.get_rng_state(), rec.rng):
+            rec.problem = "the CPU generator's state changed inside the block (a real draw or a seed outside torch's operations)"
+        _to_meta(rec, [(m, name) for mref, name in tagged if (m := mref()) is not None])
+
+
+def _to_meta(rec: _Record, tagged: list[tuple[nn.Module, str]]) -> None:
+    """Replaces the block's fake tensors in its modules by meta tensors that alias as they did."""
+    storages: dict[int, Any] = {}
+    made: dict[int, torch.Tensor] = {}
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in made:
+            return made[id(t)]
+        r = rec.ref(t)
+        if r.s not in storages:
+            storages[r.s] = torch.empty(rec.storages[r.s].nbytes(), dtype=torch.uint8, device="meta").untyped_storage()
+            rec.index[storages[r.s]._cdata] = r.s
+            rec.alias.append(storages[r.s])
+        m = torch.empty(0, dtype=r.dtype, device="meta").set_(storages[r.s], r.offset, r.size, r.stride)
+        if isinstance(t, nn.Parameter):
+            m = nn.Parameter(m, requires_grad=t.requires_grad)
+        made[id(t)] = m
+        return m
+
     seen: set[int] = set()
-    hf_done: set[int] = set()
-
-    def reset(m: nn.Module) -> None:
-        m.reset_parameters()
-
-    def post_init(model: nn.Module) -> None:  # smart_apply(model._initialize_weights), children first
-        def visit(m: nn.Module, owner: nn.Module) -> None:
-            for child in m.children():
-                visit(child, child if isinstance(child, hf) else owner)
-            if id(m) not in hf_done:
-                hf_done.add(id(m))
-                steps.append((m, owner._init_weights))
-
-        visit(model, model)
-
-    def build(m: nn.Module) -> None:
+    for m, _ in tagged:
         if id(m) in seen:
-            return
+            continue
         seen.add(id(m))
-        for child in m.children():
-            build(child)
-        if _owns(m) and callable(getattr(m, "reset_parameters", None)):
-            steps.append((m, reset))
-        if hf is not None and isinstance(m, hf):
-            post_init(m)
+        for d in (m._parameters, m._buffers, m.__dict__):
+            for k, v in list(d.items()):
+                if isinstance(v, FakeTensor):
+                    d[k] = meta(v)
+        for k in list(m._parameters) + list(m._buffers):
+            t = m._parameters.get(k) if k in m._parameters else m._buffers.get(k)
+            if t is not None:
+                rec.versions[id(t)] = (weakref.ref(t), t._version)
 
-    build(root)
-    return steps
+
+@dataclass(eq=False)
+class Capture:
+    """A functionalized meta module's recording and where its parameters are in it."""
+
+    record: _Record | None  # None: built under plain torch.device("meta")
+    refs: dict[str, _Ref]  # canonical parameter path -> its recorded tensor
+    problem: str | None = None  # why it cannot be replayed, found at functionalize time
 
 
-def _rng_state(info: Any) -> torch.Tensor:
-    state = info.init_rng if info.init_rng is not None else torch.random.get_rng_state()
+def capture(module: nn.Module, params: dict[str, torch.Tensor]) -> Capture | None:
+    """What `materialize` needs of a module with meta parameters (called by `functionalize`
+    while the module still holds them); None when no parameter is on the meta device."""
+    if not any(p.is_meta for p in params.values()):
+        return None
+    records = {id(r): r for m in module.modules() if (r := m.__dict__.get("_shardfn_meta_record")) is not None}
+    if not records:
+        return Capture(None, {})
+    if len(records) > 1:
+        return Capture(None, {}, "parts of it were built in different sf.meta_device() blocks: build it in one")
+    rec = next(iter(records.values()))
+    if rec.problem is not None:
+        return Capture(rec, {}, rec.problem)
+    if rec.open:
+        return Capture(None, {}, "it is functionalized inside its sf.meta_device() block: leave the block first")
+    refs: dict[str, _Ref] = {}
+    for path, p in params.items():
+        if not p.is_meta:
+            continue
+        r = rec.known(p)
+        if r is None:
+            return Capture(rec, {}, f"parameter {path!r} was not made inside the sf.meta_device() block (e.g. a "
+                                    "cast or a new tensor after it): do every change to the module inside the block")
+        seen = rec.versions.get(id(p))
+        if seen is not None and seen[0]() is p and seen[1] != p._version:
+            return Capture(rec, {}, f"parameter {path!r} was changed after the sf.meta_device() block (an in-place "
+                                    "operation outside the recording): do every change to the module inside the block")
+        refs[path] = r
+    return Capture(rec, refs)
+
+
+def _rng_state(rec: _Record) -> torch.Tensor:
+    state = rec.rng
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         box = [state]
         with _watch.watched("meta-device init"), _watch.waiting():
@@ -118,88 +423,168 @@ def _rng_state(info: Any) -> torch.Tensor:
     return state
 
 
+def _plan(rec: _Record, targets: set[int]) -> tuple[list[tuple[int, str]], list[int]]:
+    """Which operations run, and how (Note [meta init]): [(op index, "run" | "rng")] in order,
+    and the uninitialized (torch.empty) storages some target depends on."""
+    needed = set(targets)
+    kind: dict[int, str] = {}
+    garbage: list[int] = []
+    for i in range(len(rec.ops) - 1, -1, -1):
+        op = rec.ops[i]
+        if op.writes & needed:
+            kind[i] = "run"
+            if op.func in _UNINITIALIZED:
+                garbage.extend(op.writes & needed)
+            needed -= op.full
+            needed |= op.reads
+        elif op.random:
+            kind[i] = "rng"
+            needed |= op.reads - op.writes
+    foreign = needed - rec.created
+    if foreign:
+        raise ValueError(
+            "the meta-device module's values depend on a meta tensor made outside its sf.meta_device() block "
+            "(its values were never recorded): create every tensor the module uses inside the block"
+        )
+    # A side-effect-free operation that reads storages runs right after their last write (a cast
+    # at the end of __init__ would otherwise keep every source alive until then).
+    last_key: dict[int, tuple] = {}
+    keyed: list[tuple[tuple, int, str]] = []
+    for i in sorted(kind):
+        op = rec.ops[i]
+        pure = kind[i] == "run" and not op.random and op.reads and op.writes == {r.s for r in op.outs if r is not None} \
+            and all(r.s not in last_key for r in op.outs if r is not None)
+        if pure:
+            key = max((last_key.get(s, (-1,)) for s in op.reads)) + (i,)
+        else:
+            key = (i,)
+        keyed.append((key, i, kind[i]))
+        if kind[i] == "run":
+            for s in op.writes:
+                last_key[s] = key
+    keyed.sort(key=lambda x: x[0])
+    return [(i, k) for _, i, k in keyed], garbage
+
+
+def _to_cpu(x: Any) -> Any:
+    if isinstance(x, torch.device) and x.type == "meta":
+        return torch.device("cpu")
+    return x
+
+
 def materialize(info: Any, wanted: set[str], emit: Callable[[str, torch.Tensor], None], buffer_device: Any = "cpu") -> None:
-    """Initializes every meta parameter of `info.module` as an eager build would (Note [meta
-    init]), calling `emit(canonical path, full CPU value)` once per parameter, then dropping it.
-    Meta buffers are made real on `buffer_device` and stay the module's.
+    """Replays the construction of `info.module` (Note [meta init]), calling `emit(canonical path,
+    full CPU value)` once per wanted parameter, then dropping the value. Meta buffers are made real
+    on `buffer_device` and stay the module's.
 
     Raises:
-        NotImplementedError: a parameter or buffer that no replayable initializer sets.
+        ValueError: the module was not built under `sf.meta_device()`, or changed after it.
+        NotImplementedError: the recording cannot give a value exactly.
     """
     module = info.module
-    canonical = {name: path for path, names in info.aliases.items() for name in names}
-    names_of: dict[int, str] = {}
-    for name, m in module.named_modules(remove_duplicate=False):
-        names_of.setdefault(id(m), name)
-    steps = _steps(module)
-
-    def pname(m: nn.Module, local: str) -> str:
-        prefix = names_of[id(m)]
-        return f"{prefix}.{local}" if prefix else local
-
-    last: dict[str, int] = {}
-    for k, (m, _) in enumerate(steps):
-        for local, p in m._parameters.items():
-            if p is not None and pname(m, local) in canonical and canonical[pname(m, local)] == pname(m, local):
-                last[pname(m, local)] = k
-    touched: dict[str, int] = {}
-    buffers_set: dict[int, tuple[str, torch.Tensor, int]] = {}
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.random.set_rng_state(_rng_state(info))
-        for k, (m, init) in enumerate(steps):
-            saved = dict(m._parameters)
-            fresh: dict[str, torch.Tensor] = {}
-            for local, p in saved.items():
-                if p is None:
-                    continue
-                t = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"), requires_grad=False)
-                name = pname(m, local)
-                if last.get(name) == k and name in wanted and touched.get(name, 0) and t.is_floating_point():
-                    t.fill_(float("nan"))  # an earlier step's values are gone: this one must set all
-                fresh[local] = t
-                m._parameters[local] = t
-            for local, b in list(m._buffers.items()):
-                if b is not None and b.is_meta:
-                    real = torch.empty(b.shape, dtype=b.dtype, device=buffer_device)
-                    m._buffers[local] = real
-                    buffers_set[id(real)] = (pname(m, local), real, real._version)
-            versions = {local: t._version for local, t in fresh.items()}
-            try:
-                init(m)
-            finally:
-                m._parameters.update(saved)
-            for local, t in fresh.items():
-                name = pname(m, local)
-                if name not in wanted or canonical.get(name) != name:
-                    continue
-                wrote = t._version != versions[local]
-                touched[name] = touched.get(name, 0) + wrote
-                if last[name] != k:
-                    continue
-                if not wrote:
-                    raise NotImplementedError(_unset(name, m, "its last initializer leaves it as it is"))
-                if t.is_floating_point() and torch.isnan(t).any() and touched[name] > 1:
-                    raise NotImplementedError(_unset(name, m, "its last initializer sets only part of it"))
-                emit(name, t.detach())
-            del fresh
-    never = sorted(p for p in wanted if p not in last)
-    if never:
-        owner = module.get_submodule(never[0].rpartition(".")[0]) if "." in never[0] else module
-        raise NotImplementedError(_unset(never[0], owner, "no initializer of the module sets it") + f" ({len(never)} such parameters: {never[:5]})")
-    unset_buffers = [n for n, b in module.named_buffers(remove_duplicate=False) if b.is_meta]
-    unset_buffers += [n for n, b, v in buffers_set.values() if b._version == v]
-    if unset_buffers:
-        raise NotImplementedError(
-            f"the buffers {sorted(set(unset_buffers))[:5]} of the meta-device module are set by no initializer "
-            "(a buffer computed in __init__ is lost on the meta device): build the module eagerly, or give the "
-            "module that owns them a reset_parameters() that sets them (Note [meta init] in shardfn/_meta_init.py)"
+    cap: Capture | None = info.meta_init
+    if cap is None or cap.record is None or cap.problem is not None:
+        why = cap.problem if cap is not None and cap.problem else (
+            "it was built on the meta device without a recording of its construction (plain torch.device(\"meta\"))")
+        raise ValueError(
+            f"cannot give the meta-device {type(module).__name__} the values an eager build would have: {why}. "
+            "Build it under `with sf.meta_device(): model = Model(...)` (the construction is recorded and replayed "
+            "exactly; Note [meta init] in shardfn/_meta_init.py)"
         )
+    rec = cap.record
+    if _active() is not None:
+        raise ValueError("initialize meta-device modules after the sf.meta_device() block, not inside it")
+    missing = sorted(p for p in wanted if p not in cap.refs)
+    if missing:
+        raise ValueError(f"parameters {missing[:5]} are not recorded in the module's sf.meta_device() block")
+    buffers: list[tuple[nn.Module, str, str, _Ref]] = []
+    for mname, m in module.named_modules(remove_duplicate=False):
+        for local, b in m._buffers.items():
+            if b is None or not b.is_meta:
+                continue
+            r = rec.known(b)
+            path = f"{mname}.{local}" if mname else local
+            if r is None:
+                raise ValueError(f"buffer {path!r} of the meta-device module was not made inside its sf.meta_device() "
+                                 "block: do every change to the module inside the block")
+            seen = rec.versions.get(id(b))
+            if seen is not None and seen[0]() is b and seen[1] != b._version:
+                raise ValueError(f"buffer {path!r} was changed after the sf.meta_device() block: do every change "
+                                 "to the module inside the block")
+            buffers.append((m, local, path, r))
+    params = {p: cap.refs[p] for p in wanted}
+    by_storage: dict[int, list[tuple[str, Any]]] = {}
+    for path, r in params.items():
+        by_storage.setdefault(r.s, []).append(("param", path, r))
+    for m, local, path, r in buffers:
+        by_storage.setdefault(r.s, []).append(("buffer", (m, local, path), r))
+    order, garbage = _plan(rec, set(by_storage))
+    if garbage:
+        names = [x[1] if x[0] == "param" else x[1][2] for s in garbage for x in by_storage.get(s, [])]
+        raise NotImplementedError(
+            f"{names[:5] or 'a value the module uses'} would hold uninitialized memory (torch.empty that no "
+            "recorded operation sets): an eager build gives garbage there, which cannot be reproduced. Initialize "
+            "it in the construction (Note [meta init] in shardfn/_meta_init.py)"
+        )
+    last: dict[int, int] = {}
+    for pos, (i, k) in enumerate(order):
+        op = rec.ops[i]
+        used = op.reads | (op.writes if k == "run" else set())
+        for s in used:
+            last[s] = pos
+    real: dict[int, Any] = {}
+    made: dict[tuple, torch.Tensor] = {}
 
+    def view(storage: Any, r: _Ref) -> torch.Tensor:
+        return torch.empty(0, dtype=r.dtype).set_(storage, r.offset, r.size, r.stride)
 
-def _unset(name: str, m: nn.Module, why: str) -> str:
-    return (
-        f"parameter {name!r} ({type(m).__name__}) of the meta-device module cannot be initialized as an eager build "
-        f"would: {why}. Meta-device init replays each submodule's reset_parameters() and Hugging Face's "
-        "_init_weights (Note [meta init] in shardfn/_meta_init.py): give that module a reset_parameters() that sets "
-        "all of its own parameters, or build the module eagerly"
-    )
+    def extent(r: _Ref) -> int:
+        if any(n == 0 for n in r.size):
+            return 0
+        return (r.offset + sum((n - 1) * st for n, st in zip(r.size, r.stride)) + 1) * r.dtype.itemsize
+
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.random.set_rng_state(_rng_state(rec))
+        default = torch.get_default_dtype()
+        try:
+            for pos, (i, k) in enumerate(order):
+                op = rec.ops[i]
+                torch.set_default_dtype(op.dtype)
+
+                def arg(x: Any) -> Any:
+                    if isinstance(x, _Const):
+                        return x.value.clone()  # an operation may return it or write it
+                    if isinstance(x, _Ref):
+                        if k == "rng" and x.s in op.writes:
+                            return view(torch.UntypedStorage(extent(x)), x)  # scratch: only the draws matter
+                        if x.s not in real:
+                            real[x.s] = torch.UntypedStorage(rec.storages[x.s].nbytes())
+                        return view(real[x.s], x)
+                    return _to_cpu(x)
+
+                args, kwargs = pytree.tree_map(arg, (op.args, op.kwargs))
+                out = op.func(*args, **kwargs)
+                if k == "run":
+                    for r, t in zip(op.outs, pytree.tree_leaves(out)):
+                        if r is None or r.s in real:
+                            continue
+                        if (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype) == (r.size, r.stride, r.offset, r.dtype) \
+                                and t.untyped_storage().nbytes() == rec.storages[r.s].nbytes():
+                            real[r.s] = t.untyped_storage()
+                        else:  # laid out otherwise than the meta kernel said: copy into the recorded layout
+                            real[r.s] = torch.UntypedStorage(rec.storages[r.s].nbytes())
+                            view(real[r.s], r).copy_(t)
+                del out, args, kwargs
+                for s in [s for s in op.reads | op.writes if last.get(s) == pos]:
+                    for what, who, r in by_storage.get(s, []):
+                        if what == "param":
+                            emit(who, view(real[s], r))
+                        else:
+                            key = (s, r)
+                            if key not in made:
+                                made[key] = view(real[s], r).clone().to(buffer_device)
+                            m, local, _ = who
+                            m._buffers[local] = made[key]
+                    real.pop(s, None)
+        finally:
+            torch.set_default_dtype(default)

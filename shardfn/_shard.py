@@ -29,17 +29,17 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
         specs: a tree of `P` with the structure of `params` (see `sf.specs`).
         mesh: the device mesh.
         init: the module `params` came from (or its `sf.functionalize` function), when it was built
-            on the meta device: its meta leaves are initialized by the module's own initializers,
-            one module at a time, with the values an eager build would have (Note [meta init] in
-            `shardfn/_meta_init.py`); every rank then holds only its shards plus one module. This
-            takes the CPU generator's state from rank 0 (a collective).
+            under `with sf.meta_device():`: its recorded construction is replayed, one tensor at a
+            time, giving exactly the values an eager build would have (Note [meta init] in
+            `shardfn/_meta_init.py`); every rank then holds only its shards plus what is being
+            initialized. This takes the recorded generator state from rank 0 (a collective).
 
     Returns:
         A tree of `torch.distributed.tensor.DTensor`, the structure of `params`.
 
     Example:
         >>> sharded = sf.shard(params, sf.specs(params, mesh), mesh)
-        >>> with torch.device("meta"):
+        >>> with sf.meta_device():
         ...     model = Model(cfg)
         >>> apply, params = sf.functionalize(model, units=r"blocks\\.\\d+")
         >>> sharded = sf.shard(params, sf.specs(params, mesh), mesh, init=model)

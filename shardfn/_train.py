@@ -231,7 +231,7 @@ class TrainStep:
         )
 
         # Fill the local shards and build the user-facing DTensors over them. Meta leaves: the
-        # module's own initializers, one module at a time (Note [meta init] in `_meta_init.py`).
+        # module's recorded construction, replayed (Note [meta init] in `_meta_init.py`).
         meta = {i for i, leaf in enumerate(leaves) if leaf.is_meta}
         if meta:
             if info is None:

@@ -264,6 +264,7 @@ def rank_options(d: str) -> dict:
     sf.save(state, f"{d}/one")
     out["exists"] = raises(sf.save, state, f"{d}/one")
     out["per_rank_extras"] = raises(sf.save, state, f"{d}/two", extras={"rank": rank})
+    out["per_rank_plain"] = raises(sf.save, {"w": torch.full((3,), float(rank))}, f"{d}/two")  # saved from rank 0 only
     out["bad_extras"] = raises(sf.save, state, f"{d}/two", extras={"f": lambda: 0})
     out["folder"] = raises(sf.load, d, like=state)
     pending = DTensor.from_local(torch.ones(3), sf.mesh(dp=-1), [Partial()])  # a sum not yet reduced
@@ -346,6 +347,7 @@ def test_options_and_mistakes(pools, tmp_path):
     for out in res:
         assert "ValueError" in out["exists"] and "never overwritten" in out["exists"], out["exists"]
         assert "ValueError" in out["per_rank_extras"] and "differ from rank 0" in out["per_rank_extras"], out["per_rank_extras"]
+        assert "ValueError" in out["per_rank_plain"] and "plain (non-DTensor) tensors" in out["per_rank_plain"], out["per_rank_plain"]
         assert "ValueError" in out["bad_extras"] and "function" in out["bad_extras"], out["bad_extras"]
         assert "NotImplementedError" in out["partial_placement"] and "'g'" in out["partial_placement"], out["partial_placement"]
         assert "folder of checkpoints" in out["folder"] and "one" in out["folder"], out["folder"]
@@ -394,3 +396,26 @@ def test_one_process_without_a_process_group(tmp_path):
         sf.load(tmp_path / "s2", like={**like, "w": torch.zeros(4, 3, dtype=torch.float64)})
     with pytest.raises(ValueError, match="no checkpoint at"):
         sf.load(tmp_path / "s9", like=like)
+
+
+def rank_async_and_return(path: str) -> str:
+    mesh = sf.mesh(dp=-1)
+    sf.save(sf.shard({"w": torch.arange(12.0).reshape(6, 2)}, {"w": sf.P("dp")}, mesh), path, asynchronous=True)
+    return "returned"  # nobody waits: sf.launch's rank waits before returning
+
+
+def test_async_save_not_waited_for_is_finished(tmp_path):
+    """An asynchronous save nobody waited for completes at interpreter exit and when a launched
+    function returns, instead of being lost with the process."""
+    import subprocess
+    import sys
+
+    code = ("import torch, shardfn as sf, sys\n"
+            "sf.save({'w': torch.arange(6.0)}, sys.argv[1], asynchronous=True)\n")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "single")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert sf.latest(str(tmp_path)) == str(tmp_path / "single")
+    assert torch.equal(sf.load(str(tmp_path / "single"), like={"w": torch.zeros(6)})["w"], torch.arange(6.0))
+    assert sf.launch(rank_async_and_return, str(tmp_path / "launched"), nprocs=2) == ["returned", "returned"]
+    got = sf.load(str(tmp_path / "launched"), like={"w": torch.zeros(6, 2)})["w"]
+    assert torch.equal(got, torch.arange(12.0).reshape(6, 2))

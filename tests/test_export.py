@@ -127,3 +127,35 @@ def test_import_checks_names_and_shapes(tmp_path):
     assert set(load_file(tmp_path / "m.safetensors")) == set(sd)
     with pytest.raises(ValueError, match="str keys and str values"):
         sf.export(params, tmp_path / "n.safetensors", metadata={"n": 1})
+
+
+def test_import_refuses_what_it_cannot_place():
+    """Two models with the same names and the source has buffers: which module gets them is asked
+    (apply=), not guessed. A tied parameter given two different values is refused, not half-read."""
+    from torch import nn
+
+    def mk():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+    a, b = mk(), mk()
+    _, pa = sf.functionalize(a)
+    apply_b, pb = sf.functionalize(b)
+    src = {k: v.clone() for k, v in mk().state_dict().items()}
+    src["1.running_mean"] = torch.full((4,), 5.0)
+    like = {k: {n: t.clone() for n, t in v.items()} for k, v in pb.items()}  # not the returned tensors
+    with pytest.raises(ValueError, match="say which with apply=apply"):
+        sf.import_state_dict(src, like)
+    assert a[1].running_mean.abs().sum() == 0 and b[1].running_mean.abs().sum() == 0  # nothing was read
+    sf.import_state_dict(src, like, apply=apply_b)
+    assert torch.equal(b[1].running_mean, src["1.running_mean"]) and a[1].running_mean.abs().sum() == 0
+
+    model = llama(0)  # ties lm_head.weight to model.embed_tokens.weight
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    _, params = sf.functionalize(model, units=UNITS)
+    untied = {**sd, "lm_head.weight": sd["model.embed_tokens.weight"] + 1}
+    before = params["model"]["embed_tokens"]["weight"].clone()
+    with pytest.raises(ValueError, match="'model.embed_tokens.weight' and 'lm_head.weight' different values"):
+        sf.import_state_dict(untied, like=params)
+    assert torch.equal(params["model"]["embed_tokens"]["weight"], before)
+    sf.import_state_dict({**sd, "lm_head.weight": sd["model.embed_tokens.weight"].clone()}, like=params)  # equal: fine

@@ -1,10 +1,13 @@
-"""Meta-device init: a module built under `torch.device("meta")`, initialized unit by unit.
+"""Meta-device init: a module built under `sf.meta_device()`, its recorded construction replayed.
 
-`sf.shard(..., init=model)` and `step.init(params)` give exactly the values of the same model
-built eagerly in one process with the same seed, at world sizes 1, 2 and 3, for a plain torch
-model (tied head, LayerNorm, Embedding) and a Hugging Face Llama. Memory: on a model whose whole
-size exceeds what the check allows, each rank's peak RSS growth stays within its shards plus one
-unit plus a margin.
+`sf.shard(..., init=model)` and `step.init(params)` give exactly the values (parameters and
+buffers) of the same model built eagerly in one process with the same seed, at world sizes 1, 2
+and 3, for models whose construction does more than `reset_parameters()`: a plain torch model with
+a tied head, Hugging Face Llama, GPT-2 and T5, a nanoGPT-style model that re-initializes itself
+with `self.apply(self._init_weights)`, a random draw in `__init__` that is no parameter, a cast to
+bfloat16 at the end of construction. What cannot be replayed is refused before any value is given.
+Memory: on a model whose whole size exceeds what the check allows, each rank's peak RSS growth
+stays within its shards plus one unit plus a margin.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from shardfn._pool import RankPool
 
 
 class Net(nn.Module):
-    """Plain torch layers, every one initialized by its reset_parameters(); a tied head."""
+    """Plain torch layers; custom init outside reset_parameters; a draw that is no parameter; a tied head."""
 
     def __init__(self, vocab: int = 11, d: int = 7, n: int = 3):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
+        self.noise = torch.randn(5)  # not a parameter: it shifts every later draw
         self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d + 1), nn.GELU(), nn.Linear(2 * d + 1, d)) for _ in range(n))
+        nn.init.orthogonal_(self.blocks[0][1].weight)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.emb.weight
 
@@ -38,37 +43,54 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def build(kind: str):
+def build(kind: str) -> nn.Module:
     if kind == "net":
         return Net()
-    from transformers import LlamaConfig, LlamaForCausalLM
+    if kind == "net-bf16":
+        return Net().to(torch.bfloat16)
+    if kind == "gpt":  # nanoGPT style: self.apply(self._init_weights) in __init__, a causal-mask buffer
+        from shardfn.models import GPT, GPTConfig
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=53, hidden_size=40, intermediate_size=52, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                                        max_position_embeddings=16))
+        return GPT(GPTConfig(vocab=11, block_size=4, n_layer=2, n_head=1, d=8))
+    import transformers as T
+
+    if kind == "llama":
+        return T.LlamaForCausalLM(T.LlamaConfig(vocab_size=53, hidden_size=40, intermediate_size=52, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                                max_position_embeddings=16))
+    if kind == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                              bos_token_id=0, eos_token_id=0))
+    if kind == "t5":
+        return T.T5ForConditionalGeneration(T.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2))
+    raise ValueError(kind)
 
 
-UNITS = {"net": r"blocks\.\d+", "llama": r"model\.layers\.\d+"}
+UNITS = {"net": r"blocks\.\d+", "net-bf16": r"blocks\.\d+", "gpt": r"blocks\.\d+", "llama": r"model\.layers\.\d+",
+         "gpt2": r"transformer\.h\.\d+", "t5": r"(en|de)coder\.block\.\d+"}
+
+
+def _differ(model: nn.Module, got: dict, want: dict) -> list[str]:
+    got = {**{k: v for k, v in model.state_dict().items() if k not in got}, **got}  # buffers: the module's
+    return sorted(k for k in want if k not in got or got[k].dtype != want[k].dtype or not torch.equal(got[k].cpu(), want[k]))
 
 
 def rank_equal_to_eager() -> dict:
     out = {}
     mesh = sf.mesh(dp=-1)
-    for kind in ("net", "llama"):
+    for kind in UNITS:
         torch.manual_seed(0)
         want = {k: v.clone() for k, v in build(kind).state_dict().items()}
         torch.manual_seed(0)
-        with torch.device("meta"):
+        with sf.meta_device():
             model = build(kind)
-        apply, params = sf.functionalize(model, units=UNITS[kind])  # records the generator's state
+        apply, params = sf.functionalize(model, units=UNITS[kind])
         torch.manual_seed(123)  # later draws do not change the values
         sharded = sf.shard(params, sf.specs(params, mesh), mesh, init=model)
-        got = sf.to_state_dict(sf.gather(sharded))
-        out[kind, "shard"] = sorted(k for k in want if not torch.equal(got[k], want[k]))
+        out[kind, "shard"] = _differ(model, sf.to_state_dict(sf.gather(sharded)), want)
         step = sf.train_step(lambda p, b: p, sf.optim.sgd(0.1), mesh, apply=apply)
         state = step.init(params)
-        got = sf.to_state_dict(sf.gather(state.params))
-        out[kind, "init"] = sorted(k for k in want if not torch.equal(got[k], want[k]))
+        out[kind, "init"] = _differ(model, sf.to_state_dict(sf.gather(state.params)), want)
         out[kind, "buffers"] = all(not b.is_meta for b in model.buffers())
     return out
 
@@ -80,27 +102,77 @@ def test_equal_to_eager_build(pools, world):
         assert all(v for k, v in r.items() if k[1] == "buffers")
 
 
-def test_what_cannot_be_replayed_is_refused():
-    from shardfn.models import GPT, GPTConfig
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """The in-process checks below make a one-process group; later test modules expect none."""
+    was = dist.is_initialized()
+    yield
+    if not was and dist.is_initialized():
+        dist.destroy_process_group()
 
+
+def _init(model: nn.Module) -> None:
+    _, params = sf.functionalize(model)
+    mesh = sf.mesh(dp=-1)
+    sf.shard(params, sf.specs(params, mesh), mesh, init=model)
+
+
+def test_plain_meta_is_refused():
+    """A module built under plain torch.device("meta") has no record of what its construction did."""
     with torch.device("meta"):
-        gpt = GPT(GPTConfig(vocab=11, block_size=4, n_layer=1, n_head=1, d=4))  # inits with its own self.apply
-    _, params = sf.functionalize(gpt)
-    with pytest.raises(NotImplementedError, match="buffers .*'pos'.* set by no initializer"):
-        sf.shard(params, sf.specs(params, sf.mesh(dp=-1)), sf.mesh(dp=-1), init=gpt)
-
-    class Raw(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.randn(3))
-
-    with torch.device("meta"):
-        raw = Raw()
-    _, params = sf.functionalize(raw)
-    with pytest.raises(NotImplementedError, match="parameter 'w' .*no initializer of the module sets it"):
-        sf.shard(params, sf.specs(params, sf.mesh(dp=-1)), sf.mesh(dp=-1), init=raw)
+        net = Net()
+    _, params = sf.functionalize(net)
+    with pytest.raises(ValueError, match="with sf.meta_device"):
+        sf.shard(params, sf.specs(params, sf.mesh(dp=-1)), sf.mesh(dp=-1), init=net)
     with pytest.raises(ValueError, match="init=model"):
         sf.shard(params, sf.specs(params, sf.mesh(dp=-1)), sf.mesh(dp=-1))
+
+
+class ReadsValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+        if self.w.sum() > 0:  # data-dependent construction
+            self.w.data.mul_(2)
+
+
+class Seeds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.w = nn.Parameter(torch.randn(3))
+
+
+class Uninitialized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(3))
+
+
+def test_what_cannot_be_replayed_is_refused():
+    with pytest.raises(NotImplementedError, match="reads a tensor's value"), sf.meta_device():
+        ReadsValue()
+    with pytest.raises(NotImplementedError, match="random generator's state"), sf.meta_device():
+        Seeds()
+    with sf.meta_device():
+        m = Uninitialized()
+    with pytest.raises(NotImplementedError, match=r"\['w'\] would hold uninitialized memory"):
+        _init(m)
+    with pytest.raises(ValueError, match="do not nest"), sf.meta_device(), sf.meta_device():
+        pass
+
+
+def test_changes_after_the_block_are_refused():
+    with sf.meta_device():
+        a = nn.Linear(3, 4)
+    nn.init.zeros_(a.weight)  # in place, not recorded
+    with pytest.raises(ValueError, match="'weight' was changed after the sf.meta_device"):
+        _init(a)
+    with sf.meta_device():
+        b = nn.Linear(3, 4)
+    b.to(torch.bfloat16)  # new tensors, not recorded
+    with pytest.raises(ValueError, match="'weight' was not made inside the sf.meta_device"):
+        _init(b)
 
 
 # -- memory --------------------------------------------------------------------------------------
@@ -111,10 +183,10 @@ def rank_memory() -> dict:
     world = dist.get_world_size()
     mesh = sf.mesh(dp=-1)
     torch.manual_seed(0)
-    with torch.device("meta"):
+    with sf.meta_device():
         model = nn.Sequential(*[nn.Linear(D, D) for _ in range(LAYERS)])
     apply, params = sf.functionalize(model, units=r"\d+")
-    with torch.device("meta"):  # warm-up: the first DTensor calls of a process cost ~30 MB once
+    with sf.meta_device():  # warm-up: the first DTensor calls of a process cost ~30 MB once
         small = nn.Sequential(nn.Linear(8, 8))
     _, small_params = sf.functionalize(small)
     sf.shard(small_params, sf.specs(small_params, mesh), mesh, init=small)
