@@ -50,6 +50,8 @@ import warnings
 from typing import Any, Iterator, NamedTuple
 
 import optree
+
+from . import _donate
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -610,6 +612,9 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True) -> Any:
     path = os.path.abspath(os.fspath(path))
     meta = _read_meta(path)
     keys, leaves, spec = _flatten(like)
+    for x in leaves:  # before anything is read: a donated state has no memory of its own
+        if _donate.is_donated(x):
+            raise _donate.DonatedError(x._local_tensor._message)
     tensors, described, values = _classify(keys, leaves)
     saved_t, saved_v = meta["tensors"], meta["values"]
     differ = []
@@ -630,6 +635,14 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True) -> Any:
     saved = set(saved_t) | set(saved_v)
     missing = [k for k in keys if k not in saved]
     unexpected = sorted(saved - set(keys))
+    lost = [k for k in unexpected if k.startswith("opt_state.")]
+    if lost:  # dropping saved optimizer state would resume a different run, silently: never
+        raise ValueError(
+            f"the checkpoint {path!r} holds optimizer state that `like` has no place for: [{_list(lost)}]. Build "
+            "`like` with the optimizer the checkpoint was saved with; a wrapped torch optimizer "
+            "(sf.optim.from_torch) creates its state at its first step, so take one step on `like` before "
+            "loading (every entry is then overwritten)"
+        )
     if strict and (missing or unexpected):
         raise ValueError(
             f"the checkpoint {path!r} and `like` have different entries: missing from the checkpoint: "

@@ -419,3 +419,46 @@ def test_async_save_not_waited_for_is_finished(tmp_path):
     assert sf.launch(rank_async_and_return, str(tmp_path / "launched"), nprocs=2) == ["returned", "returned"]
     got = sf.load(str(tmp_path / "launched"), like={"w": torch.zeros(6, 2)})["w"]
     assert torch.equal(got, torch.arange(12.0).reshape(6, 2))
+
+
+def rank_from_torch(path: str) -> dict:
+    """A wrapped torch optimizer creates its state at its first step: a fresh `like` has no place
+    for it, which is refused (never silently dropped); one step on `like` first makes it load."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = sf.mesh(dp=-1)
+
+    def make():
+        apply, params = sf.functionalize(make_model("mlp"), units=units_of("mlp"))
+        step = sf.train_step(make_loss_fn("mlp", apply), sf.optim.from_torch(torch.optim.AdamW, lr=1e-2), mesh, apply=apply)
+        return step, step.init(params)
+
+    def batch(i):
+        return local_batch(global_batch("mlp", i, world), rank, world)
+
+    step, state = make()
+    for i in range(2):
+        state, _ = step(state, batch(i))
+    sf.save(state, path)
+    state, m = step(state, batch(2))
+    want = float(m["loss"])
+    step2, like = make()
+    out = {}
+    for strict in (True, False):
+        try:
+            sf.load(path, like=like, strict=strict)
+            out[strict] = "loaded"
+        except ValueError as e:
+            out[strict] = str(e)
+    like, _ = step2(like, batch(0))  # creates the torch optimizer's state; every entry is overwritten
+    like = sf.load(path, like=like)
+    _, m2 = step2(like, batch(2))
+    out["resumed"] = (want, float(m2["loss"]))
+    return out
+
+
+def test_a_wrapped_torch_optimizer_resumes_or_refuses(pools, tmp_path):
+    for out in pools(2).run(rank_from_torch, str(tmp_path / "ck")):
+        for strict in (True, False):
+            assert "take one step on `like` before loading" in out[strict], out[strict]
+        want, got = out["resumed"]
+        assert abs(want - got) <= 1e-6 * abs(want), out["resumed"]
