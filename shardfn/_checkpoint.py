@@ -635,8 +635,12 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True) -> Any:
     saved = set(saved_t) | set(saved_v)
     missing = [k for k in keys if k not in saved]
     unexpected = sorted(saved - set(keys))
-    lost = [k for k in unexpected if k.startswith("opt_state.")]
-    if lost:  # dropping saved optimizer state would resume a different run, silently: never
+    # Saved optimizer state of a parameter that `like` has (and loads) but keeps no state for:
+    # dropping it would resume a different run, silently. (State of a parameter that is gone from
+    # `like` is an ordinary unexpected entry.)
+    own = [k[len("params."):] for k in keys if k.startswith("params.")]
+    lost = [k for k in unexpected if k.startswith("opt_state.") and any(f".{p}." in f"{k}." for p in own)]
+    if lost:
         raise ValueError(
             f"the checkpoint {path!r} holds optimizer state that `like` has no place for: [{_list(lost)}]. Build "
             "`like` with the optimizer the checkpoint was saved with; a wrapped torch optimizer "
