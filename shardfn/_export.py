@@ -267,16 +267,25 @@ class _Source:
             self.files[path] = safe_open(path, framework="pt", device="cpu")
         return self.files[path]
 
+    renamed: dict[str, str] = {}
+    """The model's name -> the source's name, where they differ by the base model's prefix."""
+
+    def rename(self, names: dict[str, str]) -> None:
+        self.renamed = names
+
     def keys(self) -> list[str]:
-        return list(self.tensors) if self.tensors is not None else list(self.where)
+        back = {v: k for k, v in self.renamed.items()}
+        return [back.get(k, k) for k in (self.tensors if self.tensors is not None else self.where)]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        name = self.renamed.get(name, name)
         if self.tensors is not None:
             return tuple(self.tensors[name].shape)
         return tuple(self._open(self.where[name]).get_slice(name).get_shape())
 
     def read(self, name: str, box: tuple[slice, ...] | None) -> torch.Tensor:
         """The whole tensor (`box` None) or the slice `box` of it."""
+        name = self.renamed.get(name, name)
         if self.tensors is not None:
             t = self.tensors[name]
             return t if box is None else t[box]
@@ -340,6 +349,16 @@ def import_state_dict(
     buffers = (dict(info.module.named_buffers(remove_duplicate=False)) if info is not None else {})
     persistent = set(_persistent_buffers(info)) if info is not None else set()
     have = set(src.keys())
+    prefix = getattr(info.module, "base_model_prefix", "") if info is not None else ""
+    if prefix:
+        # A Hugging Face base model's checkpoint (e.g. the hub's `gpt2`: "h.0.attn...") read into a
+        # model with a head ("transformer.h.0.attn..."), or the other way round, as from_pretrained does.
+        known = {n for p in paths for n in names[p]} | set(buffers)
+        add = {f"{prefix}.{k}": k for k in have - known if f"{prefix}.{k}" in known}
+        strip = {k[len(prefix) + 1:]: k for k in have - known if k.startswith(prefix + ".") and k[len(prefix) + 1:] in known}
+        if add or strip:
+            src.rename(add if len(add) >= len(strip) else strip)
+            have = set(src.keys())
     if apply is None and info is not None and have & set(buffers):
         several = find_apply(paths, leaves)
         if len(several) > 1:  # buffers are written into one module: equal buffers do not make them the same

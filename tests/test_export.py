@@ -159,3 +159,29 @@ def test_import_refuses_what_it_cannot_place():
         sf.import_state_dict(untied, like=params)
     assert torch.equal(params["model"]["embed_tokens"]["weight"], before)
     sf.import_state_dict({**sd, "lm_head.weight": sd["model.embed_tokens.weight"].clone()}, like=params)  # equal: fine
+
+
+def test_import_a_base_model_checkpoint_into_a_model_with_a_head(tmp_path):
+    """The hub's `gpt2` checkpoint is a GPT2Model ("h.0.attn..."); read into a GPT2LMHeadModel
+    ("transformer.h.0.attn...", the head tied to the embedding) the names are matched through the
+    base model's prefix, as from_pretrained does, and the other way round."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
+
+    cfg = GPT2Config(vocab_size=53, n_positions=16, n_embd=24, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    base = GPT2Model(cfg)
+    base.save_pretrained(tmp_path / "base", safe_serialization=True)
+    want = {k: v.clone() for k, v in base.state_dict().items()}
+    torch.manual_seed(1)
+    lm = GPT2LMHeadModel(cfg)
+    apply, params = sf.functionalize(lm)
+    sf.import_state_dict(tmp_path / "base", like=params)
+    got = sf.to_state_dict(params)
+    for k, v in want.items():
+        assert torch.equal(got["transformer." + k], v), k
+    assert torch.equal(got["lm_head.weight"], want["wte.weight"])  # tied
+    torch.manual_seed(2)
+    base2 = GPT2Model(cfg)
+    apply2, params2 = sf.functionalize(base2)
+    sf.import_state_dict({k: v for k, v in got.items()}, like=params2, strict=False)
+    assert all(torch.equal(sf.to_state_dict(params2)[k], v) for k, v in want.items())
