@@ -142,17 +142,43 @@ class EngineStats:
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward marks the end of that use of the unit."""
+    """Identity on a unit's inputs; its backward marks the end of that use of the unit.
+
+    Written for torch.func too (setup_context, a generated vmap rule): a `loss_fn` may vmap over
+    its inputs (an ensemble, per-example losses); the backward then runs once, on batched grads.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, engine: "Engine", u: int, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.engine, ctx.u = engine, u
+    def forward(engine: "Engine", u: int, *tensors: torch.Tensor):  # type: ignore[override]
         return tensors
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.engine, ctx.u = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         ctx.engine._post_backward(ctx.u)
         return (None, None, *grads)
+
+
+def _under_grad_transform(tree: Any) -> bool:
+    """Whether a tensor of `tree` is tracked by a torch.func gradient transform (vmap alone is fine)."""
+    for x in pytree.tree_leaves(tree):
+        while isinstance(x, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x):
+            if not torch._C._functorch.is_batchedtensor(x):
+                return True
+            x = torch._C._functorch.get_unwrapped(x)
+    return False
+
+
+def _physical(t: torch.Tensor) -> torch.Tensor:
+    """`t` without torch.func's wrappers (a batched or grad-tracking tensor hides its storage)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
 
 
 def _output_tensors(output: Any) -> tuple[list[torch.Tensor], list[str]]:
@@ -181,6 +207,7 @@ def _hook_targets(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     in-place update of a view after the unit returns reroutes its gradient through the base)."""
     out: dict[int, torch.Tensor] = {}
     for t in tensors:
+        t = _physical(t)  # under vmap, autograd's graph holds the batched tensor's physical one
         if t.requires_grad:
             out[id(t)] = t
             base = t._base
@@ -604,6 +631,13 @@ class Engine:
     def pre_forward(self, info, u: int, args: tuple, kwargs: dict) -> tuple | None:
         if info is not self.info or self.phase == "idle":
             return None
+        if self.phase == "forward" and _under_grad_transform((args, kwargs)):
+            raise NotImplementedError(
+                f"unit {self.units[u].name!r} ran inside a torch.func gradient transform (grad, vjp, jacrev, ...) in "
+                "loss_fn: train_step does not support a backward inside loss_fn yet (a gradient penalty). torch.func.vmap "
+                "over the inputs works; for a penalty on input gradients, compute it outside train_step with "
+                "sf.value_and_grad on a replicated tree, or with torch.autograd on sf.gather(params)"
+            )
         if self.phase == "backward":  # a recompute (remat) or a forward run by the backward
             self._ensure(u)
             return (self._cast(args), self._cast(kwargs)) if self.cast_dtype is not None else None
@@ -673,7 +707,7 @@ class Engine:
         mine.discard(0)
 
         def views(t: torch.Tensor) -> bool:
-            return t.untyped_storage().data_ptr() in mine
+            return _physical(t).untyped_storage().data_ptr() in mine
 
         if not mine or not any(views(t) for t in tensors):
             return output, tensors

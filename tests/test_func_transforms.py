@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import shardfn as sf
-from reference import make_model, rel_err, units_of
+from reference import global_batch, local_batch, make_model, rel_err, units_of
 
 
 def _x(rank: int) -> torch.Tensor:
@@ -92,3 +92,62 @@ def test_grad_and_vjp_through_gather_are_sharded_and_exact(pools, world):
         assert out["grad_and_value"] < 1e-5 and out["value"] < 1e-6 and out["vjp"] < 1e-5, (rank, out)
         assert "gather outside the vmap" in out["vmap"], out["vmap"]
         assert max(out[k] for k in ("apply_grad", "input_grad", "input_autograd", "inference")) < 1e-5, (rank, out)
+
+
+def rank_vmap_inside_loss(strategy: str) -> dict:
+    """A loss_fn that vmaps over its examples (per-example losses, here clamped) trains exactly as
+    the same loss_fn on the unsharded model; a gradient transform inside loss_fn is refused."""
+    from torch.func import grad, vmap
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = sf.mesh(dp=-1)
+    apply, params = sf.functionalize(make_model("mlp"), units=units_of("mlp"))
+    ref = make_model("mlp")
+    ref_apply, ref_params = sf.functionalize(ref, units=units_of("mlp"))
+
+    def make_loss(app):
+        def loss_fn(p, batch):
+            x, y = batch
+            per = vmap(lambda xi, yi: (app(p, xi[None]) - yi[None]).pow(2).mean())(x, y)
+            return per.clamp(max=2.0).mean()
+
+        return loss_fn
+
+    step = sf.train_step(make_loss(apply), sf.optim.sgd(0.1, momentum=0.9), mesh, strategy=strategy, apply=apply)
+    state = step.init(params)
+    ref_params = {k: {kk: vv.detach().clone() for kk, vv in v.items()} for k, v in ref_params.items()}
+    ref_opt = sf.optim.sgd(0.1, momentum=0.9)
+    ref_state = ref_opt.init(ref_params)
+    losses = []
+    for i in range(3):
+        batch = global_batch("mlp", i, world)
+        state, m = step(state, local_batch(batch, rank, world))
+        ref_loss, g = torch.func.grad_and_value(make_loss(ref_apply))(ref_params, batch)[::-1]
+        updates, ref_state = ref_opt.update(g, ref_state, ref_params)
+        ref_params = sf.apply_updates(ref_params, updates)
+        losses.append(rel_err(m["loss"], ref_loss))
+    got = [sf.gather(x) for x in optree.tree_leaves(state.params)]
+    out = {"loss": max(losses), "params": max(rel_err(a, b) for a, b in zip(got, optree.tree_leaves(ref_params)))}
+
+    apply2, params2 = sf.functionalize(make_model("mlp"), units=units_of("mlp"))
+
+    def penalty(p, batch):
+        x, y = batch
+        gx = vmap(grad(lambda xi: apply2(p, xi[None]).sum()))(x)
+        return make_loss(apply2)(p, batch) + gx.pow(2).mean()
+
+    pstep = sf.train_step(penalty, sf.optim.sgd(0.1), mesh, strategy=strategy, apply=apply2)
+    try:
+        pstep(pstep.init(params2), local_batch(global_batch("mlp", 0, world), rank, world))
+        out["penalty"] = "ran"
+    except NotImplementedError as e:
+        out["penalty"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "no_shard"])
+def test_vmap_inside_loss_fn_under_every_strategy(pools, strategy, world):
+    for rank, out in enumerate(pools(world).run(rank_vmap_inside_loss, strategy)):
+        assert out["loss"] < 1e-5 and out["params"] < 1e-5, (rank, out)
+        assert "gradient transform" in out["penalty"] and "train_step" in out["penalty"], out["penalty"]
