@@ -152,9 +152,8 @@ class _Exchange:
     def wait(self, timeout: float | None = None) -> bool:
         if self.works is not None:
             works = self.works.result(timeout) if isinstance(self.works, Future) else self.works
-            with _watch.waiting():
-                for w in works:
-                    wait(w, timeout)
+            for w in works:
+                wait(w, timeout)  # marks the wait itself (_watch.waiting)
             self.works = None
             if self.epilogue is not None:
                 with torch.no_grad():

@@ -88,6 +88,7 @@ import optree
 
 from . import _collectives as C
 from ._flat import Arena, FlatUnit
+from ._functorch import under_grad_transform, unwrap
 from ._param import Detour, Param
 
 __all__ = ["Engine", "EngineStats", "Policy", "StaleParameterError"]
@@ -164,23 +165,6 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _under_grad_transform(tree: Any) -> bool:
-    """Whether a tensor of `tree` is tracked by a torch.func gradient transform (vmap alone is fine)."""
-    for x in pytree.tree_leaves(tree):
-        while isinstance(x, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x):
-            if not torch._C._functorch.is_batchedtensor(x):
-                return True
-            x = torch._C._functorch.get_unwrapped(x)
-    return False
-
-
-def _physical(t: torch.Tensor) -> torch.Tensor:
-    """`t` without torch.func's wrappers (a batched or grad-tracking tensor hides its storage)."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
-        t = torch._C._functorch.get_unwrapped(t)
-    return t
-
-
 def _output_tensors(output: Any) -> tuple[list[torch.Tensor], list[str]]:
     """The tensors in a unit's output, and the type names of leaves that may hide more.
 
@@ -207,7 +191,7 @@ def _hook_targets(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     in-place update of a view after the unit returns reroutes its gradient through the base)."""
     out: dict[int, torch.Tensor] = {}
     for t in tensors:
-        t = _physical(t)  # under vmap, autograd's graph holds the batched tensor's physical one
+        t = unwrap(t)  # under vmap, autograd's graph holds the batched tensor's physical one
         if t.requires_grad:
             out[id(t)] = t
             base = t._base
@@ -631,7 +615,7 @@ class Engine:
     def pre_forward(self, info, u: int, args: tuple, kwargs: dict) -> tuple | None:
         if info is not self.info or self.phase == "idle":
             return None
-        if self.phase == "forward" and _under_grad_transform((args, kwargs)):
+        if self.phase == "forward" and under_grad_transform((args, kwargs)):
             raise NotImplementedError(
                 f"unit {self.units[u].name!r} ran inside a torch.func gradient transform (grad, vjp, jacrev, ...) in "
                 "loss_fn: train_step does not support a backward inside loss_fn yet (a gradient penalty). torch.func.vmap "
@@ -707,7 +691,7 @@ class Engine:
         mine.discard(0)
 
         def views(t: torch.Tensor) -> bool:
-            return _physical(t).untyped_storage().data_ptr() in mine
+            return unwrap(t).untyped_storage().data_ptr() in mine
 
         if not mine or not any(views(t) for t in tensors):
             return output, tensors

@@ -46,6 +46,7 @@ class ValueAndGrad:
             raise ValueError(f"sf.value_and_grad(loss_fn): loss_fn must be callable, got {type(loss_fn).__name__}")
         self.loss_fn, self.has_aux, self.options = loss_fn, bool(has_aux), options
         self._step: TrainStep | None = None
+        self._layout: dict[str, DTensor] = {}
 
     def _loss(self, params: Any, batch: Any) -> Any:
         out = self.loss_fn(params, batch)
@@ -90,7 +91,7 @@ class ValueAndGrad:
             step._dt_params = list(leaves)
             return step
         for p, x, v in zip(paths, leaves, views):
-            own = step._spec_of[p]
+            own = self._layout[p]
             if x.placements != own.placements or x.shape != own.shape:
                 raise ValueError(
                     f"leaf {p!r} is a DTensor {x.placements} {tuple(x.shape)}; this transform's tree has "
@@ -130,7 +131,7 @@ class ValueAndGrad:
                     f"{x.placements}: under 'no_shard' every leaf is whole on every rank, so pass a replicated tree "
                     "(sf.shard(params, sf.specs(params, mesh, default=sf.P()), mesh))"
                 )
-        step._spec_of = {p: own for p, own in zip(paths, step._dt_params)}
+        self._layout = {p: own for p, own in zip(paths, step._dt_params)}  # the step's own DTensors
         for x, v in zip(leaves, step._flat_views):
             _donate.adopt(x, v)
         step._dt_params = list(leaves)

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from . import _collectives as C
 from . import _donate, _watch
+from ._functorch import batched, unwrap
 from ._meta_init import materialize
 from ._spec import match_specs, placements_for
 
@@ -142,7 +143,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x = _base(inputs[0])
+        x = unwrap(inputs[0])
         ctx.meta = (x.device_mesh, x.placements, x.shape, x._spec) if isinstance(x, DTensor) else None
 
     @staticmethod
@@ -150,7 +151,7 @@ class _Gather(torch.autograd.Function):
         if ctx.meta is None:
             return grad
         mesh, placements, shape, spec = ctx.meta
-        if _batched(grad):
+        if batched(grad):
             raise NotImplementedError(
                 "the gradient of sf.gather under vmap (per-sample gradients of a sharded tree) is not supported "
                 "yet: gather outside the vmap, `full = sf.gather(params)`, and vmap over the full tree"
@@ -174,24 +175,8 @@ class _Gather(torch.autograd.Function):
             return tangent.full_tensor() if isinstance(tangent, DTensor) else tangent.clone()
 
 
-def _base(x: Any) -> Any:
-    """`x` without torch.func's wrappers (inside a transform, a DTensor leaf is seen wrapped)."""
-    while isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and torch._C._functorch.is_functorch_wrapped_tensor(x):
-        x = torch._C._functorch.get_unwrapped(x)
-    return x
-
-
-def _batched(x: Any) -> bool:
-    """Whether `x` is batched by a vmap at any of torch.func's levels."""
-    while isinstance(x, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x):
-        if torch._C._functorch.is_batchedtensor(x):
-            return True
-        x = torch._C._functorch.get_unwrapped(x)
-    return False
-
-
 def _holds_dtensor(x: Any) -> bool:
-    return isinstance(_base(x), DTensor)
+    return isinstance(unwrap(x), DTensor)
 
 
 def gather(sharded: Any) -> Any:
