@@ -15,6 +15,7 @@ from ._launch import launch
 from ._grad import grad, value_and_grad
 from ._functional import Apply, from_state_dict, functionalize, to_state_dict
 from ._param import Param
+from ._per_sample import DPValueAndGrad, dp_value_and_grad, per_sample_grad_norms, per_sample_grads
 from ._mesh import mesh
 from ._meta_init import meta_device
 from ._shard import gather, shard
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Apply",
+    "DPValueAndGrad",
     "DonatedError",
     "LoadReport",
     "MixedPrecision",
@@ -41,6 +43,7 @@ __all__ = [
     "apply_updates",
     "copy",
     "describe",
+    "dp_value_and_grad",
     "export",
     "from_state_dict",
     "functionalize",
@@ -54,6 +57,8 @@ __all__ = [
     "mesh",
     "meta_device",
     "optim",
+    "per_sample_grad_norms",
+    "per_sample_grads",
     "save",
     "shard",
     "specs",

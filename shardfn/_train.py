@@ -171,19 +171,7 @@ class TrainStep:
         info = self._model(paths, leaves)
         unit_of = [info.unit_of[p] if info is not None else -1 for p in paths]
         n_units = len(info.unit_names) if info is not None else 0
-        # Frozen: named by `frozen=`, or `requires_grad=False` on the module's parameter (as peft does).
-        needs_grad = dict(info.module.named_parameters(remove_duplicate=True)) if info is not None else {}
-        names = {p: info.aliases[p] if info is not None else [p] for p in paths}  # a tied leaf: every name
-        for rx in self.frozen:
-            if not any(rx.fullmatch(n) for p in paths for n in names[p]):
-                raise ValueError(
-                    f"frozen={rx.pattern!r} matches no parameter (patterns match dotted names in full); "
-                    f"the names look like {[n for p in paths[:6] for n in names[p]][:6]}"
-                )
-        trained = [
-            not any(rx.fullmatch(n) for rx in self.frozen for n in names[p]) and (p not in needs_grad or needs_grad[p].requires_grad)
-            for p in paths
-        ]
+        trained = trained_leaves(info, paths, self.frozen)
         device = self.mesh.device_type
         members: dict[int, list[int]] = {u: [] for u in [*range(n_units), -1]}
         for i, u in enumerate(unit_of):
@@ -301,22 +289,7 @@ class TrainStep:
         return TrainState(params=params_tree, opt_state=opt_state, step=0)
 
     def _model(self, paths: list[str], leaves: list):
-        """The functionalized model whose units the step runs: `apply=`, or the one whose parameter
-        names are these (the one that returned these tensors, when several have the names); None
-        for a plain pure function."""
-        if self.apply is not None:
-            if set(self.apply.info.param_paths) != set(paths):
-                raise ValueError("params do not match apply=: pass the tree that sf.functionalize returned with that apply")
-            return self.apply.info
-        found = find_apply(paths, leaves)
-        if len(found) > 1:
-            kinds = ", ".join(type(i.module).__name__ for i in found)
-            raise ValueError(
-                f"{len(found)} functionalized models have exactly these parameter names ({kinds}: a teacher, an EMA "
-                "copy, ...), and these params are not the tensors one of them returned; say which one loss_fn "
-                "trains: sf.train_step(..., apply=apply) or sf.value_and_grad(..., apply=apply)"
-            )
-        return found[0] if found else None
+        return model_info(self.apply, paths, leaves)
 
     def _policy(self, units: dict, dtype_of: dict, direct_gather: bool) -> Policy:
         """The engine's policy for this strategy and these options."""
@@ -588,6 +561,43 @@ def _explain(e: BaseException) -> BaseException | None:
             f"not supported yet: leave those units out of remat= ({msg.splitlines()[0]})"
         )
     return None
+
+
+
+def model_info(apply: Any, paths: list[str], leaves: list) -> Any:
+    """The functionalized model whose units a transform runs: `apply=`, or the one whose parameter
+    names are these (the one that returned these tensors, when several have the names); None for a
+    plain pure function."""
+    if apply is not None:
+        if set(apply.info.param_paths) != set(paths):
+            raise ValueError("params do not match apply=: pass the tree that sf.functionalize returned with that apply")
+        return apply.info
+    found = find_apply(paths, leaves)
+    if len(found) > 1:
+        kinds = ", ".join(type(i.module).__name__ for i in found)
+        raise ValueError(
+            f"{len(found)} functionalized models have exactly these parameter names ({kinds}: a teacher, an EMA "
+            "copy, ...), and these params are not the tensors one of them returned; say which one loss_fn "
+            "trains: sf.train_step(..., apply=apply) or sf.value_and_grad(..., apply=apply)"
+        )
+    return found[0] if found else None
+
+
+def trained_leaves(info: Any, paths: list[str], frozen: list) -> list[bool]:
+    """Which leaves are trained: not named by a `frozen=` pattern, and not `requires_grad=False` on
+    the module's parameter (as peft freezes). `info` is the model's (None for a plain function)."""
+    needs_grad = dict(info.module.named_parameters(remove_duplicate=True)) if info is not None else {}
+    names = {p: info.aliases[p] if info is not None else [p] for p in paths}  # a tied leaf: every name
+    for rx in frozen:
+        if not any(rx.fullmatch(n) for p in paths for n in names[p]):
+            raise ValueError(
+                f"frozen={rx.pattern!r} matches no parameter (patterns match dotted names in full); "
+                f"the names look like {[n for p in paths[:6] for n in names[p]][:6]}"
+            )
+    return [
+        not any(rx.fullmatch(n) for rx in frozen for n in names[p]) and (p not in needs_grad or needs_grad[p].requires_grad)
+        for p in paths
+    ]
 
 
 def _compile(patterns: Any, what: str) -> list:
