@@ -116,3 +116,11 @@ class Detour(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad, None
+
+    @staticmethod
+    def vmap(info, in_dims, proxy, gather):  # type: ignore[override]
+        # Under a vmap over the examples inside loss_fn the parameter is not batched; its
+        # gradient, batched in the backward, is summed over the examples by torch.func.
+        if in_dims[0] is not None:
+            raise NotImplementedError("a train step's parameter batched by vmap is not supported")
+        return Detour.apply(proxy, gather), None

@@ -17,9 +17,9 @@ the model once, so its gradient sums every use before the probe sees it.
 
 DP-SGD needs an example's whole norm before its gradient can be clipped, and the norm is known
 only when every leaf's backward has run: two passes. The first computes the norms (above); the
-second is one ordinary backward of `sum_i c_i * loss_i` on the unit schedule (`sf.value_and_grad`),
-with `c_i = min(1, C / (norm_i + 1e-6))` as Opacus clips, so the clipped sum is reduce-scattered
-like any gradient. Noise `sigma * C * N(0, I)` is drawn leaf by leaf, in the tree's leaf order, at
+second is one ordinary backward of `sum_i c_i * loss_i / B` through `sf.gather` (whose gradient is
+the reduce-scatter), with `c_i = min(1, C / (norm_i + 1e-6))` as Opacus clips: the clipped sum
+without any per-example gradient. Noise `sigma * C * N(0, I)` is drawn leaf by leaf, in the tree's leaf order, at
 each leaf's full shape, from `torch.Generator().manual_seed(seed)` on the CPU; each rank keeps its
 shard of it, so every rank agrees, and a single process with the same seed draws the same noise.
 The result is `(sum_i clip(g_i) + noise) / B` for the global batch of `B` examples.
@@ -39,7 +39,6 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from . import _collectives as C
 from . import _runtime, _watch
 from ._functional import _unit_index
-from ._grad import ValueAndGrad
 from ._mesh import mesh_group
 from ._shard import gather
 from ._train import _compile, model_info, trained_leaves
@@ -366,29 +365,31 @@ def per_sample_grads(
 class DPValueAndGrad:
     """`sf.dp_value_and_grad(...)`: call it as `fn(params, batch, seed=...)`; see `dp_value_and_grad`."""
 
-    def __init__(self, loss_fn: Callable, l2_norm_clip: float, noise_multiplier: float, options: dict, randomness: str):
+    def __init__(self, loss_fn: Callable, l2_norm_clip: float, noise_multiplier: float, apply: Any, frozen: Any, randomness: str):
         _check_loss_fn(loss_fn, "sf.dp_value_and_grad")
         for name, v, low in (("l2_norm_clip", l2_norm_clip, "positive"), ("noise_multiplier", noise_multiplier, "non-negative")):
             ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
             if not ok or (v <= 0 if low == "positive" else v < 0):
                 raise ValueError(f"sf.dp_value_and_grad: {name} must be a finite {low} number, got {v!r}")
         self.loss_fn, self.clip, self.sigma = loss_fn, float(l2_norm_clip), float(noise_multiplier)
-        self.randomness = randomness
+        self.apply, self.frozen, self.randomness = apply, _compile(frozen, "frozen"), randomness
         self._hold: set = set()  # leaves read outside their units, learnt on the first call
-        self.apply, self.frozen = options["apply"], _compile(options["frozen"], "frozen")
-        # The second pass: one backward of the clip-weighted losses on the unit schedule.
-        self._vg = ValueAndGrad(self._weighted, False, options)
 
-    def _weighted(self, params: Any, weighted_batch: Any) -> torch.Tensor:
-        from torch.func import vmap
+    def _clipped_sum(self, model: _Model, batch: Any, weights: torch.Tensor) -> list:
+        """The second pass: the gradient of sum_i w_i * loss_i through `sf.gather`, whose backward
+        reduce-scatters each leaf's full gradient (the sum over ranks) into its shard."""
+        from torch.func import grad, vmap
 
-        weights, batch = weighted_batch
+        index = [k for k, t in enumerate(model.trained) if t]
 
-        def one(p: Any, example: Any) -> torch.Tensor:
-            return self.loss_fn(p, example).reshape(())
+        def weighted(trained: list) -> torch.Tensor:
+            it = iter(trained)
+            full = [gather(next(it)) if t else gather(x).detach() for x, t in zip(model.leaves, model.trained)]
+            tree = optree.tree_unflatten(model.treespec, full)
+            losses = vmap(lambda p, e: self.loss_fn(p, e).reshape(()), in_dims=(None, 0), randomness=self.randomness)(tree, batch)
+            return (losses.float() * weights).sum()
 
-        losses = vmap(one, in_dims=(None, 0), randomness=self.randomness)(params, batch)
-        return (losses.float() * weights).sum()
+        return grad(weighted)([model.leaves[k] for k in index])
 
     def __call__(self, params: Any, batch: Any, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], Any]:
         if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= int(seed) < 2**63:
@@ -417,20 +418,19 @@ class DPValueAndGrad:
                         "rank, so pass the same seed everywhere (e.g. one derived from the step number)"
                     )
             total = float(totals[0])
-            factors = (self.clip / (norms + _CLIP_EPS)).clamp(max=1.0)
-            # sf.value_and_grad averages over ranks: weight each rank's sum by world / B.
-            weights = (factors * (model.world() / total)).to(losses.device)
-            _, grads = self._vg(params, (weights, batch))
-            self._add_noise(model, grads, seed, total)
-            return ((totals[1] / total).float(), norms), grads
+            weights = ((self.clip / (norms + _CLIP_EPS)).clamp(max=1.0) / total).to(losses.device)
+            trained = iter(self._clipped_sum(model, batch, weights))
+            grads = [next(trained) if t else None for t in model.trained]
+            self._add_noise(grads, seed, total)
+            return ((totals[1] / total).float(), norms), optree.tree_unflatten(model.treespec, grads)
 
-    def _add_noise(self, model: _Model, grads: Any, seed: int, total: float) -> None:
+    def _add_noise(self, grads: list, seed: int, total: float) -> None:
         if self.sigma == 0:
             return
         gen = torch.Generator().manual_seed(seed)
         scale = self.sigma * self.clip / total
         with torch.no_grad():
-            for g in optree.tree_leaves(grads):
+            for g in grads:
                 if g is None:
                     continue
                 noise = torch.randn(tuple(g.shape), generator=gen, dtype=torch.float32)
@@ -443,8 +443,6 @@ def dp_value_and_grad(
     l2_norm_clip: float,
     noise_multiplier: float,
     *,
-    strategy: str = "full_shard",
-    remat: Any = False,
     apply: Any = None,
     frozen: Any = None,
     randomness: str = "error",
@@ -454,29 +452,30 @@ def dp_value_and_grad(
     For the global batch of `B` examples (each rank passes its own), the gradient is
     `(sum_i g_i * min(1, l2_norm_clip / (|g_i| + 1e-6)) + noise_multiplier * l2_norm_clip * N(0, I)) / B`,
     `|g_i|` the norm of example i's gradient over the whole model (Opacus's clipping). Two passes
-    (Note [per-example gradients] in `shardfn/_per_sample.py`): the norms, one leaf's per-example
-    gradients at a time; then one backward on the FSDP unit schedule, as `sf.value_and_grad`. The
-    noise comes from `torch.Generator().manual_seed(seed)`, drawn leaf by leaf in tree order at the
-    full shape; every rank must pass the same seed (checked) and keeps its shard. Tied weights
-    are one leaf: their per-example gradient sums every use, as a single process computes it.
+    (Note [per-example gradients] in `shardfn/_per_sample.py`): the norms, one unit's per-example
+    gradients at a time; then the gradient of the clip-weighted loss, reduce-scattered into shards.
+    The noise comes from `torch.Generator().manual_seed(seed)`, drawn leaf by leaf in tree order at
+    the full shape; every rank must pass the same seed (checked) and keeps its shard. A tied weight
+    is one leaf: its per-example gradient sums every use, as a single process computes it.
+
+    Memory per rank: the parameters in full and their full gradients (as `sf.gather` and
+    `torch.func.grad` would hold them), plus the per-example gradients of about one unit.
 
     Args:
         loss_fn: `loss_fn(params, example) -> loss` of one example, as in `per_sample_grad_norms`.
         l2_norm_clip: the clipping norm `C`.
         noise_multiplier: `sigma`; the noise's standard deviation is `sigma * C` (0: no noise).
-        strategy, remat, apply, frozen: as in `sf.value_and_grad`.
-        randomness: as in `per_sample_grad_norms`.
+        apply, frozen, randomness: as in `per_sample_grad_norms`.
 
     Returns:
         `fn(params, batch, seed) -> ((loss, norms), grads)`: `loss` the mean loss over the global
         batch, `norms` the unclipped gradient norms of this rank's examples, `grads` a sharded tree
-        like `params` (None at frozen leaves), donated at the next call as `sf.value_and_grad`'s.
+        like `params` (None at frozen leaves), ready for `sf.optim`.
 
     Example:
         >>> dp = sf.dp_value_and_grad(loss_fn, l2_norm_clip=1.0, noise_multiplier=1.1)
         >>> (loss, norms), grads = dp(params, batch, seed=step)
-        >>> opt_state = opt.update.step_(grads, opt_state, params)
+        >>> updates, opt_state = opt.update(grads, opt_state, params)
+        >>> params = sf.apply_updates(params, updates)
     """
-    options = dict(strategy=strategy, mixed_precision=None, remat=remat, accumulation_steps=1,
-                   accumulation="sharded", apply=apply, frozen=frozen)
-    return DPValueAndGrad(loss_fn, l2_norm_clip, noise_multiplier, options, randomness)
+    return DPValueAndGrad(loss_fn, l2_norm_clip, noise_multiplier, apply, frozen, randomness)

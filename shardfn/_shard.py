@@ -153,8 +153,9 @@ class _Gather(torch.autograd.Function):
         mesh, placements, shape, spec = ctx.meta
         if batched(grad):
             raise NotImplementedError(
-                "the gradient of sf.gather under vmap (per-sample gradients of a sharded tree) is not supported "
-                "yet: gather outside the vmap, `full = sf.gather(params)`, and vmap over the full tree"
+                "the gradient of sf.gather under vmap is not supported: across ranks it would sum example i of every "
+                "rank. For per-example gradients of a sharded model use sf.per_sample_grads, sf.per_sample_grad_norms "
+                "or sf.dp_value_and_grad; or gather outside the vmap, `full = sf.gather(params)`, and vmap over the full tree"
             )
         with torch._C._DisableFuncTorch():
             local = _reduce_to_placements(grad, mesh, placements, shape)
