@@ -53,9 +53,10 @@ class _Acc:
     """One trained leaf's per-example gradients while the backward runs, until they are reduced
     to squared norms (Note [per-example gradients])."""
 
-    __slots__ = ("pending", "total", "hold", "reduced", "direct")
+    __slots__ = ("pending", "total", "hold", "reduced", "direct", "dtype")
 
-    def __init__(self, hold: bool):
+    def __init__(self, hold: bool, dtype: torch.dtype):
+        self.dtype = dtype  # the norms' dtype
         self.pending = 0  # relays whose backward has not run
         self.total: Any = None  # the sum of what arrived, batched over the examples
         self.hold = hold  # reduce only at the probe (the leaf is also read outside its units)
@@ -69,7 +70,7 @@ class _Acc:
     def take(self) -> torch.Tensor:
         # Detached (above): torch.func.grad records the backward (create_graph), and a squared norm
         # would save its input, the per-example gradients, until the transform returns.
-        sq = self.total.float().pow(2).sum()
+        sq = self.total.to(self.dtype).pow(2).sum()
         self.total, self.reduced = None, True
         return sq
 
@@ -174,6 +175,15 @@ def _check_loss_fn(loss_fn: Any, who: str) -> None:
         raise ValueError(f"{who}(loss_fn): loss_fn must be callable, got {type(loss_fn).__name__}")
 
 
+def _one_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(
+            "loss_fn(params, example) must return the loss of one example, a tensor with one element; got "
+            f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+        )
+    return loss.reshape(())
+
+
 def _batch_size(batch: Any, who: str) -> int:
     leaves = [x for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
     sizes = {x.shape[0] if x.dim() else None for x in leaves}
@@ -215,34 +225,47 @@ class _Model:
         return 1 if self.mesh is None else self.mesh.size()
 
 
-def _per_example(model: _Model, loss_fn: Callable, batch: Any, randomness: str, hold: set) -> tuple[torch.Tensor, torch.Tensor]:
+def _rng_state(device_type: str) -> tuple:
+    cuda = torch.cuda.get_rng_state() if device_type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
+def _per_example(
+    model: _Model, loss_fn: Callable, batch: Any, randomness: str, hold: set, rng: tuple | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(losses, squared gradient norms) of this rank's examples, one unit's per-example gradients at
     a time (Note [per-example gradients]). `hold`: the leaves seen read outside their units, whose
     gradients are reduced only at the end; grown (and the pass run again) when one is found."""
     from torch.func import grad, vmap
 
     trained = [k for k, t in enumerate(model.trained) if t]
-    for _ in range(2):
-        accs = {k: _Acc(hold=k in hold or model.info is None) for k in trained}
+    # Norms in float32, or float64 for a float64 model.
+    dtype = torch.promote_types(max((model.leaves[k].dtype for k in trained), key=lambda d: d.itemsize), torch.float32)
+    if rng is None:
+        rng = _rng_state(model.mesh.device_type if model.mesh is not None else "cpu")
+    for attempt in range(2):
+        if attempt:
+            _set_rng_state(rng)  # the pass again, with the same random draws
+        accs = {k: _Acc(k in hold or model.info is None, dtype) for k in trained}
 
         def one(probes: list, example: Any) -> tuple[torch.Tensor, torch.Tensor]:
             probe_of = dict(zip(trained, probes))
             stand = [_Probe.apply(probe_of[k], x, accs[k]) if k in accs else gather(x).detach() for k, x in enumerate(model.leaves)]
             tree = optree.tree_unflatten(model.treespec, stand)
             if model.info is None:
-                loss = loss_fn(tree, example)
+                loss = _one_loss(loss_fn(tree, example))
             else:
                 with _runtime.activate(_Relays(model.info, model.paths, stand, probe_of, accs)):
-                    loss = loss_fn(tree, example)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ValueError(
-                    "loss_fn(params, example) must return the loss of one example, a tensor with one element; got "
-                    f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
-                )
-            loss = loss.reshape(())
+                    loss = _one_loss(loss_fn(tree, example))
             return loss, loss.detach()
 
-        probes = [torch.zeros((), dtype=torch.float32) for _ in trained]
+        probes = [torch.zeros((), dtype=dtype) for _ in trained]
         sq, losses = vmap(grad(one, has_aux=True), in_dims=(None, 0), randomness=randomness)(probes, batch)
         found = {k for k, a in accs.items() if a.direct}
         if not found:
@@ -270,7 +293,9 @@ def per_sample_grad_norms(
             `requires_grad=False` on a module's parameter freezes it too. Frozen leaves have no
             gradient and count in no norm.
         randomness: torch.func.vmap's `randomness` ("error", "different", "same") for dropout
-            and other random ops inside `loss_fn`.
+            and other random ops inside `loss_fn`. A model whose forward branches on tensor values
+            (`.item()`, as Hugging Face BERT's attention-mask code) cannot be vmapped; torch.func
+            says so.
 
     Returns:
         `fn(params, batch) -> norms`: a float32 tensor with one norm per example of this rank's
@@ -343,7 +368,7 @@ def per_sample_grads(
             def one(trained_leaves: list, example: Any) -> torch.Tensor:
                 it = iter(trained_leaves)
                 tree = optree.tree_unflatten(model.treespec, [next(it) if t else x for x, t in zip(full, model.trained)])
-                return loss_fn(tree, example).reshape(())
+                return _one_loss(loss_fn(tree, example))
 
             grads = vmap(grad(one), in_dims=(None, 0), randomness=randomness)(trained, batch)
             it = iter(grads)
@@ -386,8 +411,8 @@ class DPValueAndGrad:
             it = iter(trained)
             full = [gather(next(it)) if t else gather(x).detach() for x, t in zip(model.leaves, model.trained)]
             tree = optree.tree_unflatten(model.treespec, full)
-            losses = vmap(lambda p, e: self.loss_fn(p, e).reshape(()), in_dims=(None, 0), randomness=self.randomness)(tree, batch)
-            return (losses.float() * weights).sum()
+            losses = vmap(lambda p, e: _one_loss(self.loss_fn(p, e)), in_dims=(None, 0), randomness=self.randomness)(tree, batch)
+            return (losses * weights.to(losses.dtype)).sum()
 
         return grad(weighted)([model.leaves[k] for k in index])
 
@@ -402,7 +427,10 @@ class DPValueAndGrad:
                 raise ValueError(
                     "sf.dp_value_and_grad takes a sharded tree (DTensor leaves, e.g. from sf.shard), as sf.value_and_grad does"
                 )
-            losses, sq = _per_example(model, self.loss_fn, batch, self.randomness, self._hold)
+            # Dropout and other random ops must draw the same in both passes (the clip factor of
+            # an example is that of the gradient it scales): each pass starts from the same RNG state.
+            rng = _rng_state(model.mesh.device_type)
+            losses, sq = _per_example(model, self.loss_fn, batch, self.randomness, self._hold, rng)
             norms = sq.sqrt()
             device = model.mesh.device_type
             # One all-reduce for the global batch size and loss; one for the seed's agreement.
@@ -419,10 +447,11 @@ class DPValueAndGrad:
                     )
             total = float(totals[0])
             weights = ((self.clip / (norms + _CLIP_EPS)).clamp(max=1.0) / total).to(losses.device)
+            _set_rng_state(rng)
             trained = iter(self._clipped_sum(model, batch, weights))
             grads = [next(trained) if t else None for t in model.trained]
             self._add_noise(grads, seed, total)
-            return ((totals[1] / total).float(), norms), optree.tree_unflatten(model.treespec, grads)
+            return ((totals[1] / total).to(losses.dtype), norms), optree.tree_unflatten(model.treespec, grads)
 
     def _add_noise(self, grads: list, seed: int, total: float) -> None:
         if self.sigma == 0:
@@ -454,9 +483,13 @@ def dp_value_and_grad(
     `|g_i|` the norm of example i's gradient over the whole model (Opacus's clipping). Two passes
     (Note [per-example gradients] in `shardfn/_per_sample.py`): the norms, one unit's per-example
     gradients at a time; then the gradient of the clip-weighted loss, reduce-scattered into shards.
-    The noise comes from `torch.Generator().manual_seed(seed)`, drawn leaf by leaf in tree order at
-    the full shape; every rank must pass the same seed (checked) and keeps its shard. A tied weight
-    is one leaf: its per-example gradient sums every use, as a single process computes it.
+    The noise comes from `torch.Generator().manual_seed(seed)` on the CPU: one `torch.randn(shape)`
+    in float32 per trained leaf, at its full shape, in the tree's leaf order (`sf.tree_paths`, keys
+    sorted, so not `model.parameters()` order; frozen leaves draw nothing), cast to the leaf's
+    dtype; every rank must pass the same seed (checked) and keeps its shard. Random ops in
+    `loss_fn` (dropout, with `randomness="different"`) draw the same in both passes. A tied weight
+    is one leaf: its per-example gradient sums every use, as a single process computes it. Ranks
+    may pass different numbers of examples; `B` is their total.
 
     Memory per rank: the parameters in full and their full gradients (as `sf.gather` and
     `torch.func.grad` would hold them), plus the per-example gradients of about one unit.

@@ -210,7 +210,7 @@ def rank_peak(which: str) -> int:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
     base = _hwm_kb()
-    out = fn()
+    fn()
     return _hwm_kb() - base
 
 
@@ -238,6 +238,30 @@ def test_per_example_norms_hold_one_units_gradients_at_a_time():
     assert min(peaks["grads"]) >= L * B * leaf, peaks
 
 
+def rank_dropout() -> list[float]:
+    """Dropout draws the same masks in the norms pass and the clipped-sum pass: with one example,
+    no noise and a clip far below its norm, the DP gradient's norm is the clip, exactly."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 3)).train()
+    apply, params = sf.functionalize(model, units=r"\d+")
+    mesh = sf.mesh(dp=-1)
+    sharded = sf.shard(params, sf.specs(params, mesh), mesh)
+    x, y = _examples("mlp", 1)
+    dp = sf.dp_value_and_grad(lambda p, e: F.mse_loss(apply(p, e[0][None]), e[1][None]), 1e-3, 0.0, randomness="different")
+    ratios = []
+    for step in range(4):
+        _, grads = dp(sharded, (x, y), seed=step)
+        ratios.append(math.sqrt(sum(float(g.full_tensor().double().pow(2).sum()) for g in optree.tree_leaves(grads))) / 1e-3)
+    return ratios
+
+
+def test_dp_sgd_with_dropout_clips_the_gradient_it_scales(pools):
+    (ratios,) = pools(1).run(rank_dropout)
+    assert max(abs(r - 1) for r in ratios) < 1e-5, ratios
+
+
 def rank_refusals() -> list[str]:
     rank = dist.get_rank()
     apply, params = sf.functionalize(make_model("mlp"), units=units_of("mlp"))
@@ -249,6 +273,7 @@ def rank_refusals() -> list[str]:
         lambda: sf.dp_value_and_grad(lambda p, e: F.mse_loss(apply(p, e[0][None]), e[1][None]), 1.0, 1.0)(sharded, (x, y), seed=rank),
         lambda: sf.per_sample_grad_norms(lambda p, e: (apply(p, e[0][None]) - e[1]).pow(2))(sharded, (x, y)),
         lambda: sf.per_sample_grads(lambda p, e: F.mse_loss(apply(p, e[0][None]), e[1][None]))(sharded, (x[: 1 + rank], y[: 1 + rank])),
+        lambda: sf.per_sample_grads(lambda p, e: apply(p, e[0][None]))(sharded, (x, y)),
     ):
         try:
             call()
@@ -263,6 +288,7 @@ def test_bad_input_is_refused_with_the_fix(pools):
         assert "different seeds" in said[0], said
         assert "one element" in said[1], said
         assert "same number on every rank" in said[2], said
+        assert "one element" in said[3], said
     loss = lambda p, e: p["w"].sum()  # noqa: E731
     for bad in (0.0, -1.0, math.inf, True, "1"):
         with pytest.raises(ValueError, match="l2_norm_clip"):
