@@ -75,6 +75,13 @@ class _Acc:
         return sq
 
 
+def _keep_acc(ctx, inputs: tuple, output: Any) -> None:
+    """`setup_context` of `_Probe` and `_Relay` (inputs: probe, leaf, acc): no gradient arriving
+    stays None, so a leaf that no unit used needs no zeros."""
+    ctx.acc = inputs[2]
+    ctx.set_materialize_grads(False)
+
+
 class _Probe(torch.autograd.Function):
     """A leaf gathered to its full value; its gradient goes to a scalar probe, as the squared norm
     of the leaf's whole gradient (per example, under vmap)."""
@@ -84,10 +91,7 @@ class _Probe(torch.autograd.Function):
         with torch._C._DisableFuncTorch(), _watch.waiting():
             return x.full_tensor() if isinstance(x, DTensor) else x.detach().clone()
 
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.acc = inputs[2]
-        ctx.set_materialize_grads(False)
+    setup_context = staticmethod(_keep_acc)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None) -> Any:  # type: ignore[override]
@@ -119,10 +123,7 @@ class _Relay(torch.autograd.Function):
     def forward(probe: torch.Tensor, full: torch.Tensor, acc: _Acc) -> torch.Tensor:  # type: ignore[override]
         return full
 
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.acc = inputs[2]
-        ctx.set_materialize_grads(False)
+    setup_context = staticmethod(_keep_acc)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None) -> Any:  # type: ignore[override]
