@@ -563,7 +563,6 @@ def _explain(e: BaseException) -> BaseException | None:
     return None
 
 
-
 def model_info(apply: Any, paths: list[str], leaves: list) -> Any:
     """The functionalized model whose units a transform runs: `apply=`, or the one whose parameter
     names are these (the one that returned these tensors, when several have the names); None for a
