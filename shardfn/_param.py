@@ -94,6 +94,18 @@ class Param(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Below autograd: an op reached the Param itself, not its full value, by a path that
+        # skips `__torch_function__` (torch.func.vmap batches its inputs in C++). Its memory is
+        # the unit's slot, which need not hold this leaf, and no gradient would flow: refuse.
+        raise NotImplementedError(
+            f"{func} reached a train step's parameter directly, past shardfn (torch.func.vmap over the parameters, "
+            "as an ensemble built with stack_module_state does): no value or gradient would be right. Read the "
+            "leaves first, inside loss_fn: `params = optree.tree_map(lambda t: t.view(t.shape), params)`, then vmap "
+            "over that tree"
+        )
+
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105 - a repr must not gather
         return f"sf.Param(shape={tuple(self.shape)}, dtype={self.dtype}, unit={self.where[0]})"
 

@@ -9,6 +9,7 @@ import optree
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import shardfn as sf
 from reference import global_batch, local_batch, make_model, rel_err, units_of
@@ -151,3 +152,65 @@ def test_vmap_inside_loss_fn_under_every_strategy(pools, strategy, world):
     for rank, out in enumerate(pools(world).run(rank_vmap_inside_loss, strategy)):
         assert out["loss"] < 1e-5 and out["params"] < 1e-5, (rank, out)
         assert "gradient transform" in out["penalty"] and "train_step" in out["penalty"], out["penalty"]
+
+
+def rank_ensemble(strategy: str) -> dict:
+    """An ensemble (torch.func.stack_module_state) trained by a loss_fn that vmaps over the members:
+    vmap over the step's parameters themselves is refused before any op computes (it would batch
+    their raw memory, past shardfn, with no gradient); over the leaves read first, it trains
+    exactly as the unsharded ensemble."""
+    import copy
+
+    from torch import nn
+    from torch.func import functional_call, stack_module_state, vmap
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)) for _ in range(4)]
+    stacked, _ = stack_module_state(members)
+    base = copy.deepcopy(members[0]).to("meta")
+    params = {k: v.detach().clone() for k, v in stacked.items()}
+
+    def make_loss(read_first: bool):
+        def loss_fn(p, batch):
+            x, y = batch
+            if read_first:
+                p = optree.tree_map(lambda t: t.view(t.shape), p)
+            out = vmap(lambda q: functional_call(base, q, (x,)))(p)  # [members, examples, 3]
+            return F.mse_loss(out, y.expand(len(members), *y.shape))
+
+        return loss_fn
+
+    mesh = sf.mesh(dp=-1)
+    out = {}
+    raw = sf.train_step(make_loss(False), sf.optim.sgd(0.1), mesh, strategy=strategy)
+    state = raw.init(params)
+    try:
+        raw(state, local_batch(global_batch("mlp", 0, world), rank, world))
+        out["raw"] = "ran"
+    except NotImplementedError as e:
+        out["raw"] = str(e)
+    step = sf.train_step(make_loss(True), sf.optim.sgd(0.1, momentum=0.9), mesh, strategy=strategy)
+    state = step.init(params)
+    ref = {k: v.clone().requires_grad_() for k, v in params.items()}
+    opt = torch.optim.SGD(ref.values(), lr=0.1, momentum=0.9)
+    losses = []
+    for i in range(3):
+        batch = global_batch("mlp", i, world)
+        state, m = step(state, local_batch(batch, rank, world))
+        opt.zero_grad()
+        ref_loss = make_loss(False)(ref, batch)
+        ref_loss.backward()
+        opt.step()
+        losses.append(rel_err(m["loss"], ref_loss))
+    got = sf.gather(state.params)
+    out["loss"], out["params"] = max(losses), max(rel_err(got[k], ref[k]) for k in ref)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+def test_an_ensemble_vmapped_inside_loss_fn(pools, strategy, world):
+    for rank, out in enumerate(pools(world).run(rank_ensemble, strategy)):
+        assert "stack_module_state" in out["raw"] and "t.view(t.shape)" in out["raw"], out["raw"]
+        assert out["loss"] < 1e-5 and out["params"] < 1e-5, (rank, out)
