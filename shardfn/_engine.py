@@ -640,7 +640,8 @@ class Engine:
         wrapped = False
         if torch.is_grad_enabled():
             flat, spec = pytree.tree_flatten((args, kwargs))
-            idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+            # Under vmap the batched wrapper does not require grad; the physical tensor does.
+            idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and unwrap(x).requires_grad]
             if idx:
                 outs = _PostBackward.apply(self, u, *(flat[i] for i in idx))
                 for i, o in zip(idx, outs):

@@ -214,3 +214,68 @@ def test_an_ensemble_vmapped_inside_loss_fn(pools, strategy, world):
     for rank, out in enumerate(pools(world).run(rank_ensemble, strategy)):
         assert "stack_module_state" in out["raw"] and "t.view(t.shape)" in out["raw"], out["raw"]
         assert out["loss"] < 1e-5 and out["params"] < 1e-5, (rank, out)
+
+
+class _Lora(torch.nn.Module):
+    """A frozen linear map plus a trained low-rank one, as peft's LoRA layers: the unit's trained
+    gradients land before its backward is done with the frozen weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.a = torch.nn.Linear(8, 2, bias=False)
+        self.b = torch.nn.Linear(2, 8, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.b(self.a(x))
+
+
+class _LoraBlocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(_Lora(), torch.nn.Tanh(), torch.nn.Linear(8, 8)) for _ in range(3)])
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = x + blk(x)
+        return x
+
+
+def rank_vmap_partly_frozen() -> dict:
+    """vmap over the examples inside loss_fn, on units whose trained leaves finish before their
+    frozen ones are done (LoRA): every strategy's gradient equals the unsharded one."""
+    from torch.func import vmap
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _LoraBlocks()
+    apply, params = sf.functionalize(model, units=r"blocks\.\d+")
+    x = torch.randn(3 * world, 8, generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(p, b):
+        return vmap(lambda xi: apply(p, xi[None]).pow(2).mean())(b).mean()
+
+    trained = {k: p.requires_grad for k, p in model.named_parameters()}
+    assert sorted(trained) == sorted(sf.tree_paths(params)) and not all(trained.values())
+    leaves, spec = optree.tree_flatten(params)
+    mine = [t.detach().clone().requires_grad_(trained[k]) for k, t in zip(sf.tree_paths(params), leaves)]
+    ref_loss = loss_fn(optree.tree_unflatten(spec, mine), x)
+    paths = sf.tree_paths(params)  # the leaves' order
+    ref = dict(zip([k for k in paths if trained[k]], torch.autograd.grad(ref_loss, [t for t in mine if t.requires_grad])))
+    out = {}
+    mesh = sf.mesh(dp=-1)
+    for strategy in ("full_shard", "shard_grad_op", "no_shard"):
+        spec_default = sf.P() if strategy == "no_shard" else sf.P("dp")
+        sharded = sf.shard(params, sf.specs(params, mesh, default=spec_default), mesh)
+        loss, grads = sf.value_and_grad(loss_fn, strategy=strategy, apply=apply)(sharded, x.chunk(world)[rank])
+        got = dict(zip(sf.tree_paths(params), optree.tree_leaves(grads, none_is_leaf=True)))
+        out[strategy] = max([rel_err(loss, ref_loss)] + [rel_err(sf.gather(got[k]), g) for k, g in ref.items()])
+        out[strategy + "_frozen_none"] = all(got[k] is None for k in trained if not trained[k])
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vmap_inside_loss_fn_on_partly_frozen_units(pools, world):
+    for rank, out in enumerate(pools(world).run(rank_vmap_partly_frozen)):
+        assert all(v is True for k, v in out.items() if k.endswith("_frozen_none")), out
+        assert max(v for k, v in out.items() if not k.endswith("_frozen_none")) < 1e-5, (rank, out)
