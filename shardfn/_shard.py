@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from . import _collectives as C
 from . import _donate, _watch
-from ._functorch import batched, unwrap
+from ._functorch import unwrap
 from ._meta_init import materialize
 from ._spec import match_specs, placements_for
 
@@ -129,11 +129,20 @@ def _reduce_to_placements(grad: torch.Tensor, mesh: DeviceMesh, placements, shap
     return total.contiguous()
 
 
+_VMAP_REFUSED = (
+    "the gradient of sf.gather under vmap is not supported: across ranks it would sum example i of every "
+    "rank. For per-example gradients of a sharded model use sf.per_sample_grads, sf.per_sample_grad_norms "
+    "or sf.dp_value_and_grad; or gather outside the vmap, `full = sf.gather(params)`, and vmap over the full tree"
+)
+
+
 class _Gather(torch.autograd.Function):
     """DTensor -> full tensor; backward sums the full gradients of all ranks into the shards.
 
     The collectives run under `torch._C._DisableFuncTorch()`, so the function composes with
-    torch.func transforms (see FINDINGS: collectives inside torch.func).
+    torch.func transforms (see FINDINGS: collectives inside torch.func). The backward is itself a
+    Function (`_ReduceScatter`, whose backward is this gather), so a gradient of a gradient
+    (`vjp(grad(f))`, a Hessian-vector product) is recorded and exact.
     """
 
     @staticmethod
@@ -150,17 +159,7 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> Any:  # type: ignore[override]
         if ctx.meta is None:
             return grad
-        mesh, placements, shape, spec = ctx.meta
-        if batched(grad):
-            raise NotImplementedError(
-                "the gradient of sf.gather under vmap is not supported: across ranks it would sum example i of every "
-                "rank. For per-example gradients of a sharded model use sf.per_sample_grads, sf.per_sample_grad_norms "
-                "or sf.dp_value_and_grad; or gather outside the vmap, `full = sf.gather(params)`, and vmap over the full tree"
-            )
-        with torch._C._DisableFuncTorch():
-            local = _reduce_to_placements(grad, mesh, placements, shape)
-        # The plain constructor: `DTensor.from_local` is an autograd.Function, refused inside torch.func.
-        return _donate.wrap(local, spec)
+        return _ReduceScatter.apply(grad, ctx.meta)
 
     @staticmethod
     def vmap(info, in_dims, x):  # type: ignore[override]
@@ -174,6 +173,39 @@ class _Gather(torch.autograd.Function):
             return tangent
         with torch._C._DisableFuncTorch(), _watch.waiting():
             return tangent.full_tensor() if isinstance(tangent, DTensor) else tangent.clone()
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Full tensor (one per rank) -> the DTensor of their sum, laid out as `meta` says; the
+    gradient of `_Gather`, and its backward is `_Gather`."""
+
+    @staticmethod
+    def forward(grad: torch.Tensor, meta: tuple) -> DTensor:  # type: ignore[override]
+        mesh, placements, shape, spec = meta
+        with torch._C._DisableFuncTorch():
+            local = _reduce_to_placements(grad, mesh, placements, shape)
+        # The plain constructor: `DTensor.from_local` is an autograd.Function, refused inside torch.func.
+        return _donate.wrap(local, spec)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.meta = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> Any:  # type: ignore[override]
+        return _Gather.apply(grad), None
+
+    @staticmethod
+    def vmap(info, in_dims, grad, meta):  # type: ignore[override]
+        if in_dims[0] is not None:
+            raise NotImplementedError(_VMAP_REFUSED)
+        return _ReduceScatter.apply(grad, meta), None
+
+    @staticmethod
+    def jvp(ctx, tangent: torch.Tensor, _meta: None) -> DTensor:  # type: ignore[override]
+        mesh, placements, shape, spec = ctx.meta
+        with torch._C._DisableFuncTorch():
+            return _donate.wrap(_reduce_to_placements(tangent, mesh, placements, shape), spec)
 
 
 def _holds_dtensor(x: Any) -> bool:

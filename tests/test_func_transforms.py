@@ -52,6 +52,12 @@ def rank_transforms() -> dict:
     x = _x(rank).requires_grad_()
     (gx2,) = torch.autograd.grad(apply(sharded, x).pow(2).sum(), x)
     out["input_autograd"] = rel_err(gx2, gx)
+    # A Hessian-vector product, reverse over reverse: the gradient of sf.gather's gradient.
+    v = optree.tree_map(lambda t: torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())), params)
+    v_sharded = sf.shard(v, sf.specs(v, mesh), mesh)
+    (hv,) = vjp(grad(lambda p: loss(p, _x(rank))), sharded)[1](v_sharded)
+    ref_hv = [sum(t) for t in zip(*[optree.tree_leaves(vjp(grad(lambda p: loss(p, _x(r))), params)[1](v)[0]) for r in range(world)])]
+    out["hvp"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(hv), ref_hv))
     with torch.no_grad():
         out["inference"] = rel_err(apply(sharded, _x(rank)), apply(params, _x(rank)))
     try:
@@ -92,7 +98,7 @@ def test_grad_and_vjp_through_gather_are_sharded_and_exact(pools, world):
             assert kind == "DTensor" and err < 1e-5, (rank, out["grad"])
         assert out["grad_and_value"] < 1e-5 and out["value"] < 1e-6 and out["vjp"] < 1e-5, (rank, out)
         assert "gather outside the vmap" in out["vmap"], out["vmap"]
-        assert max(out[k] for k in ("apply_grad", "input_grad", "input_autograd", "inference")) < 1e-5, (rank, out)
+        assert max(out[k] for k in ("apply_grad", "input_grad", "input_autograd", "inference", "hvp")) < 1e-5, (rank, out)
 
 
 def rank_vmap_inside_loss(strategy: str) -> dict:
