@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from . import _collectives as C
 from . import _runtime, _watch
 from ._functional import _unit_index
+from ._functorch import under_grad_transform
 from ._mesh import mesh_group
 from ._shard import gather
 from ._train import _compile, model_info, trained_leaves
@@ -204,6 +205,11 @@ class _Model:
         self.paths, self.leaves, self.treespec = tree_flatten_with_paths(params)
         if not self.paths:
             raise ValueError(f"{who}: params is an empty tree")
+        if under_grad_transform(self.leaves):
+            raise NotImplementedError(
+                f"{who} inside a torch.func gradient transform over params: its result is not differentiable (the "
+                "per-example gradients are reduced as they are computed), so the outer gradient would be zero"
+            )
         self.info = model_info(apply, self.paths, self.leaves)
         self.trained = trained_leaves(self.info, self.paths, frozen)
         if not any(self.trained):

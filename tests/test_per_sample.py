@@ -302,5 +302,7 @@ def test_bad_input_is_refused_with_the_fix(pools):
         dp({"w": torch.ones(2)}, torch.ones(3, 1), seed=-1)
     with pytest.raises(ValueError, match="sharded tree"):
         dp({"w": torch.ones(2)}, torch.ones(3, 1), seed=1)
+    with pytest.raises(NotImplementedError, match="not differentiable"):
+        torch.func.grad(lambda p: sf.per_sample_grad_norms(loss)(p, torch.ones(3, 1)).sum())({"w": torch.ones(2)})
     with pytest.raises(ValueError, match="leading dim"):
         sf.per_sample_grad_norms(loss)({"w": torch.ones(2)}, (torch.ones(3, 1), torch.ones(2, 1)))
