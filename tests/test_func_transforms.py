@@ -52,6 +52,17 @@ def rank_transforms() -> dict:
     x = _x(rank).requires_grad_()
     (gx2,) = torch.autograd.grad(apply(sharded, x).pow(2).sum(), x)
     out["input_autograd"] = rel_err(gx2, gx)
+    # Transforms over the inputs of a sharded model: the tree is a constant to them.
+    from torch.func import hessian, jacfwd, jacrev, jvp
+
+    for name, fn in {
+        "jacrev_x": lambda p: jacrev(lambda x: apply(p, x))(_x(rank)),
+        "jacfwd_x": lambda p: jacfwd(lambda x: apply(p, x))(_x(rank)),
+        "jvp_x": lambda p: jvp(lambda x: apply(p, x), (_x(rank),), (torch.ones(3, 7),))[1],
+        "hessian_x": lambda p: hessian(lambda x: apply(p, x).pow(2).sum())(_x(rank)),
+        "vmap_grad_x": lambda p: vmap(grad(lambda x: apply(p, x[None]).sum()))(_x(rank)),
+    }.items():
+        out[name] = rel_err(fn(sharded), fn(params))
     # A Hessian-vector product, reverse over reverse: the gradient of sf.gather's gradient.
     v = optree.tree_map(lambda t: torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())), params)
     v_sharded = sf.shard(v, sf.specs(v, mesh), mesh)
@@ -98,7 +109,8 @@ def test_grad_and_vjp_through_gather_are_sharded_and_exact(pools, world):
             assert kind == "DTensor" and err < 1e-5, (rank, out["grad"])
         assert out["grad_and_value"] < 1e-5 and out["value"] < 1e-6 and out["vjp"] < 1e-5, (rank, out)
         assert "gather outside the vmap" in out["vmap"], out["vmap"]
-        assert max(out[k] for k in ("apply_grad", "input_grad", "input_autograd", "inference", "hvp")) < 1e-5, (rank, out)
+        keys = ("apply_grad", "input_grad", "input_autograd", "inference", "hvp", "jacrev_x", "jacfwd_x", "jvp_x", "hessian_x", "vmap_grad_x")
+        assert max(out[k] for k in keys) < 1e-5, (rank, out)
 
 
 def rank_vmap_inside_loss(strategy: str) -> dict:
