@@ -89,7 +89,7 @@ import optree
 from . import _collectives as C
 from ._flat import Arena, FlatUnit
 from ._functorch import under_grad_transform, unwrap
-from ._param import Detour, Param
+from ._param import Detour, OffSchedule, Param
 
 __all__ = ["Engine", "EngineStats", "Policy", "StaleParameterError"]
 
@@ -616,11 +616,9 @@ class Engine:
         if info is not self.info or self.phase == "idle":
             return None
         if self.phase == "forward" and under_grad_transform((args, kwargs)):
-            raise NotImplementedError(
+            raise OffSchedule(
                 f"unit {self.units[u].name!r} ran inside a torch.func gradient transform (grad, vjp, jacrev, ...) in "
-                "loss_fn: train_step does not support a backward inside loss_fn yet (a gradient penalty). torch.func.vmap "
-                "over the inputs works; for a penalty on input gradients, compute it outside train_step with "
-                "sf.value_and_grad on a replicated tree, or with torch.autograd on sf.gather(params)"
+                "loss_fn (a gradient penalty)"
             )
         if self.phase == "backward":  # a recompute (remat) or a forward run by the backward
             self._ensure(u)
@@ -756,9 +754,8 @@ class Engine:
 
     def _pre_backward(self, u: int) -> None:
         if self.phase != "backward":
-            raise NotImplementedError(
-                "a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model): "
-                "train_step does not support that yet"
+            raise OffSchedule(
+                "a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model)"
             )
         if u in self._reduced:
             raise RuntimeError(
@@ -780,9 +777,8 @@ class Engine:
 
     def _post_backward(self, u: int) -> None:
         if self.phase != "backward":
-            raise NotImplementedError(
-                "a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model): "
-                "train_step does not support that yet"
+            raise OffSchedule(
+                "a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model)"
             )
         if self._active.get(u, 0) > 0:
             self._active[u] -= 1

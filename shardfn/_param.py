@@ -31,7 +31,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["Param", "Detour"]
+__all__ = ["Param", "Detour", "OffSchedule"]
+
+
+class OffSchedule(NotImplementedError):
+    """`loss_fn` used the model in a way the unit schedule cannot serve: a backward of its own
+    (a gradient penalty), or torch.func.vmap over the parameters (an ensemble). Raised before
+    anything is computed; the train step then computes the step on the whole gathered tree
+    (Note [steps off the unit schedule] in `shardfn/_train.py`)."""
 
 _METADATA = {
     torch.Tensor.shape.__get__,
@@ -87,6 +94,10 @@ class Param(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in (torch.autograd.grad, torch.autograd.backward):
+            # A gradient with respect to the parameters inside loss_fn (a gradient-norm penalty):
+            # their uses went to the units' full parameters, so none would be found.
+            raise OffSchedule("torch.autograd.grad with respect to a train step's parameters, inside loss_fn")
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -99,11 +110,9 @@ class Param(torch.Tensor):
         # Below autograd: an op reached the Param itself, not its full value, by a path that
         # skips `__torch_function__` (torch.func.vmap batches its inputs in C++). Its memory is
         # the unit's slot, which need not hold this leaf, and no gradient would flow: refuse.
-        raise NotImplementedError(
+        raise OffSchedule(
             f"{func} reached a train step's parameter directly, past shardfn (torch.func.vmap over the parameters, "
-            "as an ensemble built with stack_module_state does): no value or gradient would be right. Read the "
-            "leaves first, inside loss_fn: `params = optree.tree_map(lambda t: t.view(t.shape), params)`, then vmap "
-            "over that tree"
+            "as an ensemble built with stack_module_state does)"
         )
 
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105 - a repr must not gather

@@ -42,7 +42,7 @@ from ._functional import _unit_index
 from ._functorch import under_grad_transform
 from ._mesh import mesh_group
 from ._shard import gather
-from ._train import _compile, model_info, trained_leaves
+from ._train import _compile, _rng_state, _set_rng_state, model_info, trained_leaves
 from ._tree import tree_flatten_with_paths
 
 __all__ = ["per_sample_grad_norms", "per_sample_grads", "dp_value_and_grad", "DPValueAndGrad"]
@@ -230,17 +230,6 @@ class _Model:
 
     def world(self) -> int:
         return 1 if self.mesh is None else self.mesh.size()
-
-
-def _rng_state(device_type: str) -> tuple:
-    cuda = torch.cuda.get_rng_state() if device_type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1])
 
 
 def _per_example(

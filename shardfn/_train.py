@@ -16,6 +16,7 @@ from . import _collectives as C
 from . import _donate, _runtime, _watch
 from ._buffers import ModuleBuffers
 from ._engine import Engine, Policy, StaleParameterError
+from ._param import OffSchedule
 from ._flat import STALE, FlatUnit, LeafSpec
 from ._functional import find_apply
 from ._meta_init import materialize
@@ -79,6 +80,16 @@ def _split_loss(out: Any) -> tuple[torch.Tensor, Any]:
     return loss, aux
 
 
+def _rng_state(device_type: str) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if device_type == "cuda" else None
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
 def _split_batch(batch: Any, k: int) -> list[Any]:
     if k == 1:
         return [batch]
@@ -139,6 +150,7 @@ class TrainStep:
         self.apply = apply
         self.frozen = _compile(frozen, "frozen")
         self.offload = offload
+        self._off_schedule = False  # Note [steps off the unit schedule]
         self.group = mesh.get_group(self.shard_axis)
         self.replicate_group = mesh.get_group(self.replicate_axis) if self.replicate_axis else None
         self.shard_world = mesh.size(names.index(self.shard_axis))
@@ -403,12 +415,48 @@ class TrainStep:
         for u in self._units.values():  # the last step's gradient shards are spent
             u.release_grad()
         k = self.accumulation_steps
+        self._buffers.mark()
+        if self._off_schedule:
+            loss_sum, aux = self._gradients_gathered(batch)
+        else:
+            rng = _rng_state(self.mesh.device_type)
+            try:
+                loss_sum, aux = self._gradients_on_schedule(batch)
+            except OffSchedule as e:
+                if self.mp.param_dtype is not None or self.offload is not None:
+                    raise NotImplementedError(
+                        f"{e}: with mixed_precision or offload, train_step cannot compute this step yet (Note [steps off "
+                        "the unit schedule] in shardfn/_train.py)"
+                    ) from e
+                self._off_schedule = True
+                for u in self._units.values():
+                    u.release_grad()
+                _set_rng_state(rng)  # the same random draws as the attempt
+                loss_sum, aux = self._gradients_gathered(batch)
+        self._buffers.sync()
+        # One all-reduce for the loss, the squared gradient norm, and which leaves got a gradient
+        # on some rank (Note [leaves without a gradient]).
+        sq = local_sumsq(self._norm_parts).to(loss_sum.device) if self._norm_parts else loss_sum.new_zeros(())
+        had = [self._units[u].had_grad[j] for u, j in self._trained_where]
+        stats = torch.cat([torch.stack([loss_sum / k, sq]), torch.tensor(had, dtype=torch.float32).to(sq.device)])
+        if self.world > 1:
+            C.all_reduce(stats, None if self.replicate_group is not None else self.group)
+        loss_mean = stats[0] / self.world
+        grad_norm = stats[1].sqrt()
+        # Read back (a host sync on GPUs) only where this rank saw a leaf without a gradient.
+        skip = [i for i, n in enumerate(stats[2:].tolist()) if n == 0] if not all(had) else []
+        aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux, none_is_leaf=True)
+        return loss_mean, grad_norm, skip, aux
+
+    def _gradients_on_schedule(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        """Forward and backward on the unit schedule; returns this rank's loss (summed over
+        micro-batches) and aux."""
+        k = self.accumulation_steps
         local = self.accumulation == "local"
         scale = 1.0 / (self.world * k)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device_type)
         aux = None
         engine = self.engine
-        self._buffers.mark()
         try:
             with _runtime.activate(engine), torch.enable_grad():
                 for m, micro in enumerate(_split_batch(batch, k)):
@@ -425,20 +473,37 @@ class TrainStep:
             if clear is not None:
                 raise clear from e
             raise
-        self._buffers.sync()
-        # One all-reduce for the loss, the squared gradient norm, and which leaves got a gradient
-        # on some rank (Note [leaves without a gradient]).
-        sq = local_sumsq(self._norm_parts).to(loss_sum.device) if self._norm_parts else loss_sum.new_zeros(())
-        had = [self._units[u].had_grad[j] for u, j in self._trained_where]
-        stats = torch.cat([torch.stack([loss_sum / k, sq]), torch.tensor(had, dtype=torch.float32).to(sq.device)])
-        if self.world > 1:
-            C.all_reduce(stats, None if self.replicate_group is not None else self.group)
-        loss_mean = stats[0] / self.world
-        grad_norm = stats[1].sqrt()
-        # Read back (a host sync on GPUs) only where this rank saw a leaf without a gradient.
-        skip = [i for i, n in enumerate(stats[2:].tolist()) if n == 0] if not all(had) else []
-        aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux, none_is_leaf=True)
-        return loss_mean, grad_norm, skip, aux
+        return loss_sum, aux
+
+    def _gradients_gathered(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        """Forward and backward on the whole gathered tree, with plain autograd: the gradient of
+        `sf.gather` is the reduce-scatter (Note [steps off the unit schedule])."""
+        from ._shard import gather
+
+        k = self.accumulation_steps
+        scale = 1.0 / (self.world * k)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device_type)
+        aux = None
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_(t) for x, t in zip(self._dt_params, self._trained)]
+            full = optree.tree_unflatten(self.treespec, [gather(x) for x in leaves])
+            trained = [x for x, t in zip(leaves, self._trained) if t]
+            sums: list = [None] * len(trained)
+            for micro in _split_batch(batch, k):
+                loss, aux = _split_loss(self.loss_fn(full, micro))
+                loss_sum += loss.detach().float()
+                grads = torch.autograd.grad(loss * scale, trained, allow_unused=True, retain_graph=k > 1)
+                sums = [g if s is None else s if g is None else s + g for s, g in zip(sums, grads)]
+        del full
+        for unit in self._units.values():
+            unit.alloc_grad()
+            unit.grad.zero_()
+        with torch.no_grad():
+            for (u, j), g in zip(self._trained_where, sums):
+                if g is not None:
+                    self._units[u].grad_views[j].copy_(g.to_local())
+                    self._units[u].had_grad[j] = True
+        return loss_sum, aux
 
     def _optimize(self, params: Any, opt_state: Any, skip: list[int]) -> Any:
         """The optimizer's update, in place; trained leaves at positions `skip` keep their values
@@ -461,6 +526,20 @@ class TrainStep:
             _restore(trainable, opt_state, idx, kept)
         return opt_state
 
+
+# Note [steps off the unit schedule]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Two things a `loss_fn` may do are beyond the unit schedule: run a backward of its own through
+# the model (a gradient penalty: `torch.autograd.grad(..., create_graph=True)`, or a torch.func
+# gradient transform over the inputs or the parameters), and vmap over the parameters themselves
+# (an ensemble built with `torch.func.stack_module_state`). The first needs every unit's
+# parameters again at moments the schedule does not know (the backward inside the forward, then
+# the backward of that backward); the second batches the parameters in C++, past their reads.
+# The engine and the `Param`s raise `OffSchedule` at once, before any op computes with a wrong
+# value, and the step starts over from the same random state, computing on the whole tree,
+# gathered with `sf.gather` under plain autograd, whose gradient is the reduce-scatter. The step
+# stays there from then on: exact under every strategy, with the parameters and gradients in full
+# for the forward and backward, as `no_shard` holds them. Not yet with mixed precision or offload.
 
 # Note [leaves without a gradient]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
