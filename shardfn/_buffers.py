@@ -37,6 +37,9 @@ class ModuleBuffers:
         self.src = int(mesh.mesh.flatten()[0])
         self._versions: list[list[int]] = []
         self._groups: list[list[torch.Tensor]] = []  # the buffers of each module that has some
+        self._updating: set | None = None  # modules whose buffers a forward updated (None: not known yet)
+        self._saved: list = []
+        self._saved_versions: list = []
 
     def mark(self) -> None:
         """Records the buffers' versions at the start of a step."""
@@ -45,6 +48,39 @@ class ModuleBuffers:
         self._groups = [list(m._buffers.values()) for m in self.module.modules() if any(b is not None for b in m._buffers.values())]
         self._groups = [[b for b in g if b is not None] for g in self._groups]
         self._versions = [[b._version for b in g] for g in self._groups]
+
+    def save(self) -> None:
+        """Before a step that may be given up and run again (Note [steps off the unit schedule] in
+        `_train.py`): copies of the buffers a forward may update. Until a step has shown which
+        modules' buffers the forward updates, every buffer is copied; afterwards only those."""
+        self._saved, self._saved_versions = [], []
+        if self.module is None:
+            return
+        groups = [(m, [b for b in m._buffers.values() if b is not None]) for m in self.module.modules()]
+        groups = [(m, g) for m, g in groups if g]
+        self._saved_versions = [(m, g, [b._version for b in g]) for m, g in groups]
+        for m, g in groups:
+            if self._updating is None or m in self._updating:
+                self._saved += [(b, b.clone()) for b in g]
+
+    def learn(self) -> None:
+        """After a step: which modules' buffers its forward updated (those are copied from now on)."""
+        changed = {m for m, g, vs in self._saved_versions if any(b._version != v for b, v in zip(g, vs))}
+        self._updating = changed | (self._updating or set())
+        self._saved, self._saved_versions = [], []
+
+    def restore(self) -> None:
+        """The step is given up: the buffers get their values from before it back."""
+        saved = {id(b) for b, _ in self._saved}
+        for m, g, vs in self._saved_versions:
+            if any(b._version != v and id(b) not in saved for b, v in zip(g, vs)):
+                raise NotImplementedError(
+                    f"a buffer of {type(m).__name__} changed in a step that is run again, and no copy of it was kept "
+                    "(its module had not updated buffers in earlier steps)"
+                )
+        with torch.no_grad():
+            for b, c in self._saved:
+                b.copy_(c)
 
     def sync(self) -> None:
         """Broadcasts the buffers the step changed from the first rank to all."""

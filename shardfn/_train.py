@@ -420,6 +420,7 @@ class TrainStep:
             loss_sum, aux = self._gradients_gathered(batch)
         else:
             rng = _rng_state(self.mesh.device_type)
+            self._buffers.save()
             try:
                 loss_sum, aux = self._gradients_on_schedule(batch)
             except OffSchedule as e:
@@ -431,8 +432,11 @@ class TrainStep:
                 self._off_schedule = True
                 for u in self._units.values():
                     u.release_grad()
-                _set_rng_state(rng)  # the same random draws as the attempt
+                # The same random draws and buffers (BatchNorm's statistics) as the attempt had.
+                _set_rng_state(rng)
+                self._buffers.restore()
                 loss_sum, aux = self._gradients_gathered(batch)
+            self._buffers.learn()
         self._buffers.sync()
         # One all-reduce for the loss, the squared gradient norm, and which leaves got a gradient
         # on some rank (Note [leaves without a gradient]).
@@ -536,10 +540,14 @@ class TrainStep:
 # parameters again at moments the schedule does not know (the backward inside the forward, then
 # the backward of that backward); the second batches the parameters in C++, past their reads.
 # The engine and the `Param`s raise `OffSchedule` at once, before any op computes with a wrong
-# value, and the step starts over from the same random state, computing on the whole tree,
+# value (a backward inside loss_fn is seen when it starts, after the forward), and the step
+# starts over from the same random state and buffers (copies of those that forwards update,
+# BatchNorm's statistics, are kept for that; loss_fn runs twice on that step), computing on the whole tree,
 # gathered with `sf.gather` under plain autograd, whose gradient is the reduce-scatter. The step
 # stays there from then on: exact under every strategy, with the parameters and gradients in full
 # for the forward and backward, as `no_shard` holds them. Not yet with mixed precision or offload.
+# Every rank must leave the schedule on the same step, as every rank must run every unit: a
+# penalty taken on some ranks only, on the step that would switch, fails with a rank error.
 
 # Note [leaves without a gradient]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

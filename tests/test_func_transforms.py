@@ -358,3 +358,59 @@ def rank_penalty_mixed_precision() -> str:
         return "ran"
     except NotImplementedError as e:
         return str(e)
+
+
+def rank_penalty_batchnorm() -> dict:
+    """Lazy regularization on a model with BatchNorm: plain, penalty (the step that leaves the
+    schedule runs loss_fn twice), plain. Parameters equal the unsharded model's; the running
+    statistics are rank 0's, updated once per step, as a train step always keeps them."""
+    import copy
+
+    from torch import nn
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(7, 7), nn.BatchNorm1d(7), nn.Tanh()) for _ in range(2)], nn.Linear(7, 3))
+    ref = copy.deepcopy(model)
+    stats = copy.deepcopy(model)  # rank 0's forwards only: the statistics a train step keeps
+    apply, params = sf.functionalize(model, units=r"\d+")
+
+    def make_loss(app, penalty):
+        def loss_fn(p, batch):
+            x, y = batch
+            x = x.detach().requires_grad_()
+            out = app(p, x)
+            loss = F.mse_loss(out, y)
+            if penalty:
+                (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+                loss = loss + gx.pow(2).mean()
+            return loss
+
+        return loss_fn
+
+    step = sf.train_step(lambda p, b: make_loss(apply, b[2])(p, b[:2]), sf.optim.sgd(0.1, momentum=0.9), sf.mesh(dp=-1), apply=apply)
+    state = step.init(params)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    functional = lambda m: lambda p, x: torch.func.functional_call(m, p, (x,))  # noqa: E731
+    for i, penalty in enumerate([False, True, False]):
+        batch = global_batch("mlp", i, world, per_rank=4)
+        x, y = local_batch(batch, rank, world)
+        state, _ = step(state, (x, y, penalty))
+        opt.zero_grad()
+        loss_ref = make_loss(functional(ref), penalty)
+        p_ref = dict(ref.named_parameters())
+        before = {k: v.detach().clone() for k, v in p_ref.items()}
+        torch.stack([loss_ref(p_ref, c) for c in zip(batch[0].chunk(world), batch[1].chunk(world))]).mean().backward()
+        opt.step()
+        with torch.no_grad():  # rank 0's forward, with the parameters it ran with
+            torch.func.functional_call(stats, before, (batch[0].chunk(world)[0],))
+    got = sf.to_state_dict(sf.gather(state.params))
+    want_buffers = dict(stats.named_buffers())
+    return {"params": max(rel_err(got[k], v) for k, v in ref.named_parameters()),
+            "buffers": max(rel_err(b.float(), want_buffers[k].float()) for k, b in model.named_buffers()),
+            "off": step._off_schedule}
+
+
+def test_lazy_regularization_with_batchnorm(pools):
+    for out in pools(2).run(rank_penalty_batchnorm):
+        assert out["off"] and out["params"] < 1e-5 and out["buffers"] < 1e-6, out
