@@ -715,10 +715,19 @@ class Engine:
             self._order_known = True
         # Prefetches issued during the forward for units that never ran are dropped.
         self._deferred = []
-        if self.group is not None and self.units:
+        if self.group is not None:
             self._catch_up(len(self.order))
             self._check_same_units()
         self.phase = "backward"
+
+    def leave_schedule(self) -> None:
+        """This rank's `loss_fn` went beyond the unit schedule in the forward (Note [steps off the
+        unit schedule] in `_train.py`): issue the rest of the forward's gathers, as the other ranks
+        do, and say so in the exchange that ends every forward, so that every rank leaves with it."""
+        if self.group is None or self.phase != "forward":
+            return
+        self._catch_up(len(self.order))
+        self._check_same_units(leaving=True)
 
     def _catch_up(self, upto: int) -> None:
         """Gathers (and frees) the units before position `upto` in forward order that this rank
@@ -732,15 +741,27 @@ class Engine:
                 self._free(v)
         self._fwd_ptr = max(self._fwd_ptr, upto)
 
-    def _check_same_units(self) -> None:
-        """Stops every rank, before any gradient is reduced, if the ranks ran different units."""
-        n = len(self.units)
+    def _check_same_units(self, leaving: bool = False) -> None:
+        """Stops every rank, before any gradient is reduced, if the ranks ran different units; and
+        takes every rank off the unit schedule if one is `leaving` it (a row of 2s)."""
+        n = max(len(self.units), 1)
         mine = torch.zeros(n, dtype=torch.int32, device=self.root.local.device)
-        if self._ran:
+        if leaving:
+            mine.fill_(2)
+        elif self._ran:
             mine[list(self._ran)] = 1
         everyone = torch.empty(self._world * n, dtype=torch.int32, device=mine.device)
         C.all_gather(everyone, mine, self.group, async_op=False)
         table = everyone.view(self._world, n)
+        left = (table == 2).all(dim=1).nonzero().flatten().tolist()
+        if leaving:
+            return
+        if left:
+            e = OffSchedule(f"rank(s) {left} left the unit schedule on this step (a backward inside loss_fn)")
+            e.agreed = True  # every rank saw it in this exchange
+            raise e
+        if not self.units:
+            return
         differ = (table != table[0]).any(dim=0).nonzero().flatten().tolist()
         if differ:
             lines = "; ".join(

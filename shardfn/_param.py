@@ -40,6 +40,8 @@ class OffSchedule(NotImplementedError):
     anything is computed; the train step then computes the step on the whole gathered tree
     (Note [steps off the unit schedule] in `shardfn/_train.py`)."""
 
+    agreed = False  # raised from the exchange in which every rank learnt that one leaves
+
 _METADATA = {
     torch.Tensor.shape.__get__,
     torch.Tensor.dtype.__get__,

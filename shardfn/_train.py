@@ -472,6 +472,8 @@ class TrainStep:
                     torch.autograd.backward(loss * scale)
                     engine.end()
         except BaseException as e:
+            if isinstance(e, OffSchedule) and not e.agreed:
+                engine.leave_schedule()  # the other ranks leave with this one
             engine.abort()
             clear = _explain(e)
             if clear is not None:
@@ -546,8 +548,13 @@ class TrainStep:
 # gathered with `sf.gather` under plain autograd, whose gradient is the reduce-scatter. The step
 # stays there from then on: exact under every strategy, with the parameters and gradients in full
 # for the forward and backward, as `no_shard` holds them. Not yet with mixed precision or offload.
-# Every rank must leave the schedule on the same step, as every rank must run every unit: a
-# penalty taken on some ranks only, on the step that would switch, fails with a rank error.
+# The ranks leave together: a rank that leaves issues the rest of the forward's gathers (once the
+# order of units is known, from the second step) and says so in the small exchange that ends every
+# forward (Note [units on every rank]), where the others learn it and leave too. So a penalty that
+# some ranks take and others do not (it depends on the data) still moves every rank off the
+# schedule on the same step. On the first step, whose order of units is not known yet, a rank that
+# leaves before its forward has run every unit cannot line its collectives up: take such a
+# penalty on every rank, or from the second step on.
 
 # Note [leaves without a gradient]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -414,3 +414,46 @@ def rank_penalty_batchnorm() -> dict:
 def test_lazy_regularization_with_batchnorm(pools):
     for out in pools(2).run(rank_penalty_batchnorm):
         assert out["off"] and out["params"] < 1e-5 and out["buffers"] < 1e-6, out
+
+
+def rank_penalty_on_some_ranks() -> dict:
+    """A penalty taken on some ranks only (it depends on the rank's data): every rank leaves the
+    unit schedule on that step, and training equals the unsharded model's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    apply, params = sf.functionalize(make_model("mlp"), units=units_of("mlp"))
+
+    def make_loss(app):
+        def loss_fn(p, batch):
+            x, y, take = batch
+            x = x.detach().requires_grad_()
+            out = app(p, x)
+            loss = F.mse_loss(out, y)
+            if bool(take):
+                (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+                loss = loss + gx.pow(2).mean()
+            return loss
+
+        return loss_fn
+
+    step = sf.train_step(make_loss(apply), sf.optim.sgd(0.1, momentum=0.9), sf.mesh(dp=-1), apply=apply)
+    state = step.init(params)
+    ref = optree.tree_map(lambda t: t.detach().clone().requires_grad_(), params)
+    opt = torch.optim.SGD(optree.tree_leaves(ref), lr=0.1, momentum=0.9)
+    offs = []
+    for i, taker in enumerate([None, 0, None]):  # step 1: only rank 0 takes the penalty
+        batch = global_batch("mlp", i, world)
+        x, y = local_batch(batch, rank, world)
+        state, _ = step(state, (x, y, torch.tensor(rank == taker)))
+        offs.append(step._off_schedule)
+        opt.zero_grad()
+        chunks = zip(batch[0].chunk(world), batch[1].chunk(world), [torch.tensor(r == taker) for r in range(world)])
+        torch.stack([make_loss(apply)(ref, c) for c in chunks]).mean().backward()
+        opt.step()
+    got = optree.tree_leaves(sf.gather(state.params))
+    return {"offs": offs, "params": max(rel_err(a, b) for a, b in zip(got, optree.tree_leaves(ref)))}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_penalty_on_some_ranks_moves_every_rank(pools, world):
+    for out in pools(world).run(rank_penalty_on_some_ranks):
+        assert out["offs"] == [False, True, True] and out["params"] < 1e-5, out
