@@ -12,6 +12,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from . import _collectives as C
 from . import _donate, _watch
 from ._functorch import unwrap
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch._C._functorch import TransformType
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from ._meta_init import materialize
 from ._spec import match_specs, placements_for
 
@@ -153,7 +156,11 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
         x = unwrap(inputs[0])
-        ctx.meta = (x.device_mesh, x.placements, x.shape, x._spec) if isinstance(x, DTensor) else None
+        # Whether the forward itself ran under vmap: a vmap over examples, whose batched gradient
+        # the reduce-scatter refuses (_VMAP_REFUSED); a vmap over the cotangents alone (jacrev)
+        # is served, one reduce-scatter for the whole batch.
+        under_vmap = any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+        ctx.meta = (x.device_mesh, x.placements, x.shape, x._spec, under_vmap) if isinstance(x, DTensor) else None
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> Any:  # type: ignore[override]
@@ -181,7 +188,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(grad: torch.Tensor, meta: tuple) -> DTensor:  # type: ignore[override]
-        mesh, placements, shape, spec = meta
+        mesh, placements, shape, spec, _ = meta
         with torch._C._DisableFuncTorch():
             local = _reduce_to_placements(grad, mesh, placements, shape)
         # The plain constructor: `DTensor.from_local` is an autograd.Function, refused inside torch.func.
@@ -197,13 +204,25 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, grad, meta):  # type: ignore[override]
-        if in_dims[0] is not None:
+        if in_dims[0] is None:
+            return _ReduceScatter.apply(grad, meta), None
+        mesh, placements, shape, spec, under_vmap = meta
+        if under_vmap or len(placements) != mesh.ndim:
             raise NotImplementedError(_VMAP_REFUSED)
-        return _ReduceScatter.apply(grad, meta), None
+        # The batch of cotangents (jacrev): batch dim last, so every Shard dim keeps its index,
+        # one reduce-scatter, then the batch dim first again on the shard.
+        batched = grad.movedim(in_dims[0], -1)
+        n = batched.shape[-1]
+        with torch._C._DisableFuncTorch():
+            local = _reduce_to_placements(batched, mesh, placements, (*shape, n)).movedim(-1, 0).contiguous()
+        out_placements = tuple(Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements)
+        full_shape = torch.Size((n, *shape))
+        out_spec = DTensorSpec(mesh, out_placements, TensorMeta(full_shape, torch.empty(0).new_empty(full_shape, device="meta").stride(), local.dtype))
+        return _donate.wrap(local, out_spec), 0
 
     @staticmethod
     def jvp(ctx, tangent: torch.Tensor, _meta: None) -> DTensor:  # type: ignore[override]
-        mesh, placements, shape, spec = ctx.meta
+        mesh, placements, shape, spec, _ = ctx.meta
         with torch._C._DisableFuncTorch():
             return _donate.wrap(_reduce_to_placements(tangent, mesh, placements, shape), spec)
 

@@ -63,6 +63,12 @@ def rank_transforms() -> dict:
         "vmap_grad_x": lambda p: vmap(grad(lambda x: apply(p, x[None]).sum()))(_x(rank)),
     }.items():
         out[name] = rel_err(fn(sharded), fn(params))
+    # jacrev with respect to the sharded tree: one reduce-scatter for the batch of cotangents; the
+    # Jacobian is sharded like the tree, on the dims after the output's.
+    jac = jacrev(lambda p: apply(p, _x(rank)))(sharded)
+    ref_jac = [sum(t) for t in zip(*[optree.tree_leaves(jacrev(lambda p: apply(p, _x(r)))(params)) for r in range(world)])]
+    out["jacrev"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(jac), ref_jac))
+    out["jacrev_types"] = {type(a).__name__ for a in optree.tree_leaves(jac)}
     # A Hessian-vector product, reverse over reverse: the gradient of sf.gather's gradient.
     v = optree.tree_map(lambda t: torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())), params)
     v_sharded = sf.shard(v, sf.specs(v, mesh), mesh)
@@ -109,7 +115,9 @@ def test_grad_and_vjp_through_gather_are_sharded_and_exact(pools, world):
             assert kind == "DTensor" and err < 1e-5, (rank, out["grad"])
         assert out["grad_and_value"] < 1e-5 and out["value"] < 1e-6 and out["vjp"] < 1e-5, (rank, out)
         assert "gather outside the vmap" in out["vmap"], out["vmap"]
-        keys = ("apply_grad", "input_grad", "input_autograd", "inference", "hvp", "jacrev_x", "jacfwd_x", "jvp_x", "hessian_x", "vmap_grad_x")
+        keys = ("apply_grad", "input_grad", "input_autograd", "inference", "hvp", "jacrev", "jacrev_x", "jacfwd_x", "jvp_x", "hessian_x",
+                "vmap_grad_x")
+        assert out["jacrev_types"] == {"DTensor"}, out["jacrev_types"]
         assert max(out[k] for k in keys) < 1e-5, (rank, out)
 
 
