@@ -209,6 +209,14 @@ class _ReduceScatter(torch.autograd.Function):
         mesh, placements, shape, spec, under_vmap = meta
         if under_vmap or len(placements) != mesh.ndim:
             raise NotImplementedError(_VMAP_REFUSED)
+        # This batch is reduced outside any recorded graph: a transform that would differentiate
+        # the Jacobian (jacrev(jacrev(f)), a Jacobian-norm penalty) would see zeros. Refuse it.
+        if grad.requires_grad or any(i.key() in (TransformType.Grad, TransformType.Jvp) for i in retrieve_all_functorch_interpreters()):
+            raise NotImplementedError(
+                "a derivative of jacrev with respect to a sharded tree (jacrev(jacrev(f)), a gradient of a Jacobian) "
+                "is not supported yet: gather outside the transforms (`full = sf.gather(params)`), or use a "
+                "Hessian-vector product, torch.func.vjp(torch.func.grad(f), params)"
+            )
         # The batch of cotangents (jacrev): batch dim last, so every Shard dim keeps its index,
         # one reduce-scatter, then the batch dim first again on the shard.
         batched = grad.movedim(in_dims[0], -1)

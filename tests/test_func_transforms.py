@@ -69,6 +69,11 @@ def rank_transforms() -> dict:
     ref_jac = [sum(t) for t in zip(*[optree.tree_leaves(jacrev(lambda p: apply(p, _x(r)))(params)) for r in range(world)])]
     out["jacrev"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(jac), ref_jac))
     out["jacrev_types"] = {type(a).__name__ for a in optree.tree_leaves(jac)}
+    try:  # its derivative would be taken outside the recorded graph: refused, never zeros
+        jacrev(jacrev(lambda p: loss(p, _x(rank))))(sharded)
+        out["jacrev_jacrev"] = "ran"
+    except NotImplementedError as e:
+        out["jacrev_jacrev"] = str(e)
     # A Hessian-vector product, reverse over reverse: the gradient of sf.gather's gradient.
     v = optree.tree_map(lambda t: torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())), params)
     v_sharded = sf.shard(v, sf.specs(v, mesh), mesh)
@@ -118,6 +123,7 @@ def test_grad_and_vjp_through_gather_are_sharded_and_exact(pools, world):
         keys = ("apply_grad", "input_grad", "input_autograd", "inference", "hvp", "jacrev", "jacrev_x", "jacfwd_x", "jvp_x", "hessian_x",
                 "vmap_grad_x")
         assert out["jacrev_types"] == {"DTensor"}, out["jacrev_types"]
+        assert "derivative of jacrev" in out["jacrev_jacrev"], out["jacrev_jacrev"]
         assert max(out[k] for k in keys) < 1e-5, (rank, out)
 
 
