@@ -10,8 +10,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from . import _collectives as C
-from . import _donate, _watch
-from ._functorch import unwrap
+from . import _donate, _forward_ad, _watch
+from ._functorch import at_levels, unwrap
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._C._functorch import TransformType
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -19,6 +19,8 @@ from ._meta_init import materialize
 from ._spec import match_specs, placements_for
 
 __all__ = ["shard", "gather"]
+
+_forward_ad.install()  # Note [dual DTensors]
 
 
 def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
@@ -132,6 +134,17 @@ def _reduce_to_placements(grad: torch.Tensor, mesh: DeviceMesh, placements, shap
     return total.contiguous()
 
 
+_JACFWD_REFUSED = (
+    "jacfwd, hessian or a vmap over tangents with respect to a sharded tree is not supported yet: use "
+    "torch.func.jacrev (its Jacobian is sharded like the tree), a Hessian-vector product "
+    "(torch.func.vjp(torch.func.grad(f), params)), or gather outside the transform, `full = sf.gather(params)`"
+)
+
+_TANGENT_LAYOUT = (
+    "the tangent of a sharded leaf must be a DTensor laid out as the leaf ({spec}); got a {kind} of shape {shape}: "
+    "shard the tangents as the params, `sf.shard(tangents, sf.specs(tangents, mesh), mesh)`"
+)
+
 _VMAP_REFUSED = (
     "the gradient of sf.gather under vmap is not supported: across ranks it would sum example i of every "
     "rank. For per-example gradients of a sharded model use sf.per_sample_grads, sf.per_sample_grad_norms "
@@ -145,7 +158,8 @@ class _Gather(torch.autograd.Function):
     The collectives run under `torch._C._DisableFuncTorch()`, so the function composes with
     torch.func transforms (see FINDINGS: collectives inside torch.func). The backward is itself a
     Function (`_ReduceScatter`, whose backward is this gather), so a gradient of a gradient
-    (`vjp(grad(f))`, a Hessian-vector product) is recorded and exact.
+    (`vjp(grad(f))`, a Hessian-vector product) is recorded and exact. Its jvp gathers the
+    tangent's shards (Note [dual DTensors] in `_forward_ad.py`).
     """
 
     @staticmethod
@@ -178,8 +192,14 @@ class _Gather(torch.autograd.Function):
     def jvp(ctx, tangent: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if ctx.meta is None:
             return tangent
-        with torch._C._DisableFuncTorch(), _watch.waiting():
-            return tangent.full_tensor() if isinstance(tangent, DTensor) else tangent.clone()
+
+        def full(t: torch.Tensor) -> torch.Tensor:
+            if not isinstance(t, DTensor) or t._spec != ctx.meta[3]:
+                raise ValueError(_TANGENT_LAYOUT.format(kind=type(t).__name__, shape=tuple(t.shape), spec=ctx.meta[3]))
+            with _watch.waiting():
+                return t.full_tensor()
+
+        return at_levels(full, tangent, _JACFWD_REFUSED)
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -231,8 +251,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, tangent: torch.Tensor, _meta: None) -> DTensor:  # type: ignore[override]
         mesh, placements, shape, spec, _ = ctx.meta
-        with torch._C._DisableFuncTorch():
-            return _donate.wrap(_reduce_to_placements(tangent, mesh, placements, shape), spec)
+        return at_levels(lambda t: _donate.wrap(_reduce_to_placements(t, mesh, placements, shape), spec), tangent, _JACFWD_REFUSED)
 
 
 def _holds_dtensor(x: Any) -> bool:

@@ -127,6 +127,101 @@ def test_grad_and_vjp_through_gather_are_sharded_and_exact(pools, world):
         assert max(out[k] for k in keys) < 1e-5, (rank, out)
 
 
+def rank_forward_mode() -> dict:
+    """jvp with respect to a sharded tree (Note [dual DTensors]): the tangents are sharded as the
+    tree; each rank's output tangent is that of its own function, equal to the unsharded jvp."""
+    from torch.func import grad, hessian, jacfwd, jvp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = sf.mesh(dp=-1)
+    g = torch.Generator().manual_seed(0)
+    full = {"a": torch.randn(5, 7, generator=g), "s": torch.tensor(1.5), "b": torch.randn(3, 5, generator=g),
+            "c": torch.randn(4, 5, generator=g)}
+    specs = {"a": sf.P("dp"), "s": sf.P(), "b": sf.P(None, "dp"), "c": sf.P("dp")}
+    tree = sf.shard(full, specs, mesh)
+    v = optree.tree_map(lambda t: torch.randn(t.shape, generator=g), full)
+    v_sharded = sf.shard(v, specs, mesh)
+
+    def f(p, x):
+        h = torch.tanh(x @ p["a"].T) * p["s"]
+        return h @ p["b"].T + (h @ p["c"].T).sum(-1, keepdim=True)
+
+    x, dx = _x(rank), torch.randn(3, 7, generator=g)
+    out = {}
+    o, t = jvp(lambda p: f(sf.gather(p), x), (tree,), (v_sharded,))
+    ref_o, ref_t = jvp(lambda p: f(p, x), (full,), (v,))
+    out["jvp"] = max(rel_err(o, ref_o), rel_err(t, ref_t))
+    _, t2 = jvp(lambda p, x: f(sf.gather(p), x), (tree, x), (v_sharded, dx))
+    out["jvp_both"] = rel_err(t2, jvp(f, (full, x), (v, dx))[1])
+    # A tangent sharded otherwise than its leaf is copied into the leaf's layout: still exact.
+    replicated = sf.shard(v, optree.tree_map(lambda _: sf.P(), specs), mesh)
+    out["jvp_relaid"] = rel_err(jvp(lambda p: f(sf.gather(p), x), (tree,), (replicated,))[1], ref_t)
+    # Through `apply` on a sharded model.
+    apply, params = sf.functionalize(make_model("mlp"), units=units_of("mlp"))
+    sharded = sf.shard(params, sf.specs(params, mesh), mesh)
+    w = optree.tree_map(lambda t: torch.randn(t.shape, generator=g), params)
+    w_sharded = sf.shard(w, sf.specs(w, mesh), mesh)
+    out["jvp_apply"] = rel_err(jvp(lambda p: apply(p, x), (sharded,), (w_sharded,))[1], jvp(lambda p: apply(p, x), (params,), (w,))[1])
+    # Forward over reverse: a Hessian-vector product whose result is sharded, the sum over ranks.
+    def loss(p, x):
+        return f(p, x).pow(2).sum()
+
+    _, hv = jvp(grad(lambda p: loss(sf.gather(p), x)), (tree,), (v_sharded,))
+    ref_hv = [sum(t) for t in zip(*[optree.tree_leaves(jvp(grad(lambda p: loss(p, _x(r))), (full,), (v,))[1]) for r in range(world)])]
+    out["fwd_over_rev"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(hv), ref_hv))
+    out["fwd_over_rev_types"] = {type(a).__name__ for a in optree.tree_leaves(hv)}
+    for name, fn in {
+        "jacfwd": lambda: jacfwd(lambda p: f(sf.gather(p), x))(tree),
+        "hessian": lambda: hessian(lambda p: loss(sf.gather(p), x))(tree),
+        "plain_tangent": lambda: jvp(lambda p: f(sf.gather(p), x), (tree,), (v,)),
+    }.items():
+        try:
+            fn()
+            out[name] = "ran"
+        except (NotImplementedError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_jvp_with_respect_to_a_sharded_tree(pools, world):
+    for rank, out in enumerate(pools(world).run(rank_forward_mode)):
+        assert max(out[k] for k in ("jvp", "jvp_both", "jvp_relaid", "jvp_apply", "fwd_over_rev")) < 1e-5, (rank, out)
+        assert out["fwd_over_rev_types"] == {"DTensor"}, out
+        assert out["jacfwd"].startswith("NotImplementedError: jacfwd, hessian") and "jacrev" in out["jacfwd"], out["jacfwd"]
+        assert out["hessian"].startswith("NotImplementedError: jacfwd, hessian"), out["hessian"]
+        assert out["plain_tangent"].startswith("ValueError") and "sf.shard(tangents" in out["plain_tangent"], out
+
+
+def rank_jvp_inside_loss(strategy: str) -> float:
+    """A loss_fn with a directional-derivative penalty (jvp over its inputs) trains exactly."""
+    from torch.func import grad, jvp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = sf.mesh(dp=-1)
+    apply, params = sf.functionalize(make_model("mlp"), units=units_of("mlp"))
+
+    def loss(p, batch):
+        x, y = batch
+        d = jvp(lambda z: apply(p, z), (x,), (torch.ones_like(x),))[1]
+        return (apply(p, x) - y).pow(2).mean() + 0.1 * d.pow(2).mean()
+
+    step = sf.train_step(loss, sf.optim.sgd(0.1), mesh=mesh, strategy=strategy)
+    state = step.init(params)
+    ref = params
+    for i in range(2):
+        batch = global_batch("mlp", i, world)
+        state, _ = step(state, local_batch(batch, rank, world))
+        ref = optree.tree_map(lambda a, b: a - 0.1 * b, ref, grad(loss)(ref, batch))
+    return max(rel_err(a, b) for a, b in zip(optree.tree_leaves(sf.gather(state.params)), optree.tree_leaves(ref)))
+
+
+@pytest.mark.parametrize("world,strategy", [(2, "full_shard"), (3, "full_shard"), (2, "no_shard")])
+def test_jvp_inside_loss(pools, world, strategy):
+    errs = pools(world).run(rank_jvp_inside_loss, strategy)
+    assert max(errs) < 1e-5, errs
+
+
 def rank_vmap_inside_loss(strategy: str) -> dict:
     """A loss_fn that vmaps over its examples (per-example losses, here clamped) trains exactly as
     the same loss_fn on the unsharded model."""
