@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import math
 import os
+import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +42,24 @@ def ensure_process_group() -> None:
         _watch.start()
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    atexit.register(_destroy_at_exit, dist.group.WORLD)
+
+
+def _destroy_at_exit(group: Any) -> None:
+    """Note [orderly exit]: the process group started here is destroyed when the interpreter exits
+    normally, while Python is still whole.
+
+    Left to the interpreter's teardown, gloo's worker threads may still hold finished work whose
+    tensors refer to Python objects; destroying those after Python is gone ends the process with
+    SIGABRT ("terminate called without an active exception") now and then, after every result was
+    in (pytorch/pytorch#190489). A rank that failed skips this: one of its collectives may still
+    wait on a peer, and the destroy would wait with it; its process ends as it did before.
+    """
+    if _watch.FAILED_HERE[0] or getattr(sys, "last_value", None) is not None:
+        return
+    if dist.is_initialized() and dist.group.WORLD is group:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def mesh(**axes: int) -> DeviceMesh:

@@ -234,8 +234,12 @@ def _install_hooks() -> None:
     atexit.register(at_exit)
 
 
+FAILED_HERE = [False]  # whether this rank failed (its process group is then left to the exit)
+
+
 def report_failure(exc: BaseException) -> None:
     """Tells the other ranks that this rank failed with `exc` (the first report in a job wins)."""
+    FAILED_HERE[0] = True
     w = _WATCH[0] if _WATCH else None
     if w is None or isinstance(exc, RankError) or _communication_error(exc):
         return  # a consequence of another rank's failure, not a cause

@@ -283,3 +283,33 @@ def test_collective_timeout_comes_from_the_environment(monkeypatch):
         _watch.collective_timeout()
     monkeypatch.delenv("SHARDFN_TIMEOUT")
     assert _watch.collective_timeout().total_seconds() == _watch.DEFAULT_TIMEOUT_S
+
+
+def _marks_teardown(marks: str, fail: bool) -> int:
+    import torch.distributed as dist
+
+    rank, destroy = dist.get_rank(), dist.destroy_process_group
+
+    def recorded(*args, **kwargs):
+        open(os.path.join(marks, str(rank)), "w").close()
+        return destroy(*args, **kwargs)
+
+    dist.destroy_process_group = recorded
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if fail and rank == 1:
+        raise ValueError("planted")
+    return rank
+
+
+def test_a_rank_that_returned_destroys_its_process_group_at_exit(tmp_path):
+    """Note [orderly exit]: gloo's threads are stopped while Python is whole (left to the
+    interpreter's teardown they end a finished process with SIGABRT now and then); a rank that
+    failed leaves its group to the exit, as a destroy could wait on a peer."""
+    ok, failed = tmp_path / "ok", tmp_path / "failed"
+    ok.mkdir(), failed.mkdir()
+    assert sf.launch(_marks_teardown, str(ok), False, nprocs=2) == [0, 1]
+    assert sorted(os.listdir(ok)) == ["0", "1"]
+    with pytest.raises(sf.RankError):
+        sf.launch(_marks_teardown, str(failed), True, nprocs=2)
+    assert "1" not in os.listdir(failed)
