@@ -22,6 +22,9 @@ from typing import Any, Sequence
 import optree
 import torch
 from torch import nn
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch.autograd import forward_ad
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _runtime, _watch
@@ -123,12 +126,21 @@ def _unit_hooks(info: ModelInfo, index: int):
 
 
 def _needs_grad(leaves: list, args: tuple, kwargs: dict) -> bool:
-    """Whether a gradient may flow through `apply` on a sharded tree (else it is inference)."""
+    """Whether a derivative may flow through `apply` on a sharded tree (else it is inference).
+
+    Forward mode needs no grad mode: a jvp (torch.func's, or a dual tensor of
+    `torch.autograd.forward_ad`) counts under `torch.no_grad()` too.
+    """
+    tensors = [x for x in (*leaves, *optree.tree_leaves((args, kwargs))) if isinstance(x, torch.Tensor)]
+    if any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters()):
+        return True
+    if any(forward_ad.unpack_dual(x).tangent is not None for x in tensors):
+        return True
     if not torch.is_grad_enabled():
         return False
     if torch._C._are_functorch_transforms_active():
         return True
-    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*leaves, *optree.tree_leaves((args, kwargs))))
+    return any(x.requires_grad for x in tensors)
 
 
 class Apply:

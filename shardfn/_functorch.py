@@ -6,14 +6,14 @@ a batched one); the DTensor, the storage and the autograd graph are those of the
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils import _pytree as pytree
 
-__all__ = ["unwrap", "batched", "under_grad_transform", "at_levels"]
+__all__ = ["unwrap", "batched", "under_grad_transform", "refuse_tracing"]
 
 
 def unwrap(x: Any) -> Any:
@@ -39,22 +39,12 @@ def under_grad_transform(tree: Any) -> bool:
     return any(not torch._C._functorch.is_batchedtensor(w) for x in pytree.tree_leaves(tree) for w in _levels(x))
 
 
-def at_levels(fn: Callable[[Any], torch.Tensor], x: torch.Tensor, what: str) -> torch.Tensor:
-    """`fn` of the tensor inside `x`'s gradient wrappers, wrapped again at the same levels.
-
-    For the body of an autograd.Function's `jvp`, which receives tangents wrapped at the levels of
-    the transforms around it: `fn` (a collective) runs with every transform off, on the innermost
-    tensor, and its result is handed back at those levels. A tangent batched by vmap (`jacfwd`, a
-    vmap over tangents) raises `NotImplementedError` naming `what`.
-    """
-    levels = []
-    while isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and torch._C._functorch.is_functorch_wrapped_tensor(x):
-        if torch._C._functorch.is_batchedtensor(x):
-            raise NotImplementedError(what)
-        levels.append(torch._C._functorch.maybe_get_level(x))
-        x = torch._C._functorch.get_unwrapped(x)
-    with temporarily_clear_interpreter_stack(), torch._C._DisableFuncTorch():
-        out = fn(x)
-    for level in reversed(levels):
-        out = torch._C._functorch._wrap_for_grad(out, level)
-    return out
+def refuse_tracing() -> None:
+    """Raises under make_fx tracing (`torch.func.linearize`, `torch.fx`), whose trace would keep a
+    collective's result as a constant."""
+    if get_proxy_mode() is not None:
+        raise NotImplementedError(
+            "sf.gather cannot be traced by make_fx (torch.func.linearize, torch.fx tracing): the trace would keep "
+            "the gathered values as constants. Use torch.func.jvp (linearize's function is a jvp), or gather "
+            "outside the traced function"
+        )

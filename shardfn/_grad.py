@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _donate, _watch
 from ._describe import _spec_of
+from ._functorch import unwrap
 from ._train import MixedPrecision, TrainStep
 from ._tree import tree_flatten_with_paths
 
@@ -73,6 +74,14 @@ class ValueAndGrad:
     def _take(self, params: Any) -> TrainStep:
         """The step whose buffers `params` now lives in (built on the first call)."""
         paths, leaves, treespec = tree_flatten_with_paths(params)
+        wrapped = [p for p, x in zip(paths, leaves) if isinstance(unwrap(x), DTensor) and not isinstance(x, DTensor)]
+        if wrapped:
+            raise NotImplementedError(
+                f"sf.value_and_grad (and sf.grad) cannot run inside a torch.func transform over its params (leaf "
+                f"{wrapped[0]!r} is traced by one): its gradient is computed by the unit schedule, outside any "
+                "recorded graph. Inside torch.func transforms use torch.func.grad of a function of "
+                "sf.gather(params) or apply(params, x), whose gradients are sharded trees too"
+            )
         bad = [(p, type(x).__name__) for p, x in zip(paths, leaves) if not isinstance(x, DTensor)]
         if bad:
             raise ValueError(

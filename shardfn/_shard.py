@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from . import _collectives as C
 from . import _donate, _forward_ad, _watch
-from ._functorch import at_levels, unwrap
+from ._functorch import batched, refuse_tracing, unwrap
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._C._functorch import TransformType
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -192,14 +192,15 @@ class _Gather(torch.autograd.Function):
     def jvp(ctx, tangent: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if ctx.meta is None:
             return tangent
-
-        def full(t: torch.Tensor) -> torch.Tensor:
-            if not isinstance(t, DTensor) or t._spec != ctx.meta[3]:
-                raise ValueError(_TANGENT_LAYOUT.format(kind=type(t).__name__, shape=tuple(t.shape), spec=ctx.meta[3]))
-            with _watch.waiting():
-                return t.full_tensor()
-
-        return at_levels(full, tangent, _JACFWD_REFUSED)
+        if batched(tangent):
+            raise NotImplementedError(_JACFWD_REFUSED)
+        mesh, placements, shape, _, _ = ctx.meta
+        t = unwrap(tangent)
+        if not isinstance(t, DTensor) or (t.device_mesh, t.placements, t.shape) != (mesh, placements, shape):
+            raise ValueError(_TANGENT_LAYOUT.format(kind=type(t).__name__, shape=tuple(t.shape), spec=ctx.meta[3]))
+        # The tangent's gather is this Function again, so a transform around the jvp that
+        # differentiates the tangent (grad of a jvp, jvp of a jvp) records it too.
+        return _Gather.apply(tangent)
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -250,8 +251,9 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, tangent: torch.Tensor, _meta: None) -> DTensor:  # type: ignore[override]
-        mesh, placements, shape, spec, _ = ctx.meta
-        return at_levels(lambda t: _donate.wrap(_reduce_to_placements(t, mesh, placements, shape), spec), tangent, _JACFWD_REFUSED)
+        if batched(tangent):
+            raise NotImplementedError(_JACFWD_REFUSED)
+        return _ReduceScatter.apply(tangent, ctx.meta)
 
 
 def _holds_dtensor(x: Any) -> bool:
@@ -273,5 +275,6 @@ def gather(sharded: Any) -> Any:
     Example:
         >>> full = sf.gather(state.params)
     """
+    refuse_tracing()
     with _watch.watched("sf.gather"):
         return optree.tree_map(lambda x: _Gather.apply(x) if _holds_dtensor(x) else x, sharded)

@@ -130,7 +130,8 @@ def test_grad_and_vjp_through_gather_are_sharded_and_exact(pools, world):
 def rank_forward_mode() -> dict:
     """jvp with respect to a sharded tree (Note [dual DTensors]): the tangents are sharded as the
     tree; each rank's output tangent is that of its own function, equal to the unsharded jvp."""
-    from torch.func import grad, hessian, jacfwd, jvp
+    from torch.autograd import forward_ad
+    from torch.func import grad, hessian, jacfwd, jvp, linearize
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = sf.mesh(dp=-1)
@@ -153,15 +154,26 @@ def rank_forward_mode() -> dict:
     out["jvp"] = max(rel_err(o, ref_o), rel_err(t, ref_t))
     _, t2 = jvp(lambda p, x: f(sf.gather(p), x), (tree, x), (v_sharded, dx))
     out["jvp_both"] = rel_err(t2, jvp(f, (full, x), (v, dx))[1])
-    # A tangent sharded otherwise than its leaf is copied into the leaf's layout: still exact.
-    replicated = sf.shard(v, optree.tree_map(lambda _: sf.P(), specs), mesh)
-    out["jvp_relaid"] = rel_err(jvp(lambda p: f(sf.gather(p), x), (tree,), (replicated,))[1], ref_t)
-    # Through `apply` on a sharded model.
+    # Through `apply` on a sharded model; forward mode needs no grad mode, and works with
+    # torch.autograd.forward_ad's dual tensors as well.
     apply, params = sf.functionalize(make_model("mlp"), units=units_of("mlp"))
     sharded = sf.shard(params, sf.specs(params, mesh), mesh)
     w = optree.tree_map(lambda t: torch.randn(t.shape, generator=g), params)
     w_sharded = sf.shard(w, sf.specs(w, mesh), mesh)
-    out["jvp_apply"] = rel_err(jvp(lambda p: apply(p, x), (sharded,), (w_sharded,))[1], jvp(lambda p: apply(p, x), (params,), (w,))[1])
+    ref_apply = jvp(lambda p: apply(p, x), (params,), (w,))[1]
+    out["jvp_apply"] = rel_err(jvp(lambda p: apply(p, x), (sharded,), (w_sharded,))[1], ref_apply)
+    with torch.no_grad():
+        out["jvp_apply_no_grad"] = rel_err(jvp(lambda p: apply(p, x), (sharded,), (w_sharded,))[1], ref_apply)
+    with forward_ad.dual_level():
+        duals = optree.tree_map(forward_ad.make_dual, sharded, w_sharded)
+        out["forward_ad_apply"] = rel_err(forward_ad.unpack_dual(apply(duals, x)).tangent, ref_apply)
+    # Transforms around the jvp that differentiate its tangent: the tangent's gather is recorded.
+    transposed = grad(lambda t: jvp(lambda p: f(sf.gather(p), x), (tree,), (t,))[1].sum())(v_sharded)
+    ref_transposed = [sum(t) for t in zip(*[optree.tree_leaves(grad(lambda t: jvp(lambda p: f(p, _x(r)), (full,), (t,))[1].sum())(v))
+                                            for r in range(world)])]
+    out["grad_of_jvp"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(transposed), ref_transposed))
+    nested = jvp(lambda p: jvp(lambda q: f(sf.gather(q), x).pow(2).sum(), (p,), (p,))[1], (tree,), (v_sharded,))[1]
+    out["jvp_of_jvp"] = rel_err(nested, jvp(lambda p: jvp(lambda q: f(q, x).pow(2).sum(), (p,), (p,))[1], (full,), (v,))[1])
     # Forward over reverse: a Hessian-vector product whose result is sharded, the sum over ranks.
     def loss(p, x):
         return f(p, x).pow(2).sum()
@@ -170,10 +182,28 @@ def rank_forward_mode() -> dict:
     ref_hv = [sum(t) for t in zip(*[optree.tree_leaves(jvp(grad(lambda p: loss(p, _x(r))), (full,), (v,))[1]) for r in range(world)])]
     out["fwd_over_rev"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(hv), ref_hv))
     out["fwd_over_rev_types"] = {type(a).__name__ for a in optree.tree_leaves(hv)}
+
+    # Third order: the gradient of the squared norm of that (global) Hessian-vector product.
+    def hvp_norm(p, hvp):
+        return sum(t.pow(2).sum() for t in optree.tree_leaves(hvp(p)))
+
+    g3 = grad(hvp_norm)(tree, lambda p: jvp(grad(lambda q: loss(sf.gather(q), x)), (p,), (v_sharded,))[1])
+
+    def ref_hvp(p):
+        each = [optree.tree_leaves(jvp(grad(lambda q: loss(q, _x(r))), (p,), (v,))[1]) for r in range(world)]
+        return [sum(t) for t in zip(*each)]
+
+    out["third_order"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(g3), optree.tree_leaves(grad(hvp_norm)(full, ref_hvp))))
+    relaid = sf.shard(v, optree.tree_map(lambda _: sf.P(), specs), mesh)
+    doubles = sf.shard(optree.tree_map(lambda t: t.double(), v), specs, mesh)
     for name, fn in {
         "jacfwd": lambda: jacfwd(lambda p: f(sf.gather(p), x))(tree),
         "hessian": lambda: hessian(lambda p: loss(sf.gather(p), x))(tree),
         "plain_tangent": lambda: jvp(lambda p: f(sf.gather(p), x), (tree,), (v,)),
+        "relaid_tangent": lambda: jvp(lambda p: f(sf.gather(p), x), (tree,), (relaid,)),
+        "float64_tangent": lambda: jvp(lambda p: f(sf.gather(p), x), (tree,), (doubles,)),
+        "linearize": lambda: linearize(lambda p: f(sf.gather(p), x), tree)[1](v_sharded),
+        "jvp_of_sf_grad": lambda: jvp(lambda p: sf.grad(lambda q, b: apply(q, b).sum())(p, x), (sharded,), (w_sharded,)),
     }.items():
         try:
             fn()
@@ -186,11 +216,16 @@ def rank_forward_mode() -> dict:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_jvp_with_respect_to_a_sharded_tree(pools, world):
     for rank, out in enumerate(pools(world).run(rank_forward_mode)):
-        assert max(out[k] for k in ("jvp", "jvp_both", "jvp_relaid", "jvp_apply", "fwd_over_rev")) < 1e-5, (rank, out)
+        exact = ("jvp", "jvp_both", "jvp_apply", "jvp_apply_no_grad", "forward_ad_apply", "grad_of_jvp", "jvp_of_jvp",
+                 "fwd_over_rev", "third_order")
+        assert max(out[k] for k in exact) < 1e-5, (rank, out)
         assert out["fwd_over_rev_types"] == {"DTensor"}, out
         assert out["jacfwd"].startswith("NotImplementedError: jacfwd, hessian") and "jacrev" in out["jacfwd"], out["jacfwd"]
         assert out["hessian"].startswith("NotImplementedError: jacfwd, hessian"), out["hessian"]
-        assert out["plain_tangent"].startswith("ValueError") and "sf.shard(tangents" in out["plain_tangent"], out
+        for k in ("plain_tangent", "relaid_tangent", "float64_tangent"):
+            assert out[k].startswith("ValueError") and "sf.shard(tangents" in out[k], (k, out[k])
+        assert out["linearize"].startswith("NotImplementedError: sf.gather cannot be traced"), out["linearize"]
+        assert out["jvp_of_sf_grad"].startswith("NotImplementedError: sf.value_and_grad (and sf.grad) cannot run inside"), out
 
 
 def rank_jvp_inside_loss(strategy: str) -> float:
