@@ -322,10 +322,15 @@ def _culprit(e: Exception, errdir: str, nprocs: int) -> RankError:
                 "died",
             )
         signame = signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else None
-        how = f"killed by {signame}" + (" (often the out-of-memory killer)" if signame == "SIGKILL" else "") if signame else f"exit code {code}"
+        causes = {
+            "SIGKILL": "often the out-of-memory killer",
+            "SIGABRT": "with gloo, often a collective mismatch: the ranks ran different collectives, e.g. a model or "
+                       "unit called more times on some ranks than on others; the rank's output above says which",
+        }
+        how = (f"killed by {signame}: {causes.get(signame, 'a signal')}" if signame
+               else f"exit code {code}: os._exit, a signal, or out of memory")
         return RankError(
-            f"rank {rank} died without raising an exception ({how}: os._exit, a signal, or out of memory); every rank "
-            "was stopped",
+            f"rank {rank} died without raising an exception ({how}); every rank was stopped",
             rank,
             "died",
         )
