@@ -97,9 +97,10 @@ def _split_batch(batch: Any, k: int) -> list[Any]:
     parts = []
     for x in leaves:
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % k:
+            got = f"a tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__} leaf"
             raise ValueError(
-                f"accumulation_steps={k} splits every batch tensor along dim 0 in {k} equal parts; "
-                f"got a leaf of shape {getattr(x, 'shape', type(x).__name__)}"
+                f"accumulation_steps={k} splits every batch leaf along dim 0 in {k} equal parts; got {got}. "
+                f"Pass a batch of tensors whose first dim is a multiple of {k} (bind constants into loss_fn instead)"
             )
         parts.append(x.chunk(k))
     return [optree.tree_unflatten(spec, [p[i] for p in parts]) for i in range(k)]

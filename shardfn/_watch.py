@@ -31,6 +31,7 @@ import contextlib
 import datetime
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -264,10 +265,37 @@ def report_returned() -> None:
 def leave_when_waited_on() -> None:
     """After this rank's function returned: a rank still blocked on a collective waits on this
     rank, which will never join it. No call can wake that wait, but closed connections fail it at
-    once, so this process ends as soon as it sees such a rank (its result is already handed over)."""
+    once, so this process ends as soon as it sees such a rank (its result is already handed over).
+
+    Call it from the main thread. The process ends by interrupting the main thread's wait for
+    the launcher (a signal whose handler raises `SystemExit(0)`), not with `os._exit`: a process
+    that dies inside that wait (a multiprocessing Event) leaves it counted as sleeping, and the
+    launcher's later `set()` waits for it to wake, forever. `os._exit(0)` is the fallback.
+    """
     w = _WATCH[0] if _WATCH else None
     if w is None:
         return
+    leaving = threading.Event()
+    previous = signal.getsignal(signal.SIGUSR2)
+
+    def on_signal(signum, frame):  # noqa: ANN001 - a signal handler's signature
+        if not leaving.is_set():
+            if callable(previous):
+                previous(signum, frame)
+            return
+        # Only inside the launcher's wait: the result is handed over by then (not mid-write).
+        if frame is not None and frame.f_code.co_filename.endswith(os.path.join("multiprocessing", "synchronize.py")):
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGUSR2, on_signal)
+    main = threading.main_thread().ident
+
+    def leave() -> None:
+        leaving.set()
+        for _ in range(10):
+            signal.pthread_kill(main, signal.SIGUSR2)
+            time.sleep(0.5)
+        os._exit(0)  # the main thread was never where the signal could end it
 
     def run() -> None:
         others = [r for r in range(w.world) if r != w.rank]
@@ -282,7 +310,8 @@ def leave_when_waited_on() -> None:
                     continue
                 t, _, _, waiting = json.loads(seen)
                 if waiting is not None and now - waiting > 2 * BEAT_S and now - t < 3 * BEAT_S:
-                    os._exit(0)
+                    leave()
+                    return
 
     threading.Thread(target=run, name="shardfn-linger", daemon=True).start()
 

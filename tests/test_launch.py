@@ -313,3 +313,32 @@ def test_a_rank_that_returned_destroys_its_process_group_at_exit(tmp_path):
     with pytest.raises(sf.RankError):
         sf.launch(_marks_teardown, str(failed), True, nprocs=2)
     assert "1" not in os.listdir(failed)
+
+
+def _returns_while_waited_on() -> str:
+    import torch.distributed as dist
+
+    x = sf.shard({"w": torch.arange(6.0)}, {"w": sf.P("dp")}, sf.mesh(dp=-1))
+    if dist.get_rank() == 1:
+        return "returned early"
+    try:
+        sf.gather(x)  # rank 1 never joins
+    except sf.RankError as e:
+        return f"caught {e.kind} of rank {e.rank}"
+    return "gathered"
+
+
+def test_a_rank_that_catches_the_rank_error_and_returns_ends_the_launch():
+    """A rank that returned leaves when another waits on it; the one that waited catches the
+    RankError and returns. The launch returns both results (it used to wait forever for the rank
+    that left to wake in the launcher's wait)."""
+    import threading
+
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(sf.launch(_returns_while_waited_on, nprocs=2)), daemon=True)
+    t0 = time.time()
+    t.start()
+    t.join(90)
+    assert not t.is_alive(), "sf.launch did not return"
+    assert out == [["caught returned of rank 1", "returned early"]], out
+    assert time.time() - t0 < 60
