@@ -21,7 +21,10 @@ fails, and no process left behind when the call returns, fails or is interrupted
   it, then bare communication errors;
 * a failure is re-raised here as `RankError` naming the rank that caused it (not the ranks that
   stopped because of it), with that rank's exception as its cause and its traceback in the
-  message.
+  message;
+* each rank also writes its result to the launch's folder before returning, so a process that
+  dies while it ends, after every rank returned (a crash in the interpreter's teardown), does
+  not cost the results: they are returned, and stderr says what happened.
 
 Spawned ranks start from nothing: a process group, a mesh or CUDA state of the calling process
 never leaks into them. Under torchrun (or any job whose ranks are already running) `launch` calls
@@ -38,6 +41,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -207,9 +211,19 @@ def _rank_main(payload: bytes, errdir: str, threads: int, timeout: float | None)
         _watch.report_failure(e)
         _write_error(errdir, rank, e)
         raise e from None  # the process ends, its connections close, and ranks waiting on it fail at once
+    _write_result(errdir, rank, blob)
     _watch.report_returned()
     _watch.leave_when_waited_on()
     return blob
+
+
+def _write_result(errdir: str, rank: int, blob: bytes) -> None:
+    """The result, also kept on disk: a process that dies in its teardown after this still
+    delivers it (`_results_if_all_returned`)."""
+    path = os.path.join(errdir, f"{rank}.result")
+    with open(path + ".tmp", "wb") as f:
+        f.write(blob)
+    os.replace(path + ".tmp", path)
 
 
 class _Stopped(RuntimeError):
@@ -265,12 +279,36 @@ def _spawn(payload: bytes, nprocs: int, timeout: float | None) -> list:
         try:
             out = elastic_launch(config, _rank_main)(payload, errdir, threads, timeout)
         except ChildFailedError as e:
-            raise _culprit(e, errdir, nprocs) from _cause(errdir)
+            blobs = _results_if_all_returned(e, errdir, nprocs)
+            if blobs is None:
+                raise _culprit(e, errdir, nprocs) from _cause(errdir)
+            out = dict(enumerate(blobs))
         except SignalException as e:
             if e.sigval == signal.SIGINT:
                 raise KeyboardInterrupt from None
             raise
     return [cloudpickle.loads(out[r]) for r in range(nprocs)]
+
+
+def _results_if_all_returned(e: Exception, errdir: str, nprocs: int) -> list[bytes] | None:
+    """Every rank's result when every rank returned from the function and a failure came only
+    after that, while the process ended (e.g. a SIGABRT in the interpreter's teardown); else None.
+
+    The function ran to completion on every rank, so its results stand; what went wrong is said
+    on stderr.
+    """
+    paths = [os.path.join(errdir, f"{r}.result") for r in range(nprocs)]
+    if not all(os.path.exists(p) for p in paths) or any(_has_file(errdir, r) for r in range(nprocs)):
+        return None
+    failures = getattr(e, "failures", {})
+    said = ", ".join(f"rank {f.local_rank} (exit code {f.exitcode})" for f in failures.values()) or "a rank"
+    print(f"shardfn: {said} failed while its process ended, after every rank had returned from the function; "
+          "the results are complete", file=sys.stderr)
+    blobs = []
+    for p in paths:
+        with open(p, "rb") as f:
+            blobs.append(f.read())
+    return blobs
 
 
 def _cause(errdir: str) -> BaseException | None:

@@ -342,3 +342,23 @@ def test_a_rank_that_catches_the_rank_error_and_returns_ends_the_launch():
     assert not t.is_alive(), "sf.launch did not return"
     assert out == [["caught returned of rank 1", "returned early"]], out
     assert time.time() - t0 < 60
+
+
+def _dies_after_returning() -> int:
+    import atexit
+    import signal
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == 1:  # as gloo's threads did now and then in the interpreter's teardown
+        atexit.register(os.kill, os.getpid(), signal.SIGABRT)
+    return rank
+
+
+def test_results_stand_when_a_rank_dies_while_its_process_ends(capfd):
+    """Every rank returned; one was killed in its teardown (as a SIGABRT in the interpreter's
+    exit did now and then): the function's results are complete, and the launch returns them,
+    saying on stderr what happened."""
+    assert sf.launch(_dies_after_returning, nprocs=2) == [0, 1]
+    assert "after every rank had returned from the function" in capfd.readouterr().err
