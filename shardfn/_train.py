@@ -476,10 +476,13 @@ class TrainStep:
             if isinstance(e, OffSchedule) and not e.agreed:
                 engine.leave_schedule()  # the other ranks leave with this one
             engine.abort()
+            if not isinstance(e, OffSchedule):
+                _watch.report_step(e)
             clear = _explain(e)
             if clear is not None:
                 raise clear from e
             raise
+        _watch.report_step(None)
         return loss_sum, aux
 
     def _gradients_gathered(self, batch: Any) -> tuple[torch.Tensor, Any]:

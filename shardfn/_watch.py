@@ -251,6 +251,28 @@ def report_failure(exc: BaseException) -> None:
         pass
 
 
+def report_step(exc: BaseException | None) -> None:
+    """Records that this rank's train step raised `exc` (None: a step succeeded since). The caller
+    may catch it and go on; a peer left waiting on this rank in vain then learns why (`explain`)."""
+    w = _WATCH[0] if _WATCH else None
+    if w is None or (exc is None and not _STEP_FAILED):
+        return
+    if exc is not None and (isinstance(exc, RankError) or _communication_error(exc)):
+        return
+    try:
+        if exc is None:
+            w.store.delete_key(f"stepfailed/{w.rank}")
+            _STEP_FAILED.clear()
+        else:
+            w.store.set(f"stepfailed/{w.rank}", f"{type(exc).__name__}: {exc}")
+            _STEP_FAILED.append(True)
+    except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
+        pass
+
+
+_STEP_FAILED: list = []
+
+
 def report_returned() -> None:
     """Tells the other ranks that this rank's function returned (it joins no more collectives)."""
     w = _WATCH[0] if _WATCH else None
@@ -362,6 +384,17 @@ def explain(err: BaseException, op: str) -> BaseException:
             f"out of memory) while rank {me} was in {op}",
             dead[0],
             "died",
+        )
+    stepped = [(r, w.get(f"stepfailed/{r}")) for r in others]
+    stepped = [(r, what) for r, what in stepped if what is not None]
+    if stepped:
+        r, what = stepped[0]
+        return RankError(
+            f"rank {r}'s train step raised {what}, and rank {r} went on (the exception was caught) while rank {me} "
+            f"waited on it in {op}: the ranks are out of step. Let a step's exception end the function on every "
+            "rank, or restart the processes",
+            r,
+            "failed",
         )
     msg = str(err)
     if isinstance(err, TimeoutError) or "Timed out" in msg or "timeout" in msg.lower():

@@ -362,3 +362,37 @@ def test_results_stand_when_a_rank_dies_while_its_process_ends(capfd):
     saying on stderr what happened."""
     assert sf.launch(_dies_after_returning, nprocs=2) == [0, 1]
     assert "after every rank had returned from the function" in capfd.readouterr().err
+
+
+def _one_rank_skips_a_failed_step() -> str:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    apply, params = sf.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), units=r"\d")
+    calls = [0]
+
+    def loss_fn(p, x):
+        calls[0] += 1
+        out = apply(p, x).pow(2).mean()
+        if rank == 1 and calls[0] == 2:
+            raise ValueError("planted in rank 1's loss")
+        return out
+
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.1), sf.mesh(dp=-1))
+    state = step.init(params)
+    said = []
+    for _ in range(3):  # "skip a bad batch": every rank catches and goes on
+        try:
+            state, _ = step(state, torch.ones(2, 4))
+        except Exception as e:  # noqa: BLE001
+            said.append(f"{type(e).__name__}: {e}")
+    return said[0] if said else "no error"
+
+
+def test_a_step_that_failed_on_one_rank_which_went_on_is_named():
+    """Rank 1's step raised and rank 1 caught it and went on; rank 0, left waiting on it, gets a
+    RankError naming rank 1's exception (after the collective timeout), not a bare gloo timeout."""
+    out = sf.launch(_one_rank_skips_a_failed_step, nprocs=2, timeout=4)
+    assert out[1].startswith("ValueError: planted"), out
+    assert out[0].startswith("RankError: rank 1's train step raised ValueError: planted in rank 1's loss"), out
