@@ -368,6 +368,18 @@ def explain(err: BaseException, op: str) -> BaseException:
     if failed is not None:
         rank, what = failed.split("\n", 1)
         return RankError(f"rank {rank} failed: {what} (rank {me} stopped in {op})", int(rank), "failed")
+    # A peer whose last step raised and which went on: the root cause, even once it returned.
+    stepped = [(r, w.get(f"stepfailed/{r}")) for r in others]
+    stepped = [(r, what) for r, what in stepped if what is not None]
+    if stepped:
+        r, what = stepped[0]
+        return RankError(
+            f"rank {r}'s train step raised {what}, and rank {r} went on (the exception was caught) while rank {me} "
+            f"waited on it in {op}: the ranks are out of step. Let a step's exception end the function on every "
+            "rank, or restart the processes",
+            r,
+            "failed",
+        )
     returned = [r for r in others if w.get(f"returned/{r}") is not None]
     if returned:
         return RankError(
@@ -384,17 +396,6 @@ def explain(err: BaseException, op: str) -> BaseException:
             f"out of memory) while rank {me} was in {op}",
             dead[0],
             "died",
-        )
-    stepped = [(r, w.get(f"stepfailed/{r}")) for r in others]
-    stepped = [(r, what) for r, what in stepped if what is not None]
-    if stepped:
-        r, what = stepped[0]
-        return RankError(
-            f"rank {r}'s train step raised {what}, and rank {r} went on (the exception was caught) while rank {me} "
-            f"waited on it in {op}: the ranks are out of step. Let a step's exception end the function on every "
-            "rank, or restart the processes",
-            r,
-            "failed",
         )
     msg = str(err)
     if isinstance(err, TimeoutError) or "Timed out" in msg or "timeout" in msg.lower():
