@@ -220,9 +220,12 @@ def _rank_main(payload: bytes, errdir: str, threads: int, timeout: float | None)
 def _write_result(errdir: str, rank: int, blob: bytes) -> None:
     """The result, also kept on disk: a process that dies in its teardown after this still
     delivers it (`_results_if_all_returned`)."""
-    path = os.path.join(errdir, f"{rank}.result")
+    _write_atomically(os.path.join(errdir, f"{rank}.result"), blob)
+
+
+def _write_atomically(path: str, data: bytes) -> None:
     with open(path + ".tmp", "wb") as f:
-        f.write(blob)
+        f.write(data)
     os.replace(path + ".tmp", path)
 
 
@@ -240,9 +243,8 @@ def _write_error(errdir: str, rank: int, e: BaseException) -> None:
     # How much it says about the rank at fault: a real failure, a RankError naming one, a bare
     # communication error (which only says that some rank went away).
     weight = 0 if not isinstance(e, RankError) and not _watch._communication_error(e) else 1 if isinstance(e, RankError) else 2
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump({"time": time.time(), "traceback": tb, "exc": exc, "weight": weight, "text": f"{type(e).__name__}: {e}"}, f)
-    os.replace(path + ".tmp", path)
+    _write_atomically(path, pickle.dumps({"time": time.time(), "traceback": tb, "exc": exc, "weight": weight,
+                                          "text": f"{type(e).__name__}: {e}"}))
 
 
 

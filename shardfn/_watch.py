@@ -255,22 +255,22 @@ def report_step(exc: BaseException | None) -> None:
     """Records that this rank's train step raised `exc` (None: a step succeeded since). The caller
     may catch it and go on; a peer left waiting on this rank in vain then learns why (`explain`)."""
     w = _WATCH[0] if _WATCH else None
-    if w is None or (exc is None and not _STEP_FAILED):
+    if w is None or (exc is None and not _STEP_FAILED[0]):
         return
     if exc is not None and (isinstance(exc, RankError) or _communication_error(exc)):
         return
     try:
         if exc is None:
             w.store.delete_key(f"stepfailed/{w.rank}")
-            _STEP_FAILED.clear()
+            _STEP_FAILED[0] = False
         else:
             w.store.set(f"stepfailed/{w.rank}", f"{type(exc).__name__}: {exc}")
-            _STEP_FAILED.append(True)
+            _STEP_FAILED[0] = True
     except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
         pass
 
 
-_STEP_FAILED: list = []
+_STEP_FAILED = [False]  # whether this rank's last step raised (its record is in the store)
 
 
 def report_returned() -> None:
