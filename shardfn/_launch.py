@@ -244,7 +244,7 @@ def _write_error(errdir: str, rank: int, e: BaseException) -> None:
     # communication error (which only says that some rank went away).
     weight = 0 if not isinstance(e, RankError) and not _watch._communication_error(e) else 1 if isinstance(e, RankError) else 2
     _write_atomically(path, pickle.dumps({"time": time.time(), "traceback": tb, "exc": exc, "weight": weight,
-                                          "text": f"{type(e).__name__}: {e}"}))
+                                          "text": _watch.exception_text(e)}))
 
 
 

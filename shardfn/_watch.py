@@ -78,6 +78,12 @@ class RankError(RuntimeError):
 RankError.__module__ = "shardfn"  # as users name it: sf.RankError
 
 
+def exception_text(exc: BaseException) -> str:
+    """`exc` for a message that names it: "ValueError: bad shape". A `RankError`'s own message is
+    already such a sentence (it names the rank and what happened), so it is not prefixed again."""
+    return str(exc) if isinstance(exc, RankError) else f"{type(exc).__name__}: {exc}"
+
+
 def collective_timeout() -> datetime.timedelta:
     """The timeout for process groups that shardfn starts: `SHARDFN_TIMEOUT` seconds, default 600."""
     raw = os.environ.get(TIMEOUT_ENV)
@@ -244,7 +250,7 @@ def report_failure(exc: BaseException) -> None:
     w = _WATCH[0] if _WATCH else None
     if w is None or isinstance(exc, RankError) or _communication_error(exc):
         return  # a consequence of another rank's failure, not a cause
-    text = f"{w.rank}\n{type(exc).__name__}: {exc}"
+    text = f"{w.rank}\n{exception_text(exc)}"
     try:
         w.store.compare_set("failed", "", text)
     except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
@@ -264,7 +270,7 @@ def report_step(exc: BaseException | None) -> None:
             w.store.delete_key(f"stepfailed/{w.rank}")
             _STEP_FAILED[0] = False
         else:
-            w.store.set(f"stepfailed/{w.rank}", f"{type(exc).__name__}: {exc}")
+            w.store.set(f"stepfailed/{w.rank}", exception_text(exc))
             _STEP_FAILED[0] = True
     except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
         pass

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import nbformat
@@ -396,3 +397,15 @@ def test_a_step_that_failed_on_one_rank_which_went_on_is_named():
     out = sf.launch(_one_rank_skips_a_failed_step, nprocs=2, timeout=4)
     assert out[1].startswith("ValueError: planted"), out
     assert out[0].startswith("RankError: rank 1's train step raised ValueError: planted in rank 1's loss"), out
+
+
+def test_a_rank_error_passed_on_is_named_once(tmp_path):
+    """A rank's RankError, passed on by the launch, reads "RankError: rank 1 ...", not "RankError: RankError: ..."."""
+    from shardfn import _launch
+
+    _launch._write_error(str(tmp_path), 0, sf.RankError("rank 1 stalled: it is running its own code", 1, "stalled"))
+    e = _launch._culprit(RuntimeError("a child failed"), str(tmp_path), 2)
+    assert (e.rank, e.kind) == (1, "stalled")
+    text = "".join(traceback.format_exception_only(e))
+    assert text.startswith("shardfn.RankError: rank 1 stalled") and text.count("RankError") == 1, text
+    assert _watch.exception_text(ValueError("bad")) == "ValueError: bad"
