@@ -4,9 +4,10 @@ A checkpoint is a folder. The state (a `TrainState`, or any pytree of DTensors, 
 values) is flattened with optree into one flat dict keyed by dotted paths (`params.blocks.0.w`,
 `opt_state.0.mu.blocks.0.w`, `opt_state.0.count`, `step`), so that every tensor of every optimizer
 NamedTuple is a named entry of its own and nothing is opaque to `torch.distributed.checkpoint`
-(DCP). DCP writes each rank's shards of the tensors; plain values (the step, ints and floats in an
-optimizer state) and a description of every entry go to `shardfn.json`; user extras to
-`extras.pt`. DCP reshards on load, so a checkpoint loads at any world size or mesh.
+(DCP). The persistent buffers of the model the parameters belong to are entries too
+(`buffers.bn.running_mean`). DCP writes each rank's shards of the tensors; plain values (the step,
+ints and floats in an optimizer state) and a description of every entry go to `shardfn.json`; user
+extras to `extras.pt`. DCP reshards on load, so a checkpoint loads at any world size or mesh.
 
 Note [checkpoint commit]
 ------------------------
@@ -29,9 +30,22 @@ final folder:
 A save that raises or is killed at any point before step 4 leaves a hidden temporary folder, or a
 final folder without a marker, and the previous checkpoint untouched. `keep=k` deletes older
 checkpoints only after the new one is committed, each by renaming it to a hidden name first (a
-deletion cut short never leaves a marked but partial folder), and clears the temporary folders of
-dead saves. The folder must be on a filesystem every rank sees (as DCP's own loading at another
-world size needs).
+deletion cut short never leaves a marked but partial folder). It also clears what dead saves left:
+hidden temporary folders other than this process's save in flight, and unmarked folders older than
+the newest complete checkpoint (a save in flight has not been renamed to its final name before the
+newest commit, so such a folder is one whose save died between its rename and its marker). The
+folder must be on a filesystem every rank sees (as DCP's own loading at another world size needs).
+
+Note [checkpointed buffers]
+---------------------------
+A model's buffers (BatchNorm's running statistics) live in the module, not in the train state, yet
+a resumed run needs them as much as the parameters. `sf.save` finds the functionalized model whose
+parameter names are the state's (`model_of`, or `apply=`) and saves its persistent buffers (those
+in its `state_dict`) as entries `buffers.<name>`, from rank 0: the train step keeps them equal on
+every rank (Note [buffers]). `sf.load` writes them back into that module's buffers in place. A
+checkpoint without buffers (of a model that had none found, or written before buffers were saved)
+still loads, strict or not: the module keeps its buffers as they are, and a non-strict load lists
+them in `LoadReport.missing_keys`.
 """
 
 from __future__ import annotations
@@ -52,6 +66,8 @@ from typing import Any, Iterator, NamedTuple
 import optree
 
 from . import _donate
+from ._functional import _persistent_buffers, find_apply, model_of
+from ._tree import tree_flatten_with_paths
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -125,6 +141,33 @@ def _classify(keys: list[str], leaves: list[Any]) -> tuple[dict[str, torch.Tenso
                 "float/str/None values; convert it (or register its type with optree so its tensors are leaves)"
             )
     return tensors, described, values
+
+
+BUFFERS = "buffers."  # the dotted prefix of the model's buffers among a checkpoint's entries
+
+
+def _model_buffers(state: Any, apply: Any, keys: list[str]) -> tuple[list[str], list[torch.Tensor]]:
+    """(entry names, tensors) of the persistent buffers of the model `state`'s parameters belong
+    to (Note [checkpointed buffers]); none when no functionalized model has their names."""
+    params = getattr(state, "params", None)
+    if params is None and isinstance(state, dict):
+        params = state.get("params")
+    tree = params if params is not None else state
+    info = model_of(tree, apply, "the state's params")
+    if info is None:
+        return [], []
+    buffers = _persistent_buffers(info)
+    if apply is None and buffers and len(find_apply(*tree_flatten_with_paths(tree)[:2])) > 1:
+        # Equal buffers, yet only one module is the one a train step updates and loads into.
+        raise ValueError(
+            "several functionalized models have the parameter names of the state and hold buffers: say whose "
+            "buffers the checkpoint holds with apply=apply (the function sf.functionalize returned for it)"
+        )
+    names = [BUFFERS + n for n in buffers]
+    clash = sorted(set(names) & set(keys))
+    if clash:
+        raise ValueError(f"the state has entries {clash[:3]} named like the model's buffers; rename the state's {BUFFERS[:-1]!r} key")
+    return names, list(buffers.values())
 
 
 def _check_extras(x: Any, where: str = "extras") -> Any:
@@ -296,14 +339,33 @@ def _remove(path: str) -> None:
 
 def _prune(parent: str, keep: int, just_written: str, own_tmp: str) -> None:
     """Keeps the `keep` newest complete checkpoints under `parent` (`just_written` always among
-    them) and clears what dead saves and cut-short deletions left behind."""
-    others = [p for _, p in _complete(parent) if p != just_written]
+    them) and clears what dead saves and cut-short deletions left behind (Note [checkpoint commit])."""
+    complete = _complete(parent)
+    others = [p for _, p in complete if p != just_written]
     for p in others[keep - 1:]:
         _remove(p)
+    newest = complete[0][0] if complete else None
     for name in os.listdir(parent):
         p = os.path.join(parent, name)
-        if name.startswith(".") and (".tmp-" in name or ".del-" in name) and p != own_tmp and os.path.isdir(p):
-            shutil.rmtree(p, ignore_errors=True)
+        if not os.path.isdir(p) or p in (own_tmp, just_written):
+            continue
+        if name.startswith("."):
+            if ".tmp-" in name or ".del-" in name:
+                shutil.rmtree(p, ignore_errors=True)
+        elif newest is not None and _dead_unmarked(p, newest):
+            _remove(p)
+
+
+def _dead_unmarked(path: str, newest_ns: int) -> bool:
+    """Whether `path` is a checkpoint folder whose save died between its rename and its marker:
+    written by `sf.save` (it has the description) but unmarked, and last changed before the newest
+    complete checkpoint was committed (a save in flight gets its marker right after its rename)."""
+    if _marker(path) is not None or not os.path.isfile(os.path.join(path, META)):
+        return False
+    try:
+        return os.stat(path).st_mtime_ns < newest_ns
+    except OSError:
+        return False
 
 
 def latest(directory: str | os.PathLike) -> str | None:
@@ -388,12 +450,14 @@ def save(
     extras: dict | None = None,
     keep: int | None = None,
     asynchronous: bool = False,
+    apply: Any = None,
 ) -> SaveHandle:
     """Saves a train state (or any tree of DTensors and tensors) as a sharded checkpoint folder.
 
     A collective: every rank calls it with the same `path`. Each rank writes only its own shards
-    (`torch.distributed.checkpoint`); the parameters, every tensor of the optimizer state, the step
-    and any plain values of the tree are saved, each under its dotted path. The checkpoint is
+    (`torch.distributed.checkpoint`); the parameters, every tensor of the optimizer state, the step,
+    any plain values of the tree and the persistent buffers of the model the parameters belong to
+    (BatchNorm statistics, as `buffers.<name>`) are saved, each under its dotted path. The checkpoint is
     committed atomically (Note [checkpoint commit]): a save that fails or is killed leaves the
     previous checkpoints as they were, and `sf.latest` never returns it.
 
@@ -403,12 +467,12 @@ def save(
         path: the new checkpoint's folder, e.g. `f"ckpt/step_{state.step}"`; it must not exist.
         extras: a dict of tensors, numbers, strings (nested dicts/lists of them), the same on
             every rank, e.g. `{"loader": loader.state_dict()}`; read back by `sf.load_extras`.
-            Module buffers (BatchNorm statistics) live in the module, not in the state: save
-            them here, e.g. `{"buffers": dict(model.named_buffers())}`.
         keep: if given, keep only the newest `keep` complete checkpoints in `path`'s parent folder
-            (the new one included) once it is committed, and clear temporary folders of dead saves.
+            (the new one included) once it is committed, and clear the folders dead saves left.
         asynchronous: copy every tensor to CPU memory, return, and write and commit in a
             background thread. The next `sf.save` or `sf.load` waits for it first.
+        apply: the `sf.functionalize` function of the model whose buffers to save; by default the
+            model whose parameter names are the state's (Note [checkpointed buffers]).
 
     Returns:
         A `SaveHandle`; `handle.wait()` returns the path once committed (at once when not
@@ -427,6 +491,8 @@ def save(
     if os.path.basename(final).startswith("."):
         raise ValueError(f"path {path!r}: names starting with '.' are kept for the temporary folders of saves; choose another name")
     keys, leaves, _ = _flatten(state)
+    bkeys, bleaves = _model_buffers(state, apply, keys)
+    keys, leaves = keys + bkeys, leaves + bleaves
     tensors, described, values = _classify(keys, leaves)
     extras = _check_extras(extras) if extras is not None else None
     if extras is not None and not isinstance(extras, dict):
@@ -452,7 +518,7 @@ def save(
         raise ValueError(views[0][1])
     if len({v[0] for v in views}) > 1:
         raise ValueError(
-            "sf.save was called with a different path, state tree, plain values, plain (non-DTensor) tensors or extras on different ranks "
+            "sf.save was called with a different path, state tree, plain values, plain (non-DTensor) tensors, model buffers or extras on different ranks "
             f"(ranks {[r for r, v in enumerate(views) if v[0] != views[0][0]]} differ from rank 0): every rank "
             "must save the same checkpoint (a plain tensor is saved once, from rank 0: make it a DTensor or the same "
             "on every rank). Extras must be the same on every rank: for per-rank values, "
@@ -466,6 +532,7 @@ def save(
         "values": values,
         "world_size": dist.get_world_size() if _dist() else 1,
         "extras": extras is not None,
+        "buffers": bkeys,
         "torch": torch.__version__,
     }
     if asynchronous:
@@ -578,7 +645,7 @@ def _list(keys: list[str], n: int = 8) -> str:
     return ", ".join(keys[:n]) + (f", ... ({len(keys)} in all)" if len(keys) > n else "")
 
 
-def load(path: str | os.PathLike, *, like: Any, strict: bool = True) -> Any:
+def load(path: str | os.PathLike, *, like: Any, strict: bool = True, apply: Any = None) -> Any:
     """Loads a checkpoint into `like`, resharding to its layout; returns the loaded state.
 
     A collective: every rank calls it with the same `path`. The checkpoint may have been saved at
@@ -586,7 +653,9 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True) -> Any:
     Tensors are loaded in place: every DTensor and tensor of `like` is overwritten with the
     checkpoint's values (a train step's own parameter buffers included, so the next step trains
     from them) and the same objects are returned, with plain values (the step) taken from the
-    checkpoint. A save of this process still in flight is waited for first.
+    checkpoint. The model's buffers saved with it are copied into the module; a checkpoint
+    without them leaves the module's buffers as they are (Note [checkpointed buffers]). A save of
+    this process still in flight is waited for first.
 
     Args:
         path: a checkpoint folder written by `sf.save` (see `sf.latest`).
@@ -594,6 +663,8 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True) -> Any:
         strict: if True, the checkpoint and `like` must have exactly the same entries. If False,
             the common entries are loaded, the others of `like` keep their values, and a
             `LoadReport(missing_keys, unexpected_keys)` is returned with the state.
+        apply: the `sf.functionalize` function of the model whose buffers to load; by default the
+            model whose parameter names are `like`'s.
 
     Returns:
         The state (`strict=True`), or `(state, LoadReport)` (`strict=False`).
@@ -615,6 +686,9 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True) -> Any:
     for x in leaves:  # before anything is read: a donated state has no memory of its own
         if _donate.is_donated(x):
             raise _donate.DonatedError(x._local_tensor._message)
+    n_state = len(keys)
+    bkeys, bleaves = _model_buffers(like, apply, keys)
+    keys, leaves = keys + bkeys, leaves + bleaves
     tensors, described, values = _classify(keys, leaves)
     saved_t, saved_v = meta["tensors"], meta["values"]
     differ = []
@@ -634,6 +708,10 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True) -> Any:
         )
     saved = set(saved_t) | set(saved_v)
     missing = [k for k in keys if k not in saved]
+    # A checkpoint without buffers (written before they were saved, or of a model that has none):
+    # the module keeps its buffers, and a non-strict load reports them (Note [checkpointed buffers]).
+    old = not meta.get("buffers")
+    strict_missing = [k for k in missing if not (old and k.startswith(BUFFERS) and k in bkeys)]
     unexpected = sorted(saved - set(keys))
     # Saved optimizer state of a parameter that `like` has (and loads) but keeps no state for:
     # dropping it would resume a different run, silently. (State of a parameter that is gone from
@@ -647,10 +725,10 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True) -> Any:
             "(sf.optim.from_torch) creates its state at its first step, so take one step on `like` before "
             "loading (every entry is then overwritten)"
         )
-    if strict and (missing or unexpected):
+    if strict and (strict_missing or unexpected):
         raise ValueError(
             f"the checkpoint {path!r} and `like` have different entries: missing from the checkpoint: "
-            f"[{_list(missing)}]; in the checkpoint but not in like: [{_list(unexpected)}]. Build `like` like the "
+            f"[{_list(strict_missing)}]; in the checkpoint but not in like: [{_list(unexpected)}]. Build `like` like the "
             "saved state (same model, optimizer, frozen leaves), or pass strict=False to load the common "
             "entries and get a LoadReport of the others"
         )
@@ -661,7 +739,7 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True) -> Any:
                 dcp.load(common, storage_reader=FileSystemReader(path), no_dist=not _dist())
         except CheckpointException as e:  # a BaseException: make it one that `except Exception` sees
             raise RuntimeError(f"reading the checkpoint {path!r} failed; `like` may be partly overwritten: {e}") from e
-    out = [saved_v[k] if k in saved_v else x for k, x in zip(keys, leaves)]
+    out = [saved_v[k] if k in saved_v else x for k, x in zip(keys[:n_state], leaves[:n_state])]
     state = optree.tree_unflatten(spec, out)
     return state if strict else (state, LoadReport(missing, unexpected))
 

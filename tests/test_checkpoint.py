@@ -185,10 +185,10 @@ def test_plain_tree_uneven_shards_and_another_mesh(pools, tmp_path):
 
 
 # -- saves that fail or die -------------------------------------------------------------------------
-def rank_save_mlp(path: str, steps: int) -> dict:
+def rank_save_mlp(path: str, steps: int, keep: int | None = None) -> dict:
     step, state = build("mlp")
     state, _ = train(step, state, 0, steps, "mlp")
-    sf.save(state, path)
+    sf.save(state, path, keep=keep)
     return full(state)
 
 
@@ -245,6 +245,10 @@ def test_failed_and_killed_saves_leave_the_previous_checkpoint(pools, tmp_path):
     assert_same(pools(2).run(rank_load_mlp, good)[0], saved)
     with pytest.raises(RankError, match="not a complete checkpoint"):
         pools(2).run(rank_load_mlp, str(tmp_path / "d"))
+    # keep= clears both: the dead save's temporary folder and the folder it left unmarked.
+    os.makedirs(tmp_path / "notes")  # not a checkpoint: left alone
+    pools(2).run(rank_save_mlp, str(tmp_path / "e"), 1, 2)
+    assert sorted(os.listdir(tmp_path)) == ["a", "e", "notes"], os.listdir(tmp_path)
 
 
 # -- options and mistakes -----------------------------------------------------------------------------
@@ -462,3 +466,62 @@ def test_a_wrapped_torch_optimizer_resumes_or_refuses(pools, tmp_path):
             assert "take one step on `like` before loading" in out[strict], out[strict]
         want, got = out["resumed"]
         assert abs(want - got) <= 1e-6 * abs(want), out["resumed"]
+
+
+# -- the model's buffers ----------------------------------------------------------------------------
+def bn_build():
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    apply, params = sf.functionalize(model, units=r"[03]")
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(apply(p, x), y)
+
+    step = sf.train_step(loss_fn, sf.optim.adamw(**OPT), sf.mesh(dp=-1))
+    return model, step, step.init(params)
+
+
+def bn_train(step, state, first: int, last: int):
+    r, w = dist.get_rank(), dist.get_world_size()
+    for i in range(first, last):
+        g = torch.Generator().manual_seed(50 + i)
+        batch = (torch.randn(8, 6, generator=g) * (1 + i), torch.randint(0, 3, (8,), generator=g))
+        state, _ = step(state, local_batch(batch, r, w))
+    return state
+
+
+def rank_batchnorm_resume(d: str) -> dict:
+    """A BatchNorm model trained 3 steps, saved, loaded into a fresh model and trained 3 more
+    equals the uninterrupted 6 steps: parameters and running statistics."""
+    model, step, state = bn_build()
+    state = bn_train(step, state, 0, 6)
+    straight = {**full(state.params), **{k: v.clone() for k, v in model.named_buffers()}}
+    del model, step, state
+    model, step, state = bn_build()
+    state = bn_train(step, state, 0, 3)
+    sf.save(state, f"{d}/bn")
+    saved_mean = model[1].running_mean.clone()
+    del model, step, state
+    model, step, state = bn_build()  # a fresh model: its statistics start again
+    fresh_mean = model[1].running_mean.clone()
+    state = sf.load(f"{d}/bn", like=state)
+    loaded_mean = model[1].running_mean.clone()
+    state = bn_train(step, state, 3, 6)
+    resumed = {**full(state.params), **{k: v.clone() for k, v in model.named_buffers()}}
+    # A checkpoint without buffers (a plain tree of the same names) loads; the module keeps its own.
+    params_only = f"{d}/params_only"
+    sf.save({"w": state.params["0"]["weight"]}, params_only)
+    report = sf.load(params_only, like={"w": state.params["0"]["weight"]}, strict=False)[1]
+    return {"straight": straight, "resumed": resumed, "saved_mean": saved_mean, "fresh_mean": fresh_mean,
+            "loaded_mean": loaded_mean, "entries": sorted(_checkpoint._read_meta(f"{d}/bn").get("buffers", [])), "report": report}
+
+
+def test_buffers_resume_exactly(pools, tmp_path):
+    for out in pools(2).run(rank_batchnorm_resume, str(tmp_path)):
+        assert out["entries"] == ["buffers.1.num_batches_tracked", "buffers.1.running_mean", "buffers.1.running_var"]
+        assert not torch.equal(out["fresh_mean"], out["saved_mean"])
+        assert torch.equal(out["loaded_mean"], out["saved_mean"])
+        assert_same(out["resumed"], out["straight"])
+        assert out["resumed"]["1.num_batches_tracked"] == 6
+        assert out["report"] == ([], [])
