@@ -14,7 +14,6 @@ sharded tree gathers there for inference. With no runtime active, the hooks cost
 from __future__ import annotations
 
 import gc
-import re
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -29,7 +28,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _runtime, _watch
 from ._meta_init import capture
-from ._tree import nest, tree_flatten_with_paths
+from ._tree import compile_patterns, nest, tree_flatten_with_paths
 
 __all__ = ["functionalize", "Apply", "to_state_dict", "from_state_dict", "find_apply", "model_of"]
 
@@ -78,21 +77,6 @@ def find_apply(paths: Sequence[str], leaves: Sequence[Any] = ()) -> list[ModelIn
         gc.collect()
         found = live()
     return found
-
-
-def _compile_units(units: str | Sequence[str] | None) -> list[re.Pattern]:
-    if units is None:
-        return []
-    pats = [units] if isinstance(units, str) else list(units)
-    out = []
-    for p in pats:
-        if not isinstance(p, str):
-            raise ValueError(f"units must be regex strings, got {p!r}")
-        try:
-            out.append(re.compile(p))
-        except re.error as e:
-            raise ValueError(f"bad units regex {p!r}: {e}") from None
-    return out
 
 
 def _owner(path: str) -> str:
@@ -253,7 +237,7 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
             f"this {type(module).__name__} was already functionalized (its parameters are on the meta "
             "device now); reuse the first (apply, params), or build a new module"
         )
-    patterns = _compile_units(units)
+    patterns = compile_patterns(units, "units", "dotted submodule names")
     unit_names = [n for n, _ in module.named_modules() if n and any(p.fullmatch(n) for p in patterns)]
     if patterns and not unit_names:
         names = [n for n, _ in module.named_modules() if n][:8]

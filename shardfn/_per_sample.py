@@ -42,8 +42,8 @@ from ._functional import _unit_index
 from ._functorch import under_grad_transform
 from ._mesh import mesh_group
 from ._shard import gather
-from ._train import _compile, _rng_state, _set_rng_state, model_info, trained_leaves
-from ._tree import tree_flatten_with_paths
+from ._train import _rng_state, _set_rng_state, model_info, trained_leaves
+from ._tree import compile_patterns, tree_flatten_with_paths
 
 __all__ = ["per_sample_grad_norms", "per_sample_grads", "dp_value_and_grad", "DPValueAndGrad"]
 
@@ -304,7 +304,7 @@ def per_sample_grad_norms(
         >>> norms = sf.per_sample_grad_norms(loss_fn)(sharded, (x, y))   # shape [len(x)]
     """
     _check_loss_fn(loss_fn, "sf.per_sample_grad_norms")
-    frozen_rx = _compile(frozen, "frozen")
+    frozen_rx = compile_patterns(frozen, "frozen", "dotted parameter names")
     hold: set = set()  # leaves read outside their units, learnt on the first call
 
     def fn(params: Any, batch: Any) -> torch.Tensor:
@@ -340,7 +340,7 @@ def per_sample_grads(
         >>> g["fc"]["weight"].to_local()[i]     # example i of this rank, whole
     """
     _check_loss_fn(loss_fn, "sf.per_sample_grads")
-    frozen_rx = _compile(frozen, "frozen")
+    frozen_rx = compile_patterns(frozen, "frozen", "dotted parameter names")
 
     def fn(params: Any, batch: Any) -> Any:
         from torch.func import grad, vmap
@@ -393,7 +393,7 @@ class DPValueAndGrad:
             if not ok or (v <= 0 if low == "positive" else v < 0):
                 raise ValueError(f"sf.dp_value_and_grad: {name} must be a finite {low} number, got {v!r}")
         self.loss_fn, self.clip, self.sigma = loss_fn, float(l2_norm_clip), float(noise_multiplier)
-        self.apply, self.frozen, self.randomness = apply, _compile(frozen, "frozen"), randomness
+        self.apply, self.frozen, self.randomness = apply, compile_patterns(frozen, "frozen", "dotted parameter names"), randomness
         self._hold: set = set()  # leaves read outside their units, learnt on the first call
 
     def _clipped_sum(self, model: _Model, batch: Any, weights: torch.Tensor) -> list:

@@ -14,7 +14,6 @@ the active runtime asks for remat of that unit during a forward with grad enable
 from __future__ import annotations
 
 import functools
-import re
 import sys
 import weakref
 from typing import Any, Sequence
@@ -24,6 +23,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import checkpoint
 
 from . import _runtime
+from ._tree import compile_patterns
 
 __all__ = ["select_units", "install"]
 
@@ -34,11 +34,7 @@ def select_units(remat: bool | str | Sequence[str], unit_names: list[str]) -> se
         return set(range(len(unit_names)))
     if remat is False or remat is None:
         return set()
-    pats = [remat] if isinstance(remat, str) else list(remat)
-    try:
-        rx = [re.compile(p) for p in pats]
-    except (re.error, TypeError) as e:
-        raise ValueError(f"remat must be a bool, a regex or a list of regexes over unit names: {e}") from None
+    rx = compile_patterns(remat, "remat", "unit names (or a bool)")
     chosen = {i for i, n in enumerate(unit_names) if any(r.fullmatch(n) for r in rx)}
     if not chosen:
         raise ValueError(f"remat={remat!r} matches no unit; the units are {unit_names[:6]}")

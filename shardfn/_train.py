@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -24,6 +23,7 @@ from ._mesh import mesh_group
 from .optim._norm import local_sumsq
 from ._remat import install as install_remat
 from ._remat import select_units
+from ._tree import compile_patterns
 from ._spec import P, match_specs, placements_for, specs as make_specs
 from ._tree import tree_flatten_with_paths
 
@@ -149,7 +149,7 @@ class TrainStep:
         self.accumulation = accumulation
         self.max_grad_norm = max_grad_norm
         self.apply = apply
-        self.frozen = _compile(frozen, "frozen")
+        self.frozen = compile_patterns(frozen, "frozen", "dotted parameter names")
         self.offload = offload
         self._off_schedule = False  # Note [steps off the unit schedule]
         self.group = mesh.get_group(self.shard_axis)
@@ -695,16 +695,6 @@ def trained_leaves(info: Any, paths: list[str], frozen: list) -> list[bool]:
         not any(rx.fullmatch(n) for rx in frozen for n in names[p]) and (p not in needs_grad or needs_grad[p].requires_grad)
         for p in paths
     ]
-
-
-def _compile(patterns: Any, what: str) -> list:
-    if patterns is None:
-        return []
-    pats = [patterns] if isinstance(patterns, str) else list(patterns)
-    try:
-        return [re.compile(p) for p in pats]
-    except (re.error, TypeError) as e:
-        raise ValueError(f"{what} must be a regex or a list of regexes over dotted parameter names: {e}") from None
 
 
 def _cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+import re
+from typing import Any, Callable, Iterable, Sequence
 
 import optree
 import torch
 
-__all__ = ["tree_paths", "tree_flatten_with_paths", "nest", "is_leaf_tensor"]
+__all__ = ["tree_paths", "tree_flatten_with_paths", "nest", "is_leaf_tensor", "compile_patterns"]
 
 
 def is_leaf_tensor(x: Any) -> bool:
@@ -55,3 +56,24 @@ def nest(items: Iterable[tuple[str, Any]]) -> dict:
             raise ValueError(f"duplicate path {path!r}")
         node[keys[-1]] = value
     return root
+
+
+def compile_patterns(patterns: str | Sequence[str] | None, what: str, over: str) -> list[re.Pattern]:
+    """`patterns` (a regex, a list of regexes, or None for none) compiled, to be matched in full
+    against dotted names; a ValueError naming the option `what` and the names it matches (`over`)
+    for anything else."""
+    if patterns is None:
+        return []
+    try:
+        pats = [patterns] if isinstance(patterns, str) else list(patterns)
+    except TypeError:
+        pats = [patterns]
+    out = []
+    for p in pats:
+        if not isinstance(p, str):
+            raise ValueError(f"{what} must be a regex or a list of regexes over {over}, got {p!r}")
+        try:
+            out.append(re.compile(p))
+        except re.error as e:
+            raise ValueError(f"{what}: {p!r} is not a valid regex ({e}); {what} takes regexes over {over}") from None
+    return out
