@@ -66,6 +66,7 @@ from typing import Any, Iterator, NamedTuple
 import optree
 
 from . import _donate
+from ._files import fsync_dir, fsync_file, replace_synced, temporary_name, write_atomically
 from ._functional import _persistent_buffers, find_apply, model_of
 from ._tree import tree_flatten_with_paths
 import torch
@@ -270,35 +271,6 @@ def _save_group() -> Any:
 
 
 # -- files ---------------------------------------------------------------------------------------
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # a platform without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: str, data: bytes) -> None:
-    """Writes `path` whole or not at all: a temporary name, fsync, rename."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _marker(path: str) -> dict | None:
     """The completion marker's content, or None if `path` is not a complete checkpoint."""
     try:
@@ -333,7 +305,7 @@ def _remove(path: str) -> None:
     parent, name = os.path.split(path)
     trash = os.path.join(parent, f".{name}.del-{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
-    _fsync_dir(parent)
+    fsync_dir(parent)
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -590,21 +562,19 @@ def _write(tensors: dict, meta: dict, extras: dict | None, tmp: str, final: str,
 
 def _commit(meta: dict, extras: dict | None, tmp: str, final: str, keep: int | None) -> None:
     parent = os.path.dirname(final)
-    _write_synced(os.path.join(tmp, META), json.dumps(meta, indent=1, sort_keys=True).encode())
+    write_atomically(os.path.join(tmp, META), json.dumps(meta, indent=1, sort_keys=True).encode())
     if extras is not None:
-        tmp_extras = os.path.join(tmp, EXTRAS + ".tmp")
+        tmp_extras = temporary_name(os.path.join(tmp, EXTRAS))
         torch.save(extras, tmp_extras)
-        _fsync_file(tmp_extras)
-        os.replace(tmp_extras, os.path.join(tmp, EXTRAS))
+        replace_synced(tmp_extras, os.path.join(tmp, EXTRAS))
     for name in os.listdir(tmp):
-        _fsync_file(os.path.join(tmp, name))
-    _fsync_dir(tmp)
+        fsync_file(os.path.join(tmp, name))
+    fsync_dir(tmp)
     if os.path.lexists(final):
         raise ValueError(f"{final!r} appeared while the checkpoint was being written; it was left as it is")
     os.rename(tmp, final)
-    _fsync_dir(parent)
-    _write_synced(os.path.join(final, MARKER), json.dumps({"committed_ns": time.time_ns(), "format": FORMAT}).encode())
-    _fsync_dir(final)
+    fsync_dir(parent)
+    write_atomically(os.path.join(final, MARKER), json.dumps({"committed_ns": time.time_ns(), "format": FORMAT}).encode())
     if keep is not None:
         _prune(parent, keep, final, tmp)
 

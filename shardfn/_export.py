@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from typing import Any
 
 import torch
@@ -44,6 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _watch
 from ._checkpoint import LoadReport
+from ._files import replace_synced, temporary_name
 from ._functional import _params_of, _persistent_buffers, find_apply, model_of
 from ._tree import tree_flatten_with_paths
 
@@ -184,7 +184,7 @@ class _Writer:
 
     def __init__(self, final: str, header: bytes):
         self.final = final
-        self.tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:8]}")
+        self.tmp = temporary_name(final)
         self.error: str | None = None
         self.f = None
         try:
@@ -209,17 +209,9 @@ class _Writer:
     def finish(self) -> str | None:
         try:
             if self.f is not None:
-                if self.error is None:
-                    self.f.flush()
-                    os.fsync(self.f.fileno())
                 self.f.close()
             if self.error is None:
-                os.replace(self.tmp, self.final)
-                fd = os.open(os.path.dirname(self.final), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                replace_synced(self.tmp, self.final)
         except OSError as e:
             self._fail(e)
         if self.error is not None and os.path.exists(self.tmp):

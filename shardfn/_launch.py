@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from . import _watch
+from ._files import write_atomically
 from ._watch import RankError
 
 __all__ = ["launch"]
@@ -220,13 +221,7 @@ def _rank_main(payload: bytes, errdir: str, threads: int, timeout: float | None)
 def _write_result(errdir: str, rank: int, blob: bytes) -> None:
     """The result, also kept on disk: a process that dies in its teardown after this still
     delivers it (`_results_if_all_returned`)."""
-    _write_atomically(os.path.join(errdir, f"{rank}.result"), blob)
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(path + ".tmp", path)
+    write_atomically(os.path.join(errdir, f"{rank}.result"), blob)
 
 
 class _Stopped(RuntimeError):
@@ -243,7 +238,7 @@ def _write_error(errdir: str, rank: int, e: BaseException) -> None:
     # How much it says about the rank at fault: a real failure, a RankError naming one, a bare
     # communication error (which only says that some rank went away).
     weight = 0 if not isinstance(e, RankError) and not _watch._communication_error(e) else 1 if isinstance(e, RankError) else 2
-    _write_atomically(path, pickle.dumps({"time": time.time(), "traceback": tb, "exc": exc, "weight": weight,
+    write_atomically(path, pickle.dumps({"time": time.time(), "traceback": tb, "exc": exc, "weight": weight,
                                           "text": _watch.exception_text(e)}))
 
 

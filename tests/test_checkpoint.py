@@ -208,13 +208,13 @@ def rank_save_that_fails(path: str, how: str) -> str:
             os._exit(3)
         FileSystemWriter.write_data = write_data
     if how == "exit_before_marker" and rank == 0:  # renamed to its final name, killed before the marker
-        write_synced = _checkpoint._write_synced
+        write_atomically = _checkpoint.write_atomically
 
         def killed(p, data):
             if p.endswith(_checkpoint.MARKER):
                 os._exit(3)
-            write_synced(p, data)
-        _checkpoint._write_synced = killed
+            write_atomically(p, data)
+        _checkpoint.write_atomically = killed
     try:
         sf.save(state, path)
     except Exception as e:  # noqa: BLE001 - every rank must raise, none may hang
