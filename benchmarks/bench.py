@@ -234,7 +234,7 @@ class _ShardfnByHand(_Impl):
 
     def step(self, batch):
         loss, grads = self.grad_fn(self.params, batch)
-        self.opt_state = self.opt.update.step_(grads, self.opt_state, self.params)
+        self.opt_state = self.opt.step_(grads, self.opt_state, self.params)
         return loss  # the mean over ranks
 
 

@@ -15,7 +15,7 @@ tree's own local tensors at them (`set_`): the tree is unchanged to the user (sa
 local tensor objects, same values), and later calls with it copy nothing. Views taken with
 `to_local()` before the first call still look at the tree's old memory: take them after it. Ownership is checked by
 memory, not by object: a tree whose memory another transform (or a train step) took over since is
-copied back in. An in-place optimizer step (`opt.update.step_(grads, state,
+copied back in. An in-place optimizer step (`opt.step_(grads, state,
 params)`) keeps it so. A different tree (one that `sf.apply_updates` returned) is copied in and
 takes the buffers over, and the tree that held them before is donated: reading it raises
 `sf.DonatedError` (Note [donated state] in `shardfn/_donate.py`). The gradients returned are
@@ -182,7 +182,7 @@ def value_and_grad(
         >>> opt_state = opt.init(params)
         >>> for batch in data:
         ...     loss, grads = grad_fn(params, batch)
-        ...     opt_state = opt.update.step_(grads, opt_state, params)   # in place
+        ...     opt_state = opt.step_(grads, opt_state, params)   # in place
     """
     options = dict(strategy=strategy, mixed_precision=mixed_precision, remat=remat, accumulation_steps=accumulation_steps,
                    accumulation=accumulation, apply=apply, frozen=frozen)

@@ -521,7 +521,7 @@ class TrainStep:
         trainable = self._trainable(params)
         idx = [self._trained_index[k] for k in skip]  # positions in the tree, frozen leaves counted
         kept = _keep(trainable, opt_state, idx) if skip else None
-        step_ = getattr(self.opt.update, "step_", None)
+        step_ = getattr(self.opt, "step_", None)  # a user's (init, update) pair has none
         if step_ is not None:
             opt_state = step_(self.grads, opt_state, trainable)
         else:

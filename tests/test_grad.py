@@ -86,7 +86,7 @@ def rank_hand_written_step(kind: str, steps: int) -> dict:
     for i in range(steps):
         C.STATS.reset()
         loss, grads = grad_fn(tree, local_batch(global_batch(kind, i, world), rank, world))
-        opt_state = opt.update.step_(grads, opt_state, tree)
+        opt_state = opt.step_(grads, opt_state, tree)
         losses_hand.append(float(loss))
         gathers.append(dict(C.STATS.calls))
     # And functionally: sf.apply_updates makes a new tree, copied in at the next call.

@@ -63,7 +63,7 @@ def run_ours(opt, params, grads, mode: str):
     state = opt.init(params)
     for t, g in enumerate(grads):
         if mode == "step_" or (mode == "mixed" and t % 2):
-            state = opt.update.step_(clone_tree(g), state, params)
+            state = opt.step_(clone_tree(g), state, params)
         else:
             updates, state = opt.update(g, state, params)
             params = O.apply_updates(params, updates)
@@ -135,8 +135,14 @@ def test_state_layout():
     assert optree.tree_structure(adam_state.mu) == optree.tree_structure(params)
     s = O.sgd(O.constant_schedule(0.1), momentum=0.9).init(params)
     assert isinstance(s[0], O.TraceState) and isinstance(s[1], O.ScaleByScheduleState)
-    init, update = O.sgd(0.1)
-    assert callable(init) and callable(update) and callable(update.step_)
+    opt = O.sgd(0.1)
+    assert all(callable(f) for f in (opt.init, opt.update, opt.update_, opt.step_))
+    # A transformation of only (init, update), as optax builds them: no in-place forms; a chain
+    # of it gets both, and a train step runs its update and apply_updates.
+    user = O.GradientTransformation(opt.init, opt.update)
+    assert user.update_ is None and user.step_ is None
+    chained = O.chain(user)
+    assert callable(chained.update_) and callable(chained.step_)
 
 
 def test_chain_and_clip_match_torch():
@@ -268,7 +274,7 @@ def test_structure_mismatch():
     opt = O.adamw(1e-3)
     state = opt.init(params)
     bad = dict(params, extra=torch.zeros(2))
-    for fn in (lambda: opt.update(bad, state, bad), lambda: opt.update.step_(bad, state, bad),
+    for fn in (lambda: opt.update(bad, state, bad), lambda: opt.step_(bad, state, bad),
                lambda: opt.update(params, state[:2], params), lambda: O.apply_updates(params, bad),
                lambda: O.sgd(0.1, momentum=0.9).update(params, state, params),
                lambda: O.add_decayed_weights(0.1).update(params, O.EmptyState())):
@@ -351,7 +357,7 @@ def _rank_sharded_check(world: int) -> dict:
                     params = O.apply_updates(params, updates)
                     res["placements_ok"] &= same_layout(params, gs)
                 else:
-                    state, n = _count_dtensor_ops(lambda: opt.update.step_(gs, state, params))
+                    state, n = _count_dtensor_ops(lambda: opt.step_(gs, state, params))
                 res["dtensor_ops"] += n
             mus = [s.mu for s in optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, O.ScaleByAdamState))
                    if isinstance(s, O.ScaleByAdamState)]

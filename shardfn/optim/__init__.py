@@ -1,8 +1,9 @@
 """Functional optimizers, optax-style, for plain and sharded (DTensor) pytrees.
 
 An optimizer is a `GradientTransformation(init, update)` of pure functions; its state is a pytree of
-NamedTuples of tensors. Every ``update`` built here also carries ``update.step_(grads, state, params)
--> state``, an in-place hot path (fused torch kernels for `sgd`, `adam` and `adamw`).
+NamedTuples of tensors. Every one built here also has its in-place forms as fields: ``update_`` (may
+overwrite its inputs) and ``step_(grads, state, params) -> state``, the whole step in place (fused
+torch kernels for `sgd`, `adam` and `adamw`).
 """
 
 from ._alias import adam, adamw, sgd

@@ -1,4 +1,4 @@
-"""Named optimizers (`sgd`, `adam`, `adamw`) as chains, with fused in-place ``step_`` hot paths."""
+"""Named optimizers (`sgd`, `adam`, `adamw`) as chains, whose ``step_`` runs torch's fused kernels."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 from torch.optim.adam import adam as adam_functional
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+from torch.optim.sgd import sgd as sgd_functional
 
 from ._base import GradientTransformation, OptState, Params, generic_step
 from ._combine import Mask, chain, masked, resolve_mask
@@ -54,8 +54,11 @@ def _groups(weight_decay: float, mask: Optional[Mask], params: Params, lists: tu
     for wd, sub in parts:
         if not sub[0]:
             continue
-        for (device, _), (grouped, _) in _group_tensors_by_device_and_dtype(list(sub)).items():
-            yield wd, device, grouped
+        by_kind: dict[tuple, list[int]] = {}
+        for i, p in enumerate(sub[0]):
+            by_kind.setdefault((p.device, p.dtype), []).append(i)
+        for (device, _), idx in by_kind.items():
+            yield wd, device, tuple([l[i] for i in idx] for l in sub)
 
 
 def _chain_state(state: OptState, n: int) -> tuple:
@@ -97,7 +100,7 @@ def _adam_family(
     parts.append(scale_by_learning_rate(lr))
     i_adam = parts.index(adam_t)
     opt = chain(*parts)
-    fallback = generic_step(opt.update._update_)
+    fallback = generic_step(opt.update_)
 
     @torch.no_grad()
     def step_(grads: Any, state: OptState, params: Params) -> OptState:
@@ -125,8 +128,7 @@ def _adam_family(
             state[-1].count.add_(1)
         return state
 
-    opt.update.step_ = step_
-    return opt
+    return opt._replace(step_=step_)
 
 
 def adam(
@@ -140,7 +142,7 @@ def adam(
     """Adam, matching ``torch.optim.Adam`` (coupled L2 weight decay: ``g + weight_decay * p``).
 
     Built as ``chain(add_decayed_weights(weight_decay), scale_by_adam(*betas, eps),
-    scale_by_learning_rate(lr))``; ``update.step_`` runs ``torch.optim``'s functional Adam with ``fused=True`` on the local leaves.
+    scale_by_learning_rate(lr))``; ``step_`` runs ``torch.optim``'s functional Adam with ``fused=True`` on the local leaves.
 
     Args:
         lr: learning rate >= 0, or a schedule ``step -> float``.
@@ -174,7 +176,7 @@ def adamw(
     The default ``weight_decay=0.01`` is torch's; optax's ``adamw`` defaults to 1e-4.
 
     Built as ``chain(scale_by_adam(*betas, eps), add_decayed_weights(weight_decay),
-    scale_by_learning_rate(lr))``; ``update.step_`` runs ``torch.optim``'s functional AdamW with ``fused=True`` on the local leaves.
+    scale_by_learning_rate(lr))``; ``step_`` runs ``torch.optim``'s functional AdamW with ``fused=True`` on the local leaves.
 
     Args:
         lr: learning rate >= 0, or a schedule ``step -> float``.
@@ -190,7 +192,7 @@ def adamw(
     Example:
         >>> opt = adamw(1e-3, weight_decay=0.01)
         >>> state = opt.init(params)
-        >>> state = opt.update.step_(grads, state, params)    # in place, fused
+        >>> state = opt.step_(grads, state, params)    # in place, fused
     """
     return _adam_family(lr, betas, eps, weight_decay, mask, decoupled=True)
 
@@ -210,7 +212,7 @@ def sgd(
     (``momentum, nesterov``) and torch (``momentum, dampening, weight_decay, nesterov``).
 
     Built as ``chain(add_decayed_weights(weight_decay), trace(momentum, nesterov, dampening),
-    scale_by_learning_rate(lr))`` (parts with a zero coefficient left out); ``update.step_`` calls
+    scale_by_learning_rate(lr))`` (parts with a zero coefficient left out); ``step_`` calls
     ``torch._fused_sgd_`` on the local leaves.
 
     Args:
@@ -245,7 +247,7 @@ def sgd(
         parts.append(trace_t)
     parts.append(scale_by_learning_rate(lr))
     opt = chain(*parts)
-    fallback = generic_step(opt.update._update_)
+    fallback = generic_step(opt.update_)
     i_trace = parts.index(trace_t) if trace_t is not None else None
 
     @torch.no_grad()
@@ -264,15 +266,19 @@ def sgd(
         for wd_g, _, grouped in _groups(weight_decay, mask, params, lists):
             p, g = grouped[0], grouped[1]
             bufs = grouped[2] if i_trace is not None else []
-            # The fused kernel itself: torch.optim's functional SGD tells the first step by
-            # momentum buffers that are None, where this state holds them from `init` (zeros).
-            torch._fused_sgd_(p, g, bufs, weight_decay=wd_g, momentum=float(momentum), lr=lr_t,
-                              dampening=float(dampening), nesterov=nesterov, maximize=False, is_first_step=first)
+            # torch.optim's functional SGD with fused=True. It tells the first step (the buffer
+            # takes the gradient whole, undamped) by buffers that are None, and then makes new
+            # ones: this state holds its buffers from `init`, so they get the new values.
+            given = [None] * len(p) if first or not bufs else bufs
+            sgd_functional(p, g, given, fused=True, weight_decay=wd_g, momentum=float(momentum), lr=lr_t,
+                           dampening=float(dampening), nesterov=nesterov, maximize=False)
+            if first:
+                for b, new in zip(bufs, given):
+                    b.copy_(new)
         if i_trace is not None:
             state[i_trace].count.add_(1)
         if callable(lr):
             state[-1].count.add_(1)
         return state
 
-    opt.update.step_ = step_
-    return opt
+    return opt._replace(step_=step_)

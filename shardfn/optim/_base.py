@@ -1,4 +1,4 @@
-"""The GradientTransformation type, the in-place ``step_`` protocol, and ``apply_updates``."""
+"""The GradientTransformation type with its in-place fields (``update_``, ``step_``), and ``apply_updates``."""
 
 from __future__ import annotations
 
@@ -26,34 +26,42 @@ class TransformUpdateFn(Protocol):
 
 
 class GradientTransformation(NamedTuple):
-    """A pair of pure functions, as in optax.
+    """A pair of pure functions, as in optax, and two optional in-place forms of ``update``.
 
     ``init(params) -> state`` builds the state (a pytree of NamedTuples of tensors);
     ``update(updates, state, params=None) -> (updates, new_state)`` transforms gradients into updates
     without mutating any input.
 
-    Every ``update`` built by this package also carries ``update.step_(grads, state, params) -> state``,
-    the in-place hot path: it updates ``params`` in place (their local tensors), may overwrite
-    ``grads``, updates the state tensors in place and returns the state (the same tensors). Callers
-    must fall back to ``update`` + ``apply_updates`` when ``step_`` is absent (user transforms).
+    The in-place forms are what a train step runs; a transformation built with only ``init`` and
+    ``update`` (None for both) is run through ``update`` and ``apply_updates``:
+
+    - ``update_(updates, state, params=None) -> (updates, new_state)``: ``update`` that may overwrite
+      its ``updates`` and the state's tensors (``chain`` composes its parts' ``update_``).
+    - ``step_(grads, state, params) -> state``: the whole optimizer step in place: it updates the
+      local tensors of ``params``, may overwrite ``grads``, updates the state's tensors and returns
+      the state (the same tensors). Every optimizer of this package has one (``sgd``, ``adam`` and
+      ``adamw`` run torch's fused kernels there).
 
     Example:
-        >>> init, update = chain(scale_by_adam(), scale(-1e-3))
-        >>> state = init(params)
-        >>> updates, state = update(grads, state, params)
+        >>> opt = chain(scale_by_adam(), scale(-1e-3))
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update(grads, state, params)
+        >>> state = opt.step_(grads, state, params)   # or in place
     """
 
     init: TransformInitFn
     update: TransformUpdateFn
+    update_: Optional[TransformUpdateFn] = None
+    step_: Optional[Callable[[Updates, OptState, Params], OptState]] = None
 
 
 class EmptyState(NamedTuple):
     """The state of a stateless transformation."""
 
 
-def donating(update: Callable) -> Callable:
-    """The donating variant of `update` (may overwrite its updates and state), or `update` itself."""
-    return getattr(update, "_update_", update)
+def donating(t: GradientTransformation) -> Callable:
+    """The update of `t` that may overwrite its updates and state: ``update_``, or ``update``."""
+    return getattr(t, "update_", None) or t.update
 
 
 def add_updates_(params: Params, updates: Updates) -> None:
@@ -79,14 +87,14 @@ def generic_step(update_: Callable) -> Callable:
 def transformation(
     init: Callable, update: Callable, update_: Optional[Callable] = None, step_: Optional[Callable] = None
 ) -> GradientTransformation:
-    """Builds a GradientTransformation whose ``update`` carries ``_update_`` (donating) and ``step_``.
+    """A GradientTransformation with both in-place forms: `update_` (default: `update`) and
+    `step_` (default: `update_` followed by an in-place add of the updates to the params).
 
     `update` and `update_` are run under ``torch.no_grad()``.
     """
     pure = torch.no_grad()(update)
-    pure._update_ = torch.no_grad()(update_) if update_ is not None else pure
-    pure.step_ = step_ if step_ is not None else generic_step(pure._update_)
-    return GradientTransformation(init, pure)
+    donate = torch.no_grad()(update_) if update_ is not None else pure
+    return GradientTransformation(init, pure, donate, step_ if step_ is not None else generic_step(donate))
 
 
 @torch.no_grad()

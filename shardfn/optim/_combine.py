@@ -21,8 +21,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         *transforms: GradientTransformations, applied left to right.
 
     Returns:
-        A GradientTransformation whose ``update.step_`` runs every part's donating update and then
-        adds the updates to the params in place.
+        A GradientTransformation whose ``update_`` runs every part's ``update_`` (or ``update``) in
+        turn, and whose ``step_`` runs that and adds the updates to the params in place.
 
     Example:
         >>> opt = chain(clip_by_global_norm(1.0), scale_by_adam(), scale_by_learning_rate(1e-3))
@@ -35,7 +35,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return tuple(t.init(params) for t in transforms)
 
     def make(inplace: bool):
-        fns = [donating(t.update) if inplace else t.update for t in transforms]
+        fns = [donating(t) if inplace else t.update for t in transforms]
 
         def update(updates: Updates, state: OptState, params: Optional[Params] = None):
             if not isinstance(state, tuple) or len(state) != len(fns):
@@ -102,7 +102,7 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
         return MaskedState(inner.init(_select(params, resolve_mask(mask, params))))
 
     def make(inplace: bool):
-        fn = donating(inner.update) if inplace else inner.update
+        fn = donating(inner) if inplace else inner.update
 
         def update(updates: Updates, state: MaskedState, params: Optional[Params] = None):
             if not isinstance(state, MaskedState):

@@ -29,7 +29,7 @@ def from_torch(optimizer_class: type, **kwargs: Any) -> GradientTransformation:
 
     Each update builds the optimizer over the local tensors of the params (one param group with
     `kwargs`), loads the per-leaf state, takes one ``step()`` and reads the state back. ``update``
-    works on copies, so it never mutates its inputs; ``update.step_`` steps the params in place.
+    works on copies, so it never mutates its inputs; ``step_`` steps the params in place.
     `lr` may be a schedule ``step -> float``.
 
     On sharded trees each rank runs the optimizer on its local shards: exact only for elementwise
