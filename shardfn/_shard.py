@@ -156,7 +156,7 @@ class _Gather(torch.autograd.Function):
     """DTensor -> full tensor; backward sums the full gradients of all ranks into the shards.
 
     The collectives run under `torch._C._DisableFuncTorch()`, so the function composes with
-    torch.func transforms (see FINDINGS: collectives inside torch.func). The backward is itself a
+    torch.func transforms (without it, a transform refuses the collective's in-place copy into a captured tensor). The backward is itself a
     Function (`_ReduceScatter`, whose backward is this gather), so a gradient of a gradient
     (`vjp(grad(f))`, a Hessian-vector product) is recorded and exact. Its jvp gathers the
     tangent's shards (Note [dual DTensors] in `_forward_ad.py`).

@@ -740,7 +740,7 @@ def train_step(
         mixed_precision: dtypes for compute, reduction and buffers, or None.
         remat: recompute unit activations in backward: True for every unit, or a regex (or list)
             over unit names.
-        accumulation_steps: micro-batches per step, split from `batch` along dim 0.
+        accumulation_steps: micro-batches per step, split from `batch` along dim 0 (`metrics["aux"]` is then the last one's).
         max_grad_norm: clip gradients to this global norm, or None.
         apply: the `sf.functionalize` function whose units to use (default: found by the params' names).
         frozen: a regex (or list) over dotted parameter names: those leaves are not trained (no
