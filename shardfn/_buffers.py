@@ -45,8 +45,7 @@ class ModuleBuffers:
         """Records the buffers' versions at the start of a step."""
         if self.module is None or self.group is None:
             return
-        self._groups = [list(m._buffers.values()) for m in self.module.modules() if any(b is not None for b in m._buffers.values())]
-        self._groups = [[b for b in g if b is not None] for g in self._groups]
+        self._groups = [g for g in (list(m.buffers(recurse=False)) for m in self.module.modules()) if g]
         self._versions = [[b._version for b in g] for g in self._groups]
 
     def save(self) -> None:
@@ -56,7 +55,7 @@ class ModuleBuffers:
         self._saved, self._saved_versions = [], []
         if self.module is None:
             return
-        groups = [(m, [b for b in m._buffers.values() if b is not None]) for m in self.module.modules()]
+        groups = [(m, list(m.buffers(recurse=False))) for m in self.module.modules()]
         groups = [(m, g) for m, g in groups if g]
         self._saved_versions = [(m, g, [b._version for b in g]) for m, g in groups]
         for m, g in groups:
@@ -94,5 +93,6 @@ class ModuleBuffers:
             flat = torch.cat([b.reshape(-1) for b in bufs])
             C.broadcast(flat, self.src, self.group)
             with torch.no_grad():
-                torch._foreach_copy_(bufs, [x.view_as(b) for x, b in zip(flat.split([b.numel() for b in bufs]), bufs)])
+                for b, x in zip(bufs, flat.split([b.numel() for b in bufs])):
+                    b.copy_(x.view_as(b))
         self._groups = []

@@ -25,7 +25,6 @@ from typing import Any
 import optree
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten
 
 __all__ = ["DonatedError", "adopt", "alias", "copy", "donate", "same_memory", "wrap"]
 
@@ -47,7 +46,7 @@ class _Donated(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        flat, _ = tree_flatten((args, kwargs or {}))
+        flat = optree.tree_leaves((args, kwargs or {}))
         message = next((a._message for a in flat if isinstance(a, _Donated)), "this tensor was donated")
         raise DonatedError(message)
 

@@ -212,8 +212,8 @@ def sgd(
     (``momentum, nesterov``) and torch (``momentum, dampening, weight_decay, nesterov``).
 
     Built as ``chain(add_decayed_weights(weight_decay), trace(momentum, nesterov, dampening),
-    scale_by_learning_rate(lr))`` (parts with a zero coefficient left out); ``step_`` calls
-    ``torch._fused_sgd_`` on the local leaves.
+    scale_by_learning_rate(lr))`` (parts with a zero coefficient left out); ``step_`` runs
+    ``torch.optim``'s functional SGD with ``fused=True`` on the local leaves.
 
     Args:
         lr: learning rate >= 0, or a schedule ``step -> float``.
