@@ -2,64 +2,36 @@
 
 Note [meta init]
 ----------------
-`with sf.meta_device(): model = Model(cfg)` builds the module on the meta device (no memory, no
-random numbers drawn) while recording every tensor operation the construction runs, in order.
-`step.init(params)` and `sf.shard(params, specs, mesh, init=model)` replay that recording and give
-every parameter and buffer exactly the value an eager build (`torch.manual_seed(s); Model(cfg)` on
-the CPU, in one process, with the generator in the state it had when the block began) would have
-given it, whatever the construction does: `reset_parameters`, `_init_weights`, `self.apply(fn)`,
-`nn.init.*` anywhere in `__init__`, `.data.normal_()`, random draws that are not parameters,
-`.to(torch.bfloat16)` inside the block, ties.
+`with sf.meta_device(): model = Model(cfg)` builds the module without memory while recording every
+tensor operation its construction runs. `step.init(params)` and `sf.shard(..., init=model)` replay
+the recording and give every parameter and buffer exactly the value an eager CPU build from the
+same generator state would have, whatever the construction does (`reset_parameters`, `self.apply`,
+`nn.init.*`, `.data.normal_()`, draws that are not parameters, casts, ties).
 
-Recording: inside the block, tensors are fake CPU tensors (`FakeTensorMode`: metadata, no memory,
-nothing drawn), not meta tensors, because construction code branches on the device
-(`nn.init.orthogonal_` and others return early on a meta tensor, some libraries skip init there):
-the construction must run exactly the Python an eager build runs. A `TorchDispatchMode` above it
-(`_Recorder`) stores each ATen operation with its arguments, tensors replaced by references to
-their storage (a storage index plus size, stride, offset and dtype, so views, `.data` and ties
-alias as they did) and real tensors (`torch.tensor(data)`, tensors from outside) by a copy of their
-values (constants). Which arguments an operation writes comes from its schema; random operations
-are those tagged `nondeterministic_seeded`. What cannot be replayed exactly is refused while
-recording: reading a tensor's value into Python (`.item()`, `if t.any()`), reading or setting the
-generator's state (`torch.manual_seed`, `get_rng_state`, `set_rng_state`, `fork_rng`: patched to
-raise inside the block; a generator state that changed anyway is refused at replay), an explicit
-`generator=`, a tensor on a device other than the CPU, `resize_`. At the end of the block the fake
-parameters, buffers and tensor attributes of the modules built in it become meta tensors that alias
-as the fake ones did; their storages map to the recording's, and their version counters are noted.
-(`module.to(dtype)` swaps fake parameters with `torch.utils.swap_tensors`, which refuses tensors
-that the fake mode's conversion memo references weakly; inside the block that memo entry is dropped
-first.)
+Recording. Inside the block tensors are fake CPU tensors (`FakeTensorMode`), not meta tensors,
+because construction code branches on the device (some initializers return early on meta): the
+block must run exactly the Python an eager build runs. A dispatch mode above it (`_Recorder`)
+stores each ATen operation, tensors replaced by references to their storage (index, size, stride,
+offset, dtype: views and ties alias as they did) and outside tensors by their values. Whatever
+cannot be replayed exactly is refused while recording: reading a value into Python, touching the
+generator's state or passing `generator=`, other devices, `resize_`. At the end of the block the
+module's tensors become meta tensors mapped to the recording's storages, their version counters
+noted.
 
-Replay (`materialize`) runs the recording on the CPU from the recorded generator state, on every
-rank (the state is rank 0's), and first decides, before computing anything, what to run:
+Replay (`materialize`) runs on every rank from the recorded generator state, after deciding what
+to run. Going backwards from the wanted parameters and buffers, an operation runs if it writes a
+storage whose value matters (and what it reads then matters); a write of a whole storage ends its
+earlier history. A random operation whose result does not matter still draws, into a scratch
+tensor of the same size, stride and dtype, so the generator advances as in the eager build. Views
+and operations that neither matter nor draw are skipped. Storages live from their first running
+operation to their last, and a parameter's shard is kept when its value is final; side-effect-free
+reads (casts) run right after what they read is final. Memory is this rank's shards plus the
+operations in flight; time is every rank drawing the whole model's random numbers.
 
-* backwards from the end, the storages whose values matter are the wanted parameters and the
-  buffers; an operation that writes one of them runs, and what it reads then matters; an
-  operation that writes all of a storage without reading it (`normal_`, `uniform_`, `fill_`,
-  `zero_`, `copy_`, a new output) ends the storage's earlier history: earlier writes do not
-  matter.
-* a random operation whose result does not matter still runs, on a scratch tensor with the same
-  size, stride and dtype, so the generator advances exactly as in the eager build (the number of
-  draws depends on those, not on values); its cost is time and the size of that one tensor.
-* an operation that neither matters nor draws is skipped, as are views (a reference already says
-  where a view's values are).
-* refused: a value that comes from before the recording (a meta tensor made outside the block)
-  or from `torch.empty` memory nothing sets (in an eager build, garbage).
-
-A storage is allocated at its first operation that runs and freed after its last; a parameter's
-value is handed on (its shard kept) then. An operation without side effects that reads storages
-(a cast) is moved to right after the last write of what it reads, so `.to(torch.bfloat16)` at the
-end of `__init__` does not keep every fp32 parameter alive until then. Memory: this rank's shards
-plus the tensors whose operations are running, for ordinary models one module's parameters.
-Time: every rank draws the whole model's random numbers.
-
-A module built under plain `torch.device("meta")` has no recording: initializing it is refused
-(`ValueError`), because which initializers its construction ran cannot be known (custom init in
-`__init__`, `self.apply`, draws that are not parameters all leave no trace on the meta device).
-Changes made after the block are not recorded: a parameter replaced by a new tensor (`.to()`
-outside the block) is refused as not recorded, and one changed in place through its own object
-(`nn.init.*`, `copy_`, `load_state_dict`) is refused by its version counter; changes through
-`.data` after the block cannot be seen, so the docs say to do everything inside the block.
+Refused, because the value cannot be known: a module built under plain `torch.device("meta")` (no
+recording), values from before the block or from uninitialized `torch.empty` memory, and changes
+after the block (a replaced parameter is not recorded; an in-place change shows in its version
+counter; changes through `.data` cannot be seen, so the docs say to do everything in the block).
 """
 
 from __future__ import annotations
@@ -269,8 +241,8 @@ class _Recorder(TorchDispatchMode):
 def meta_device() -> Iterator[None]:
     """Builds modules on the meta device, recording their construction so it can be replayed exactly.
 
-    Inside the block, tensors are created on the meta device (no memory, nothing drawn) and every
-    operation on them is recorded. `step.init(params)` and `sf.shard(params, specs, mesh,
+    Inside the block, tensors are fake CPU tensors (no memory, nothing drawn) and every operation
+    on them is recorded; after it, the module holds meta tensors. `step.init(params)` and `sf.shard(params, specs, mesh,
     init=model)` then replay the recording unit by unit and give the parameters and buffers
     exactly the values an eager build of the same code would give, on the CPU, with the CPU
     generator in the state it had when the block began, at any world size (rank 0's state is
