@@ -154,16 +154,19 @@ def _model_buffers(state: Any, apply: Any, keys: list[str]) -> tuple[list[str], 
     if params is None and isinstance(state, dict):
         params = state.get("params")
     tree = params if params is not None else state
-    info = model_of(tree, apply, "the state's params")
-    if info is None:
-        return [], []
+    if apply is not None:
+        info = model_of(tree, apply, "the state's params")
+    else:
+        found = find_apply(*tree_flatten_with_paths(tree)[:2])
+        if not any(_persistent_buffers(i) for i in found):
+            return [], []
+        if len(found) > 1:  # only one of them is the module a train step updates and loads into
+            raise ValueError(
+                f"{len(found)} functionalized models have the parameter names of the state and some hold buffers: "
+                "say whose buffers the checkpoint holds with apply=apply (the function sf.functionalize returned for it)"
+            )
+        info = found[0]
     buffers = _persistent_buffers(info)
-    if apply is None and buffers and len(find_apply(*tree_flatten_with_paths(tree)[:2])) > 1:
-        # Equal buffers, yet only one module is the one a train step updates and loads into.
-        raise ValueError(
-            "several functionalized models have the parameter names of the state and hold buffers: say whose "
-            "buffers the checkpoint holds with apply=apply (the function sf.functionalize returned for it)"
-        )
     names = [BUFFERS + n for n in buffers]
     clash = sorted(set(names) & set(keys))
     if clash:

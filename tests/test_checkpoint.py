@@ -478,8 +478,8 @@ def bn_build():
         x, y = batch
         return torch.nn.functional.cross_entropy(apply(p, x), y)
 
-    step = sf.train_step(loss_fn, sf.optim.adamw(**OPT), sf.mesh(dp=-1))
-    return model, step, step.init(params)
+    step = sf.train_step(loss_fn, sf.optim.adamw(**OPT), sf.mesh(dp=-1), apply=apply)
+    return model, step, step.init(params), apply
 
 
 def bn_train(step, state, first: int, last: int):
@@ -494,16 +494,18 @@ def bn_train(step, state, first: int, last: int):
 def rank_batchnorm_resume(d: str) -> dict:
     """A BatchNorm model trained 3 steps, saved, loaded into a fresh model and trained 3 more
     equals the uninterrupted 6 steps: parameters and running statistics."""
-    model, step, state = bn_build()
+    model, step, state, _ = bn_build()
     state = bn_train(step, state, 0, 6)
     straight = {**full(state.params), **{k: v.clone() for k, v in model.named_buffers()}}
     del model, step, state
-    model, step, state = bn_build()
+    model, step, state, apply = bn_build()
     state = bn_train(step, state, 0, 3)
-    sf.save(state, f"{d}/bn")
+    other = bn_build()  # a second model with these names and buffers: whose buffers to save?
+    several = raises(sf.save, state, f"{d}/several")
+    sf.save(state, f"{d}/bn", apply=apply)
     saved_mean = model[1].running_mean.clone()
-    del model, step, state
-    model, step, state = bn_build()  # a fresh model: its statistics start again
+    del model, step, state, apply, other
+    model, step, state, _ = bn_build()  # a fresh model: its statistics start again
     fresh_mean = model[1].running_mean.clone()
     state = sf.load(f"{d}/bn", like=state)
     loaded_mean = model[1].running_mean.clone()
@@ -514,7 +516,7 @@ def rank_batchnorm_resume(d: str) -> dict:
     sf.save({"w": state.params["0"]["weight"]}, params_only)
     report = sf.load(params_only, like={"w": state.params["0"]["weight"]}, strict=False)[1]
     return {"straight": straight, "resumed": resumed, "saved_mean": saved_mean, "fresh_mean": fresh_mean,
-            "loaded_mean": loaded_mean, "entries": sorted(_checkpoint._read_meta(f"{d}/bn").get("buffers", [])), "report": report}
+            "loaded_mean": loaded_mean, "several": several, "entries": sorted(_checkpoint._read_meta(f"{d}/bn").get("buffers", [])), "report": report}
 
 
 def test_buffers_resume_exactly(pools, tmp_path):
@@ -525,3 +527,4 @@ def test_buffers_resume_exactly(pools, tmp_path):
         assert_same(out["resumed"], out["straight"])
         assert out["resumed"]["1.num_batches_tracked"] == 6
         assert out["report"] == ([], [])
+        assert "ValueError" in out["several"] and "apply=apply" in out["several"], out["several"]
