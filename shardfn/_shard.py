@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from . import _collectives as C
 from . import _donate, _forward_ad, _watch
-from ._functorch import batched, refuse_tracing, unwrap
+from ._functorch import batched, install_mixing_check, note_gathered, refuse_tracing, unwrap
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._C._functorch import TransformType
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -21,6 +21,7 @@ from ._spec import match_specs, placements_for
 __all__ = ["shard", "gather"]
 
 _forward_ad.install()  # Note [dual DTensors]
+install_mixing_check()  # Note [a sharded leaf read inside a transform]
 
 
 def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
@@ -306,5 +307,6 @@ def gather(sharded: Any) -> Any:
         >>> full = sf.gather(state.params)
     """
     refuse_tracing()
+    note_gathered(optree.tree_leaves(sharded))
     with _watch.watched("sf.gather"):
         return optree.tree_map(lambda x: _Gather.apply(x) if _holds_dtensor(x) else x, sharded)

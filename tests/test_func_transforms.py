@@ -103,6 +103,25 @@ def rank_transforms() -> dict:
         "jvp_grad": worst(jvp(grad(lo), (sharded,), (v_sharded,))[1], jvp(grad(lo), (params,), (v,))[1]),
         "grad_jvp": worst(grad(lambda t: jvp(lo, (sharded,), (t,))[1])(v_sharded), grad(lambda t: jvp(lo, (params,), (t,))[1])(v)),
     }
+    # A leaf read directly (a DTensor) and added to the loss of the gathered tree: refused in the
+    # forward with the way around it, under torch.func and plain autograd; afterwards (and outside
+    # any gradient) a DTensor still meets plain scalars.
+    leaf = sf.tree_paths(params)[0].split(".")
+
+    def direct(p):
+        return loss(p, x0) + p[leaf[0]][leaf[1]].pow(2).sum()
+
+    mixed = {}
+    for name, fn in {"func": lambda: grad(direct)(sharded),
+                     "autograd": lambda: direct(optree.tree_map(lambda t: t.detach().requires_grad_(), sharded)).backward()}.items():
+        try:
+            fn()
+            mixed[name] = "ran"
+        except ValueError as e:
+            mixed[name] = str(e)
+    first = optree.tree_leaves(sharded)[0]
+    mixed["after"] = rel_err(sf.gather(first * torch.tensor(2.0)), 2 * sf.gather(first))
+    out["mixed"] = mixed
     with torch.no_grad():
         out["inference"] = rel_err(apply(sharded, _x(rank)), apply(params, _x(rank)))
     try:
@@ -149,6 +168,9 @@ def test_grad_and_vjp_through_gather_are_sharded_and_exact(pools, world):
         assert "derivative of jacrev" in out["jacrev_jacrev"], out["jacrev_jacrev"]
         assert max(out[k] for k in keys) < 1e-5, (rank, out)
         assert max(out["equal_data"].values()) < 1e-6, (rank, out["equal_data"])
+        for k in ("func", "autograd"):
+            assert "sf.gather(tree)" in out["mixed"][k] and "apply(tree, x)" in out["mixed"][k], out["mixed"]
+        assert out["mixed"]["after"] == 0, out["mixed"]
 
 
 def rank_forward_mode() -> dict:
