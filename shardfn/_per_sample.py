@@ -18,8 +18,9 @@ the model once, so its gradient sums every use before the probe sees it.
 DP-SGD needs an example's whole norm before its gradient can be clipped, and the norm is known
 only when every leaf's backward has run: two passes. The first computes the norms (above); the
 second is one ordinary backward of `sum_i c_i * loss_i / B` through `sf.gather` (whose gradient is
-the reduce-scatter of the mean over ranks, so each rank's sum is weighted by the world size), with `c_i = min(1, C / (norm_i + 1e-6))` as Opacus clips: the clipped sum
-without any per-example gradient. Noise `sigma * C * N(0, I)` is drawn leaf by leaf, in the tree's leaf order, at
+the reduce-scatter of the mean over ranks, so each rank's sum is weighted by the world size), with
+`c_i = min(1, C / (norm_i + 1e-6))` as Opacus clips: the clipped sum without any per-example
+gradient. Noise `sigma * C * N(0, I)` is drawn leaf by leaf, in the tree's leaf order, at
 each leaf's full shape, from `torch.Generator().manual_seed(seed)` on the CPU; each rank keeps its
 shard of it, so every rank agrees, and a single process with the same seed draws the same noise.
 The result is `(sum_i clip(g_i) + noise) / B` for the global batch of `B` examples.

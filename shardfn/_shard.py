@@ -171,8 +171,8 @@ _VMAP_REFUSED = (
 # plain gather, without a 1/W. Seen as linear maps with the inner product of the mean over ranks
 # on per-rank tensors (<x, y> = mean_r x_r . y_r, which is what a seed of 1 on every rank stands
 # for) and the plain one on sharded tensors, the gather G and the averaging reduce-scatter R are
-# each other's adjoints: <G s, x> = mean_r s . x_r = s . R x. Each rank's own computation is its
-# own adjoint as autograd computes it, the 1/W appearing on both sides. A Hessian-vector product
+# each other's adjoints: <G s, x> = mean_r s . x_r = s . R x. What each rank computes on its own
+# needs nothing more: the 1/W of that inner product appears on both sides. A Hessian-vector product
 # `vjp(grad(f))(v)` then runs G on `v` (every rank gets `v`), each rank's Hessian, and R: the
 # mean of the ranks' Hessians times `v`, exactly. `jvp` is each rank's own function (the tangent
 # gathered, nothing averaged) and composes the same way (`jvp(grad(f))`, a gradient of a jvp).
