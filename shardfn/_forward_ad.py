@@ -12,8 +12,9 @@ shard (a tangent whose shard is a strided view, say). A tangent laid out otherwi
 tensor, whose rows could mean the full tensor or the shard; other placements; another dtype,
 which the copy would cast) is a `ValueError` with the fix. Past `make_dual`, `sf.gather`'s jvp all-gathers the tangent shards and the rest of `f`
 runs on plain tensors, so the jvp of `f(sf.gather(p))` (or of `apply(p, x)`) is exactly the
-unsharded jvp of each rank's own function. (Reverse mode sums over ranks, as the gradient of the
-gather is the reduce-scatter; forward mode has nothing to sum.)
+unsharded jvp of each rank's own function. (Reverse mode averages over ranks, as the gradient of
+the gather is the reduce-scatter of the mean; forward mode has nothing to reduce. The two compose:
+Note [the mean over ranks] in `_shard.py`.)
 
 The rules go in DTensor's table of op handlers, which has no public entry point yet; if that
 table moves, jvp over sharded trees raises DTensor's own error again and nothing else changes.

@@ -18,8 +18,9 @@ the model once, so its gradient sums every use before the probe sees it.
 DP-SGD needs an example's whole norm before its gradient can be clipped, and the norm is known
 only when every leaf's backward has run: two passes. The first computes the norms (above); the
 second is one ordinary backward of `sum_i c_i * loss_i / B` through `sf.gather` (whose gradient is
-the reduce-scatter), with `c_i = min(1, C / (norm_i + 1e-6))` as Opacus clips: the clipped sum
-without any per-example gradient. Noise `sigma * C * N(0, I)` is drawn leaf by leaf, in the tree's leaf order, at
+the reduce-scatter of the mean over ranks, so each rank's sum is weighted by the world size), with
+`c_i = min(1, C / (norm_i + 1e-6))` as Opacus clips: the clipped sum without any per-example
+gradient. Noise `sigma * C * N(0, I)` is drawn leaf by leaf, in the tree's leaf order, at
 each leaf's full shape, from `torch.Generator().manual_seed(seed)` on the CPU; each rank keeps its
 shard of it, so every rank agrees, and a single process with the same seed draws the same noise.
 The result is `(sum_i clip(g_i) + noise) / B` for the global batch of `B` examples.
@@ -397,18 +398,21 @@ class DPValueAndGrad:
         self._hold: set = set()  # leaves read outside their units, learnt on the first call
 
     def _clipped_sum(self, model: _Model, batch: Any, weights: torch.Tensor) -> list:
-        """The second pass: the gradient of sum_i w_i * loss_i through `sf.gather`, whose backward
-        reduce-scatters each leaf's full gradient (the sum over ranks) into its shard."""
+        """The second pass: the gradient of sum_i w_i * loss_i over the global batch, through
+        `sf.gather`, whose backward reduce-scatters the mean over ranks of each leaf's full gradient
+        into its shard: each rank's weighted sum is scaled by the world size, so that their mean
+        is the sum over all ranks."""
         from torch.func import grad, vmap
 
         index = [k for k, t in enumerate(model.trained) if t]
+        world = model.world()
 
         def weighted(trained: list) -> torch.Tensor:
             it = iter(trained)
             full = [gather(next(it)) if t else gather(x).detach() for x, t in zip(model.leaves, model.trained)]
             tree = optree.tree_unflatten(model.treespec, full)
             losses = vmap(lambda p, e: _one_loss(self.loss_fn(p, e)), in_dims=(None, 0), randomness=self.randomness)(tree, batch)
-            return (losses * weights.to(losses.dtype)).sum()
+            return (losses * weights.to(losses.dtype)).sum() * world
 
         return grad(weighted)([model.leaves[k] for k in index])
 

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from . import _collectives as C
 from . import _donate, _forward_ad, _watch
-from ._functorch import batched, refuse_tracing, unwrap
+from ._functorch import batched, install_mixing_check, note_gathered, refuse_tracing, unwrap
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._C._functorch import TransformType
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -21,6 +21,7 @@ from ._spec import match_specs, placements_for
 __all__ = ["shard", "gather"]
 
 _forward_ad.install()  # Note [dual DTensors]
+install_mixing_check()  # Note [a sharded leaf read inside a transform]
 
 
 def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
@@ -107,7 +108,8 @@ def _mesh_dim_group(mesh: DeviceMesh, dim: int):
 
 
 def _reduce_to_placements(grad: torch.Tensor, mesh: DeviceMesh, placements, shape) -> torch.Tensor:
-    """Sums `grad` (a full tensor on each rank) over the mesh and keeps this rank's part."""
+    """Averages `grad` (a full tensor on each rank) over every rank of the mesh and keeps this
+    rank's part (Note [the mean over ranks])."""
     grad = grad.contiguous()
     if mesh.ndim == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0 and grad.dim() > 0:
         group, W = _mesh_dim_group(mesh, 0), mesh.size()
@@ -119,11 +121,15 @@ def _reduce_to_placements(grad: torch.Tensor, mesh: DeviceMesh, placements, shap
         torch._chunk_cat([grad], dim=0, num_chunks=W, out=inp)
         out = torch.empty(chunk, *grad.shape[1:], dtype=grad.dtype, device=grad.device)
         C.reduce_scatter(out.view(-1), inp.view(-1), group, async_op=False)
+        if W > 1:
+            out.div_(W)
         return out[: max(0, min(rows - r * chunk, chunk))]
     total = grad.clone()
     for d, p in enumerate(placements):
         if not isinstance(p, Replicate) or mesh.size(d) > 1:
             C.all_reduce(total, _mesh_dim_group(mesh, d))
+    if mesh.size() > 1:
+        total.div_(mesh.size())
     # This rank's part, split as DTensor's Shard does (torch.chunk; trailing ranks may get less or
     # nothing), by hand: distribute_tensor cannot run inside torch.func transforms.
     for d, p in enumerate(placements):
@@ -146,14 +152,35 @@ _TANGENT_LAYOUT = (
 )
 
 _VMAP_REFUSED = (
-    "the gradient of sf.gather under vmap is not supported: across ranks it would sum example i of every "
+    "the gradient of sf.gather under vmap is not supported: across ranks it would average example i of every "
     "rank. For per-example gradients of a sharded model use sf.per_sample_grads, sf.per_sample_grad_norms "
     "or sf.dp_value_and_grad; or gather outside the vmap, `full = sf.gather(params)`, and vmap over the full tree"
 )
 
 
+# Note [the mean over ranks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every rank runs its own function of the gathered tree and seeds its own backward with 1. The
+# gradient shardfn returns, here as in the train step and `value_and_grad`, is that of the mean of
+# those functions over the W ranks of the leaf's mesh: the gather's backward averages the ranks'
+# full gradients (a reduce-scatter, or an all-reduce for a replicated leaf, divided by W). So the
+# same data on every rank gives the unsharded gradient exactly, and each rank's share of a global
+# batch gives the global batch's.
+#
+# For gradients of gradients to stay exact, the averaging reduce-scatter's own backward is the
+# plain gather, without a 1/W. Seen as linear maps with the inner product of the mean over ranks
+# on per-rank tensors (<x, y> = mean_r x_r . y_r, which is what a seed of 1 on every rank stands
+# for) and the plain one on sharded tensors, the gather G and the averaging reduce-scatter R are
+# each other's adjoints: <G s, x> = mean_r s . x_r = s . R x. What each rank computes on its own
+# needs nothing more: the 1/W of that inner product appears on both sides. A Hessian-vector product
+# `vjp(grad(f))(v)` then runs G on `v` (every rank gets `v`), each rank's Hessian, and R: the
+# mean of the ranks' Hessians times `v`, exactly. `jvp` is each rank's own function (the tangent
+# gathered, nothing averaged) and composes the same way (`jvp(grad(f))`, a gradient of a jvp).
+
+
 class _Gather(torch.autograd.Function):
-    """DTensor -> full tensor; backward sums the full gradients of all ranks into the shards.
+    """DTensor -> full tensor; backward averages the full gradients of all ranks into the shards
+    (Note [the mean over ranks]).
 
     The collectives run under `torch._C._DisableFuncTorch()`, so the function composes with
     torch.func transforms (without it, a transform refuses the collective's in-place copy into a captured tensor). The backward is itself a
@@ -204,8 +231,8 @@ class _Gather(torch.autograd.Function):
 
 
 class _ReduceScatter(torch.autograd.Function):
-    """Full tensor (one per rank) -> the DTensor of their sum, laid out as `meta` says; the
-    gradient of `_Gather`, and its backward is `_Gather`."""
+    """Full tensor (one per rank) -> the DTensor of their mean, laid out as `meta` says; the
+    gradient of `_Gather`, and its backward is `_Gather` (its adjoint: Note [the mean over ranks])."""
 
     @staticmethod
     def forward(grad: torch.Tensor, meta: tuple) -> DTensor:  # type: ignore[override]
@@ -263,8 +290,12 @@ def _holds_dtensor(x: Any) -> bool:
 def gather(sharded: Any) -> Any:
     """Gathers a DTensor tree into full tensors on every rank; differentiable.
 
-    The gradient of `gather` is the reduce-scatter: each shard receives the sum, over ranks, of the
-    gradients of its rows (for replicated leaves, the all-reduced gradient).
+    The gradient of `gather` is the reduce-scatter of the mean: each shard receives the mean, over
+    the ranks of the mesh, of the gradients of its rows (for replicated leaves, the all-reduced
+    gradient divided by the number of ranks). A gradient through `gather` is so the gradient of
+    the mean over ranks of each rank's function, as `sf.value_and_grad` and `train_step` give: the
+    same data on every rank gives the unsharded gradient (Note [the mean over ranks] in
+    `shardfn/_shard.py`).
 
     Args:
         sharded: a tree with DTensor leaves (plain tensors pass through).
@@ -276,5 +307,6 @@ def gather(sharded: Any) -> Any:
         >>> full = sf.gather(state.params)
     """
     refuse_tracing()
+    note_gathered(optree.tree_leaves(sharded))
     with _watch.watched("sf.gather"):
         return optree.tree_map(lambda x: _Gather.apply(x) if _holds_dtensor(x) else x, sharded)

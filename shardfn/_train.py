@@ -487,11 +487,11 @@ class TrainStep:
 
     def _gradients_gathered(self, batch: Any) -> tuple[torch.Tensor, Any]:
         """Forward and backward on the whole gathered tree, with plain autograd: the gradient of
-        `sf.gather` is the reduce-scatter (Note [steps off the unit schedule])."""
+        `sf.gather` is the reduce-scatter of the mean over ranks (Note [steps off the unit schedule])."""
         from ._shard import gather
 
         k = self.accumulation_steps
-        scale = 1.0 / (self.world * k)
+        scale = 1.0 / k  # the gather's backward averages over the ranks
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device_type)
         aux = None
         with torch.enable_grad():

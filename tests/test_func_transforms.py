@@ -1,7 +1,7 @@
 """torch.func through shards: `grad` and `vjp` of a function of `sf.gather(sharded)` or of
-`apply(sharded, x)` are sharded trees equal to the unsharded gradients summed over ranks (each
-rank's function sees its own batch); gradients to the inputs are exact; what is not supported yet
-refuses with the way around it."""
+`apply(sharded, x)` are sharded trees equal to the gradient of the mean over ranks (each rank's
+function sees its own batch; with the same batch on every rank, the unsharded gradient); gradients
+to the inputs are exact; what is not supported yet refuses with the way around it."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ def _x(rank: int) -> torch.Tensor:
     return torch.randn(3, 7, generator=torch.Generator().manual_seed(rank))
 
 
+def _mean(per_rank: list) -> list:
+    """The mean over ranks, leaf by leaf, of each rank's tree (or list of leaves)."""
+    return [sum(t) / len(per_rank) for t in zip(*[optree.tree_leaves(x) for x in per_rank])]
+
+
 def rank_transforms() -> dict:
     from torch.func import grad, grad_and_value, vjp, vmap
 
@@ -31,8 +36,8 @@ def rank_transforms() -> dict:
     def loss(p, x):
         return apply(p, x).pow(2).sum()
 
-    # The unsharded reference: every rank's gradient, summed (the gradient of sf.gather is the sum).
-    ref = [sum(g) for g in zip(*[optree.tree_leaves(grad(loss)(params, _x(r))) for r in range(world)])]
+    # The unsharded reference: the mean of every rank's gradient (Note [the mean over ranks]).
+    ref = _mean([grad(loss)(params, _x(r)) for r in range(world)])
     out = {}
     g = grad(lambda p: loss(sf.gather(p), _x(rank)))(sharded)
     out["grad"] = [(type(a).__name__, a.placements, rel_err(sf.gather(a), b)) for a, b in zip(optree.tree_leaves(g), ref)]
@@ -42,7 +47,7 @@ def rank_transforms() -> dict:
     _, fn = vjp(lambda p: apply(sf.gather(p), _x(rank)), sharded)
     cot = torch.ones(3, 3)
     (gv,) = fn(cot)
-    ref_vjp = [sum(t) for t in zip(*[optree.tree_leaves(vjp(lambda p: apply(p, _x(r)), params)[1](cot)[0]) for r in range(world)])]
+    ref_vjp = _mean([vjp(lambda p: apply(p, _x(r)), params)[1](cot)[0] for r in range(world)])
     out["vjp"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(gv), ref_vjp))
     # Through `apply` on the sharded tree: gradients to the tree and to the inputs.
     ga = grad(lambda p: loss(p, _x(rank)))(sharded)
@@ -66,7 +71,7 @@ def rank_transforms() -> dict:
     # jacrev with respect to the sharded tree: one reduce-scatter for the batch of cotangents; the
     # Jacobian is sharded like the tree, on the dims after the output's.
     jac = jacrev(lambda p: apply(p, _x(rank)))(sharded)
-    ref_jac = [sum(t) for t in zip(*[optree.tree_leaves(jacrev(lambda p: apply(p, _x(r)))(params)) for r in range(world)])]
+    ref_jac = _mean([jacrev(lambda p: apply(p, _x(r)))(params) for r in range(world)])
     out["jacrev"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(jac), ref_jac))
     out["jacrev_types"] = {type(a).__name__ for a in optree.tree_leaves(jac)}
     try:  # its derivative would be taken outside the recorded graph: refused, never zeros
@@ -78,8 +83,45 @@ def rank_transforms() -> dict:
     v = optree.tree_map(lambda t: torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())), params)
     v_sharded = sf.shard(v, sf.specs(v, mesh), mesh)
     (hv,) = vjp(grad(lambda p: loss(p, _x(rank))), sharded)[1](v_sharded)
-    ref_hv = [sum(t) for t in zip(*[optree.tree_leaves(vjp(grad(lambda p: loss(p, _x(r))), params)[1](v)[0]) for r in range(world)])]
+    ref_hv = _mean([vjp(grad(lambda p: loss(p, _x(r))), params)[1](v)[0] for r in range(world)])
     out["hvp"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(hv), ref_hv))
+    # The same data on every rank: every gradient equals the unsharded one (not W times it).
+    x0 = _x(0)
+
+    def lo(p):
+        return loss(p, x0)
+
+    def worst(got, want):
+        return max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)))
+
+    out["equal_data"] = {
+        "grad_gather": worst(grad(lambda p: lo(sf.gather(p)))(sharded), grad(lo)(params)),
+        "grad_apply": worst(grad(lo)(sharded), grad(lo)(params)),
+        "vjp": worst(vjp(lambda p: apply(p, x0), sharded)[1](cot)[0], vjp(lambda p: apply(p, x0), params)[1](cot)[0]),
+        "jacrev": worst(jacrev(lambda p: apply(p, x0))(sharded), jacrev(lambda p: apply(p, x0))(params)),
+        "hvp": worst(vjp(grad(lo), sharded)[1](v_sharded)[0], vjp(grad(lo), params)[1](v)[0]),
+        "jvp_grad": worst(jvp(grad(lo), (sharded,), (v_sharded,))[1], jvp(grad(lo), (params,), (v,))[1]),
+        "grad_jvp": worst(grad(lambda t: jvp(lo, (sharded,), (t,))[1])(v_sharded), grad(lambda t: jvp(lo, (params,), (t,))[1])(v)),
+    }
+    # A leaf read directly (a DTensor) and added to the loss of the gathered tree: refused in the
+    # forward with the way around it, under torch.func and plain autograd; afterwards (and outside
+    # any gradient) a DTensor still meets plain scalars.
+    leaf = sf.tree_paths(params)[0].split(".")
+
+    def direct(p):
+        return loss(p, x0) + p[leaf[0]][leaf[1]].pow(2).sum()
+
+    mixed = {}
+    for name, fn in {"func": lambda: grad(direct)(sharded),
+                     "autograd": lambda: direct(optree.tree_map(lambda t: t.detach().requires_grad_(), sharded)).backward()}.items():
+        try:
+            fn()
+            mixed[name] = "ran"
+        except ValueError as e:
+            mixed[name] = str(e)
+    first = optree.tree_leaves(sharded)[0]
+    mixed["after"] = rel_err(sf.gather(first * torch.tensor(2.0)), 2 * sf.gather(first))
+    out["mixed"] = mixed
     with torch.no_grad():
         out["inference"] = rel_err(apply(sharded, _x(rank)), apply(params, _x(rank)))
     try:
@@ -87,6 +129,10 @@ def rank_transforms() -> dict:
         out["vmap"] = "ran"
     except NotImplementedError as e:
         out["vmap"] = str(e)
+    # One convention: sf.value_and_grad (the unit schedule) gives what torch.func gives, each rank
+    # passing its own batch. Last: it takes the tree into its own buffers.
+    _, vg = sf.value_and_grad(loss, apply=apply)(sharded, _x(rank))
+    out["value_and_grad"] = max(rel_err(sf.gather(a), sf.gather(b)) for a, b in zip(optree.tree_leaves(vg), optree.tree_leaves(ga)))
     return out
 
 
@@ -103,8 +149,14 @@ def rank_other_layouts() -> float:
         return (p["s"] * torch.tanh(x @ p["a"].T) @ p["b"].T).pow(2).sum()
 
     g = grad(lambda p: f(sf.gather(p), _x(rank)))(tree)
-    ref = [sum(t) for t in zip(*[optree.tree_leaves(grad(f)(full, _x(r))) for r in range(world)])]
-    return max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(g), ref))
+    ref = _mean([grad(f)(full, _x(r)) for r in range(world)])
+    errs = [rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(g), ref)]
+    # A 2-D mesh: the mean is over every rank of the mesh, whichever axes a leaf is split over.
+    mesh2 = sf.mesh(replicate=1, shard=-1)
+    tree2 = sf.shard(full, {"a": sf.P("shard"), "s": sf.P(), "b": sf.P(None, ("replicate", "shard"))}, mesh2)
+    g2 = grad(lambda p: f(sf.gather(p), _x(0)))(tree2)
+    errs += [rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(g2), optree.tree_leaves(grad(f)(full, _x(0))))]
+    return max(errs)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -125,6 +177,10 @@ def test_grad_and_vjp_through_gather_are_sharded_and_exact(pools, world):
         assert out["jacrev_types"] == {"DTensor"}, out["jacrev_types"]
         assert "derivative of jacrev" in out["jacrev_jacrev"], out["jacrev_jacrev"]
         assert max(out[k] for k in keys) < 1e-5, (rank, out)
+        assert max(out["equal_data"].values()) < 1e-6 and out["value_and_grad"] < 1e-5, (rank, out)
+        for k in ("func", "autograd"):
+            assert "sf.gather(tree)" in out["mixed"][k] and "apply(tree, x)" in out["mixed"][k], out["mixed"]
+        assert out["mixed"]["after"] == 0, out["mixed"]
 
 
 def rank_forward_mode() -> dict:
@@ -169,17 +225,16 @@ def rank_forward_mode() -> dict:
         out["forward_ad_apply"] = rel_err(forward_ad.unpack_dual(apply(duals, x)).tangent, ref_apply)
     # Transforms around the jvp that differentiate its tangent: the tangent's gather is recorded.
     transposed = grad(lambda t: jvp(lambda p: f(sf.gather(p), x), (tree,), (t,))[1].sum())(v_sharded)
-    ref_transposed = [sum(t) for t in zip(*[optree.tree_leaves(grad(lambda t: jvp(lambda p: f(p, _x(r)), (full,), (t,))[1].sum())(v))
-                                            for r in range(world)])]
+    ref_transposed = _mean([grad(lambda t: jvp(lambda p: f(p, _x(r)), (full,), (t,))[1].sum())(v) for r in range(world)])
     out["grad_of_jvp"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(transposed), ref_transposed))
     nested = jvp(lambda p: jvp(lambda q: f(sf.gather(q), x).pow(2).sum(), (p,), (p,))[1], (tree,), (v_sharded,))[1]
     out["jvp_of_jvp"] = rel_err(nested, jvp(lambda p: jvp(lambda q: f(q, x).pow(2).sum(), (p,), (p,))[1], (full,), (v,))[1])
-    # Forward over reverse: a Hessian-vector product whose result is sharded, the sum over ranks.
+    # Forward over reverse: a Hessian-vector product whose result is sharded, the mean over ranks.
     def loss(p, x):
         return f(p, x).pow(2).sum()
 
     _, hv = jvp(grad(lambda p: loss(sf.gather(p), x)), (tree,), (v_sharded,))
-    ref_hv = [sum(t) for t in zip(*[optree.tree_leaves(jvp(grad(lambda p: loss(p, _x(r))), (full,), (v,))[1]) for r in range(world)])]
+    ref_hv = _mean([jvp(grad(lambda p: loss(p, _x(r))), (full,), (v,))[1] for r in range(world)])
     out["fwd_over_rev"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(hv), ref_hv))
     out["fwd_over_rev_types"] = {type(a).__name__ for a in optree.tree_leaves(hv)}
 
@@ -190,8 +245,7 @@ def rank_forward_mode() -> dict:
     g3 = grad(hvp_norm)(tree, lambda p: jvp(grad(lambda q: loss(sf.gather(q), x)), (p,), (v_sharded,))[1])
 
     def ref_hvp(p):
-        each = [optree.tree_leaves(jvp(grad(lambda q: loss(q, _x(r))), (p,), (v,))[1]) for r in range(world)]
-        return [sum(t) for t in zip(*each)]
+        return _mean([jvp(grad(lambda q: loss(q, _x(r))), (p,), (v,))[1] for r in range(world)])
 
     out["third_order"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(g3), optree.tree_leaves(grad(hvp_norm)(full, ref_hvp))))
     relaid = sf.shard(v, optree.tree_map(lambda _: sf.P(), specs), mesh)

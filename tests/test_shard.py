@@ -30,12 +30,13 @@ def rank_shard_gather() -> dict:
     out["gather_exact"] = all(torch.equal(full[k], params[k]) for k in params)
     out["plain"] = all(type(v) is torch.Tensor for v in full.values())
 
-    # The gradient of gather is the reduce-scatter: rank r weights the loss by (r + 1).
+    # The gradient of gather is the reduce-scatter of the mean over ranks: rank r weights the loss
+    # by (r + 1), and the gradient is that of the mean of the ranks' losses.
     leaves = {k: v.detach().requires_grad_() for k, v in sharded.items()}
     g = sf.gather(leaves)
     loss = (rank + 1) * sum((g[k] * params[k]).sum() for k in g)
     loss.backward()
-    factor = world * (world + 1) / 2
+    factor = (world + 1) / 2
     errs = []
     for k in params:
         grad = leaves[k].grad
