@@ -198,10 +198,11 @@ def test_no_module_issues_a_collective_but_collectives():
         ], _direct_collectives(probe)
 
 
-def rank_planted_stalls(tmp: str, timeout_s: float) -> list:
+def rank_planted_stalls(tmp: str, timeout_s: float, after_s: float) -> list:
     """Rank 1 does not enter a collective of each shardfn call in turn; rank 0 waits in it until
-    the process group's short timeout and reports the error it got. Before each plant the ranks
-    meet on the job's store and start a new default group (a gloo timeout closes the old one)."""
+    the process group's short timeout (`timeout_s`) and reports the error it got. Before each plant
+    the ranks meet on the job's store and start a new default group (a gloo timeout closes the
+    old one); the last has the pool's own timeout (`after_s`), for the tests that follow."""
     import datetime
     import os
 
@@ -212,10 +213,10 @@ def rank_planted_stalls(tmp: str, timeout_s: float) -> list:
     rank = dist.get_rank()
     store = dist.distributed_c10d._get_default_store()  # keeps the job's store up across the groups
     _watch.start()  # as sf.mesh or sf.launch start it: rank 1's heartbeat says where it is
-    timeout = datetime.timedelta(seconds=timeout_s)
 
-    def new_group(k: int) -> None:
+    def new_group(k: int, seconds: float) -> None:
         dist.destroy_process_group()
+        timeout = datetime.timedelta(seconds=seconds)
         dist.init_process_group("gloo", store=dist.PrefixStore(f"plant/{k}/", store), rank=rank, world_size=2, timeout=timeout)
 
     def sharded():
@@ -245,7 +246,7 @@ def rank_planted_stalls(tmp: str, timeout_s: float) -> list:
     plants = {"sf.save": save, "sf.export": export, "sf.optim.clip_by_global_norm": clip, "sf.per_sample_grad_norms": per_sample}
     out = []
     for k, (name, fn) in enumerate(plants.items()):
-        new_group(k)
+        new_group(k, timeout_s)
         if rank == 0:
             try:
                 fn()
@@ -257,18 +258,15 @@ def rank_planted_stalls(tmp: str, timeout_s: float) -> list:
             store.set(f"plant/{k}", "done")
         else:
             store.wait([f"plant/{k}"])  # outside any shardfn call, as a rank stuck in its own code is
-    new_group(len(plants))
+    new_group(len(plants), after_s)
     return out
 
 
-def test_a_stall_in_any_collective_is_named(tmp_path):
+def test_a_stall_in_any_collective_is_named(pools, tmp_path):
     """A checkpoint save, an export, the clip's global norm and a per-sample norm whose peer never
     comes: the waiting rank gets a RankError naming the stalled rank and the call, as for a
     stalled gather."""
-    from shardfn._pool import RankPool
-
-    with RankPool(2, timeout=120, pg_timeout=60) as pool:
-        got = pool.run(rank_planted_stalls, str(tmp_path), 3.0)[0]
+    got = pools(2).run(rank_planted_stalls, str(tmp_path), 2.5, 60.0)[0]
     for name, kind, rank, msg in got:
         assert (kind, rank) == ("stalled", 1), (name, kind, rank, msg)
         assert f"while rank 0 timed out waiting on it in {name}" in msg, (name, msg)
