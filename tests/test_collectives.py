@@ -270,3 +270,53 @@ def test_a_stall_in_any_collective_is_named(pools, tmp_path):
     for name, kind, rank, msg in got:
         assert (kind, rank) == ("stalled", 1), (name, kind, rank, msg)
         assert f"while rank 0 timed out waiting on it in {name}" in msg, (name, msg)
+
+
+def rank_mesh_groups_and_counts() -> dict:
+    """`mesh_group` over one, several and all axes; the counts of the watched collectives."""
+    import pickle
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from shardfn._mesh import mesh_group
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    mesh = init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=("x", "y", "z"))
+    ranks = lambda g: dist.get_process_group_ranks(g)  # noqa: E731
+    out["all_axes_world"] = mesh_group(mesh) is dist.group.WORLD
+    out["one_axis"] = ranks(mesh_group(mesh, "x")) == list(range(world)) and mesh_group(mesh, 0) is mesh_group(mesh, "x")
+    xy = mesh_group(mesh, ("x", "y"))
+    out["two_axes"] = ranks(xy) == list(range(world)) and mesh_group(mesh, ("y", "x")) is xy  # made once
+    out["two_axes_alone"] = ranks(mesh_group(mesh, ("y", "z"))) == [rank]
+    t = torch.tensor([float(rank + 1)])
+    C.STATS.reset()
+    C.all_reduce_blocking(t, xy, "a test")
+    out["sum"] = t.item() == world * (world + 1) / 2
+    C.all_reduce_blocking(t, xy, "a test", op="max")
+    out["max"] = t.item() == world * (world + 1) / 2
+    obj = {"rank": rank, "pad": "x" * rank}
+    out["objects"] = C.all_gather_object(obj, "a test") == [{"rank": r, "pad": "x" * r} for r in range(world)]
+    out["broadcast"] = C.broadcast_object(f"from {rank}", "a test", src=1) == "from 1"
+    C.barrier("a test")
+    x = distribute_tensor(torch.arange(6.0 * world), init_device_mesh("cpu", (world,)), [Shard(0)])
+    out["full"] = torch.equal(C.full_tensor(x, "a test"), torch.arange(6.0 * world))
+    out["replicated"] = torch.equal(C.redistribute(x, x.device_mesh, [Replicate()], "a test").to_local(), torch.arange(6.0 * world))
+    sent = 6 * 4 * (world - 1)  # each rank's 6 fp32 to every peer
+    want_calls = {"all_reduce": 2, "all_gather_object": 1, "barrier": 1, "all_gather": 1, "redistribute": 1}
+    if rank == 1:
+        want_calls["broadcast_object"] = 1
+    out["calls"] = C.STATS.calls == want_calls or C.STATS.calls
+    out["bytes"] = (
+        C.STATS.bytes_sent["all_gather_object"] == len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)) * (world - 1)
+        and C.STATS.bytes_sent["all_gather"] == sent
+        and C.STATS.bytes_sent["redistribute"] == sent
+    ) or dict(C.STATS.bytes_sent)
+    return out
+
+
+def test_mesh_groups_and_the_watched_collectives_counts(pools):
+    for r in pools(3).run(rank_mesh_groups_and_counts):
+        bad = {k: ok for k, ok in r.items() if ok is not True}
+        assert not bad, bad
