@@ -78,7 +78,6 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _collectives as C
-from . import _watch
 
 __all__ = ["meta_device", "materialize", "has_meta", "capture"]
 
