@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import _collectives as C
 from . import _watch
 
 __all__ = ["mesh", "ensure_process_group", "mesh_group"]
@@ -110,7 +111,8 @@ def mesh(**axes: int) -> DeviceMesh:
 # all-gather) and then all of them are made, in the order of their lowest rank. That happens once
 # per mesh and axes, on the first call, which (as for any collective) every rank makes at the
 # same point; the group is then kept with the mesh (a weak map keyed by the mesh), so it lives as
-# long as the mesh does. The groups of this rank's peers it makes on the way are dropped.
+# long as the mesh does. (DeviceMesh's private `_flatten` would make the same groups, registered
+# in the root mesh under a name.)
 _AXES_GROUPS: "weakref.WeakKeyDictionary[DeviceMesh, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -136,8 +138,6 @@ def mesh_group(mesh: DeviceMesh, axes: "tuple[str | int, ...] | str | int | None
 
 def _new_group(mesh: DeviceMesh, dims: tuple[int, ...]):
     """A new process group over `dims` of `mesh` holding this rank (Note [mesh groups])."""
-    from . import _collectives as C
-
     rest = [d for d in range(mesh.ndim) if d not in dims]
     coords = mesh.get_coordinate() or []
     mine = mesh.mesh
