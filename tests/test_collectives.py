@@ -259,14 +259,17 @@ def rank_planted_stalls(tmp: str, timeout_s: float, after_s: float) -> list:
         else:
             store.wait([f"plant/{k}"])  # outside any shardfn call, as a rank stuck in its own code is
     new_group(len(plants), after_s)
-    return out
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the pool's ranks work together again
+    return [*out, t.item()]
 
 
 def test_a_stall_in_any_collective_is_named(pools, tmp_path):
     """A checkpoint save, an export, the clip's global norm and a per-sample norm whose peer never
     comes: the waiting rank gets a RankError naming the stalled rank and the call, as for a
     stalled gather."""
-    got = pools(2).run(rank_planted_stalls, str(tmp_path), 2.5, 60.0)[0]
+    *got, together = pools(2).run(rank_planted_stalls, str(tmp_path), 2.5, 60.0)[0]
+    assert together == 2 and len(got) == 4, got
     for name, kind, rank, msg in got:
         assert (kind, rank) == ("stalled", 1), (name, kind, rank, msg)
         assert f"while rank 0 timed out waiting on it in {name}" in msg, (name, msg)
