@@ -319,7 +319,9 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 @contextlib.contextmanager
-def _blocking(what: str) -> Iterator[None]:
+def watching(what: str) -> Iterator[None]:
+    """Runs a block that waits on collectives under the watch, as shardfn call `what` (for
+    collectives of this module issued where no watched call encloses them, as in a backward)."""
     # The heartbeat describes the main thread; a save in the background only has its errors named.
     if threading.current_thread() is not threading.main_thread():
         with _watch.watched(what, mark=False):
@@ -337,7 +339,7 @@ def all_reduce_blocking(t: torch.Tensor, group, what: str, op: str = "sum") -> t
     """`t` <- the `op` ("sum" or "max") of `t` over the ranks of `group`, in place; blocks, under
     the watch as shardfn call `what`. Returns `t`."""
     STATS.add("all_reduce", 2 * _ring_bytes(t, _world(group)))
-    with _blocking(what):
+    with watching(what):
         dist.all_reduce(t, op=_OPS[op], group=group)
     return t
 
@@ -364,7 +366,7 @@ def all_gather_object(obj, what: str, group=None) -> list:
         return [obj]
     STATS.add("all_gather_object", _pickled(obj) * (world - 1))
     out: list = [None] * world
-    with _blocking(what):
+    with watching(what):
         dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -378,7 +380,7 @@ def broadcast_object(obj, what: str, src: int = 0, group=None):
     if dist.get_rank() == src:
         STATS.add("broadcast_object", _pickled(obj) * (world - 1))
     box = [obj]
-    with _blocking(what):
+    with watching(what):
         dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
@@ -386,7 +388,7 @@ def broadcast_object(obj, what: str, src: int = 0, group=None):
 def barrier(what: str, group=None) -> None:
     """Waits until every rank of `group` (None: all ranks) reached it."""
     STATS.add("barrier", 0)
-    with _blocking(what):
+    with watching(what):
         dist.barrier(group=group)
 
 
@@ -404,7 +406,7 @@ def full_tensor(x, what: str) -> torch.Tensor:
     one all-gather of its shards: (S - 1) / S of the full tensor's bytes for S shards."""
     shards = _shards(x.placements, x.device_mesh)
     STATS.add("all_gather", x.numel() * x.element_size() * (shards - 1) // shards)
-    with _blocking(what):
+    with watching(what):
         return x.full_tensor()
 
 
@@ -421,7 +423,7 @@ def redistribute(x, mesh, placements, what: str):
     else:
         nbytes = 0
     STATS.add("redistribute", nbytes)
-    with _blocking(what):
+    with watching(what):
         return x.redistribute(mesh, placements)
 
 
@@ -430,8 +432,8 @@ def region(what: str) -> Iterator[None]:
     """A block whose collectives a library issues itself (`torch.distributed.checkpoint`'s save
     and load): run under the watch as shardfn call `what`. Counted as one call, of unknown bytes."""
     STATS.add("torch.distributed.checkpoint", 0)
-    with _blocking(what):
+    with watching(what):
         yield
 
 
-__all__ += ["all_reduce_blocking", "all_gather_object", "broadcast_object", "barrier", "full_tensor", "redistribute", "region"]
+__all__ += ["watching", "all_reduce_blocking", "all_gather_object", "broadcast_object", "barrier", "full_tensor", "redistribute", "region"]

@@ -115,12 +115,13 @@ def _reduce_to_placements(grad: torch.Tensor, mesh: DeviceMesh, placements, shap
         inp = torch.empty(W, seg, dtype=grad.dtype, device=grad.device)
         torch._chunk_cat([grad], dim=0, num_chunks=W, out=inp)
         out = torch.empty(chunk, *grad.shape[1:], dtype=grad.dtype, device=grad.device)
-        C.reduce_scatter(out.view(-1), inp.view(-1), group, async_op=False)
+        with C.watching("the gradient of sf.gather"):
+            C.reduce_scatter(out.view(-1), inp.view(-1), group, async_op=False)
         return out[: max(0, min(rows - r * chunk, chunk))]
     total = grad.clone()
     for d, p in enumerate(placements):
         if not isinstance(p, Replicate) or mesh.size(d) > 1:
-            C.all_reduce(total, mesh_group(mesh, d))
+            C.all_reduce_blocking(total, mesh_group(mesh, d), "the gradient of sf.gather")
     # This rank's part, split as DTensor's Shard does (torch.chunk; trailing ranks may get less or
     # nothing), by hand: distribute_tensor cannot run inside torch.func transforms.
     for d, p in enumerate(placements):
