@@ -65,6 +65,7 @@ from typing import Any, Iterator, NamedTuple
 
 import optree
 
+from . import _collectives as C
 from . import _donate
 from ._files import fsync_dir, fsync_file, replace_synced, temporary_name, write_atomically
 from ._functional import _persistent_buffers, find_apply, model_of
@@ -246,17 +247,13 @@ def _rank() -> int:
 def _all_gather(obj: Any) -> list[Any]:
     if not _dist() or dist.get_world_size() == 1:
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return C.all_gather_object(obj, "sf.save")
 
 
-def _broadcast(obj: Any, group: Any = None) -> Any:
+def _broadcast(obj: Any, group: Any = None, what: str = "sf.save") -> Any:
     if not _dist() or dist.get_world_size() == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+    return C.broadcast_object(obj, what, group=group)
 
 
 _background_group: list[Any] = []  # the process group of background saves, made on the first one
@@ -545,7 +542,7 @@ def _write(tensors: dict, meta: dict, extras: dict | None, tmp: str, final: str,
     # Step 2: every rank's shards, into the temporary folder (DCP raises on every rank if one fails).
     writer = FileSystemWriter(tmp, sync_files=True, overwrite=False)
     try:
-        with _one_process():
+        with _one_process(), C.region("sf.save (torch.distributed.checkpoint)"):
             dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _dist())
     except CheckpointException as e:  # a BaseException: make it one that `except Exception` sees
         raise RuntimeError(f"writing the checkpoint {final!r} failed, nothing was committed and the previous checkpoint is intact: {e}") from e
@@ -606,7 +603,7 @@ def _read_meta(path: str) -> dict:
                 found = f"{path!r} has no readable {META} ({e}): not a checkpoint written by sf.save"
     else:
         found = ""
-    found = _broadcast(found)
+    found = _broadcast(found, what="sf.load")
     if isinstance(found, str):
         raise ValueError(found)
     if found.get("format") != FORMAT:
@@ -708,7 +705,7 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True, apply: Any 
     common = {k: t for k, t in tensors.items() if k in saved_t}
     if common:
         try:
-            with _one_process():
+            with _one_process(), C.region("sf.load (torch.distributed.checkpoint)"):
                 dcp.load(common, storage_reader=FileSystemReader(path), no_dist=not _dist())
         except CheckpointException as e:  # a BaseException: make it one that `except Exception` sees
             raise RuntimeError(f"reading the checkpoint {path!r} failed; `like` may be partly overwritten: {e}") from e

@@ -11,6 +11,8 @@ as point-to-point exchanges: see Note [gloo collectives].
 from __future__ import annotations
 
 import contextlib
+import pickle
+import threading
 import datetime
 from concurrent.futures import Future, ThreadPoolExecutor
 import weakref
@@ -297,3 +299,141 @@ def broadcast(t: torch.Tensor, src: int, group) -> None:
     STATS.add("broadcast", t.numel() * t.element_size())
     with _watch.waiting():
         dist.broadcast(t, src=src, group=group)
+
+
+# Note [every collective here]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Besides the flat-buffer collectives above (the train step's, whose caller holds the watch), the
+# collectives shardfn issues anywhere else go through the functions below: the global norm's and
+# per-sample all-reduces, the objects that checkpoints, exports, meta init and `sf.launch` agree
+# on, DTensor's own gathers (`full_tensor`, `redistribute`) and a region around
+# `torch.distributed.checkpoint`'s save and load, whose collectives DCP issues itself. Each adds to
+# `STATS` and runs under the watch (`_watch.watched(what)`, and `waiting()` while it blocks), so a
+# peer that failed, died, returned or stalled is named for any of them as for a stalled gather.
+# `what` names the shardfn call for the error; inside an outer watched call the outer name wins.
+# A test fails if another module issues a `torch.distributed` collective directly (only process
+# group set-up stays outside). Collectives a user issues through `torch.distributed` are not
+# watched.
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+@contextlib.contextmanager
+def watching(what: str) -> Iterator[None]:
+    """Runs a block that waits on collectives under the watch, as shardfn call `what` (for
+    collectives of this module issued where no watched call encloses them, as in a backward)."""
+    # The heartbeat describes the main thread; a save in the background only has its errors named.
+    if threading.current_thread() is not threading.main_thread():
+        with _watch.watched(what, mark=False):
+            yield
+        return
+    with _watch.watched(what), _watch.waiting():
+        yield
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group)
+
+
+def all_reduce_blocking(t: torch.Tensor, group, what: str, op: str = "sum") -> torch.Tensor:
+    """`t` <- the `op` ("sum" or "max") of `t` over the ranks of `group`, in place; blocks, under
+    the watch as shardfn call `what`. Returns `t`."""
+    STATS.add("all_reduce", 2 * _ring_bytes(t, _world(group)))
+    with watching(what):
+        dist.all_reduce(t, op=_OPS[op], group=group)
+    return t
+
+
+class _Count:
+    n = 0
+
+    def write(self, b) -> None:
+        self.n += len(b)
+
+
+def _pickled(obj) -> int:
+    """The size of `obj` pickled, counted as it is written (nothing is kept)."""
+    sink = _Count()
+    pickle.Pickler(sink, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return sink.n
+
+
+def all_gather_object(obj, what: str, group=None) -> list:
+    """Every rank's `obj` (picklable), rank by rank, on every rank of `group` (None: all ranks).
+    Counted as the pickled object sent to each peer."""
+    world = _world(group)
+    if world == 1:
+        return [obj]
+    STATS.add("all_gather_object", _pickled(obj) * (world - 1))
+    out: list = [None] * world
+    with watching(what):
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj, what: str, src: int = 0, group=None):
+    """Global rank `src`'s `obj` (picklable), on every rank of `group` (None: all ranks); other
+    ranks' `obj` is ignored. Counted on `src`, as the pickled object sent to each peer."""
+    world = _world(group)
+    if world == 1:
+        return obj
+    if dist.get_rank() == src:
+        STATS.add("broadcast_object", _pickled(obj) * (world - 1))
+    box = [obj]
+    with watching(what):
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def barrier(what: str, group=None) -> None:
+    """Waits until every rank of `group` (None: all ranks) reached it."""
+    STATS.add("barrier", 0)
+    with watching(what):
+        dist.barrier(group=group)
+
+
+def _shards(placements, mesh) -> int:
+    """Into how many pieces `placements` cut a tensor over `mesh`."""
+    n = 1
+    for dim, p in enumerate(placements):
+        if p.is_shard():
+            n *= mesh.size(dim)
+    return n
+
+
+def full_tensor(x, what: str) -> torch.Tensor:
+    """The full value of DTensor `x` on every rank of its mesh (DTensor's own gathers). Counted as
+    one all-gather of its shards: (S - 1) / S of the full tensor's bytes for S shards."""
+    shards = _shards(x.placements, x.device_mesh)
+    STATS.add("all_gather", x.numel() * x.element_size() * (shards - 1) // shards)
+    with watching(what):
+        return x.full_tensor()
+
+
+def redistribute(x, mesh, placements, what: str):
+    """DTensor `x` laid out as `placements` over `mesh` (DTensor's own collectives). Counted as
+    what each rank sends for the usual moves: an all-gather of the shards the new layout drops,
+    an all-to-all between two layouts of as many shards, nothing for a finer sharding (a slice)."""
+    before, after = _shards(x.placements, x.device_mesh), _shards(placements, mesh)
+    local = x.numel() * x.element_size() // before
+    if before > after:
+        nbytes = local * (before // after - 1)
+    elif before == after and tuple(x.placements) != tuple(placements):
+        nbytes = local * (before - 1) // before
+    else:
+        nbytes = 0
+    STATS.add("redistribute", nbytes)
+    with watching(what):
+        return x.redistribute(mesh, placements)
+
+
+@contextlib.contextmanager
+def region(what: str) -> Iterator[None]:
+    """A block whose collectives a library issues itself (`torch.distributed.checkpoint`'s save
+    and load): run under the watch as shardfn call `what`. Counted as one call, of unknown bytes."""
+    STATS.add("torch.distributed.checkpoint", 0)
+    with watching(what):
+        yield
+
+
+__all__ += ["watching", "all_reduce_blocking", "all_gather_object", "broadcast_object", "barrier", "full_tensor", "redistribute", "region"]

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from . import _collectives as C
 from . import _watch
 from ._checkpoint import LoadReport
 from ._files import replace_synced, temporary_name
@@ -72,8 +73,7 @@ def _rank() -> int:
 def _gather_leaf(x: torch.Tensor) -> torch.Tensor:
     """One leaf's full value on every rank (a collective for a DTensor)."""
     if isinstance(x, DTensor):
-        with _watch.waiting():
-            return x.full_tensor()
+        return C.full_tensor(x, "sf.export")
     return x
 
 
@@ -169,10 +169,7 @@ def export(
         full = None
         error = writer.finish() if writer is not None else None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            box = [error]
-            with _watch.waiting():
-                dist.broadcast_object_list(box, src=0)
-            error = box[0]
+            error = C.broadcast_object(error, "sf.export")
     if error is not None:
         raise RuntimeError(f"rank 0 could not write {final!r}: {error}; no file was left under that name")
     return os.fspath(path)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from . import _collectives as C
 from ._flat import _alias, _storage_alloc, _storage_free
 from ._tree import tree_flatten_with_paths
 
@@ -36,7 +37,7 @@ class _Unit:
         with torch.no_grad():
             off = 0
             for d in self.sources:
-                full = d.full_tensor() if isinstance(d, DTensor) else d
+                full = C.full_tensor(d, "apply on a sharded tree") if isinstance(d, DTensor) else d
                 writer[off : off + d.numel()].copy_(full.reshape(-1))
                 off += d.numel()
 

@@ -51,6 +51,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from . import _collectives as C
 from . import _watch
 from ._files import write_atomically
 from ._watch import RankError
@@ -133,10 +134,7 @@ def _run_in_job(fn: Callable, args: tuple, kwargs: dict) -> list:
 
     ensure_process_group()
     out = fn(*args, **kwargs)
-    results: list = [None] * dist.get_world_size()
-    with _watch.watched("sf.launch (gathering the results)"):
-        dist.all_gather_object(results, out)
-    return results
+    return C.all_gather_object(out, "sf.launch (gathering the results)")
 
 
 # ---- pickling across the process boundary --------------------------------------------------------

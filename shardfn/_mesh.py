@@ -7,12 +7,14 @@ import contextlib
 import math
 import os
 import sys
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import _collectives as C
 from . import _watch
 
 __all__ = ["mesh", "ensure_process_group", "mesh_group"]
@@ -99,12 +101,54 @@ def mesh(**axes: int) -> DeviceMesh:
     return init_device_mesh(device, tuple(sizes), mesh_dim_names=tuple(axes))
 
 
-def mesh_group(mesh: DeviceMesh, axes: tuple[str, ...] | None = None):
-    """The process group spanning `axes` of `mesh` (all axes when None)."""
+# Note [mesh groups]
+# ~~~~~~~~~~~~~~~~~~
+# Every process group shardfn takes from a mesh comes from `mesh_group`. One axis is the mesh's
+# own group; all axes of a mesh over every rank are the default group. Any other set of axes (all
+# axes of a mesh over some of the ranks, as a slice of a larger mesh is) spans a group the mesh
+# does not hold: it is made with `dist.new_group`, which every rank of the job must call for every
+# such group, in the same order, so each rank first learns every rank's group (one object
+# all-gather) and then all of them are made, in the order of their lowest rank. That happens once
+# per mesh and axes, on the first call, which (as for any collective) every rank makes at the
+# same point; the group is then kept with the mesh (a weak map keyed by the mesh), so it lives as
+# long as the mesh does. (DeviceMesh's private `_flatten` would make the same groups, registered
+# in the root mesh under a name.)
+_AXES_GROUPS: "weakref.WeakKeyDictionary[DeviceMesh, dict]" = weakref.WeakKeyDictionary()
+
+
+def mesh_group(mesh: DeviceMesh, axes: "tuple[str | int, ...] | str | int | None" = None):
+    """The process group spanning `axes` of `mesh` (names or dims; all axes when None).
+
+    A collective when it makes a group (Note [mesh groups]): every rank calls it at the same point.
+    """
+    if isinstance(axes, (str, int)):
+        axes = (axes,)
     names = tuple(mesh.mesh_dim_names or ())
-    axes = names if axes is None else tuple(axes)
-    if len(axes) == 1:
-        return mesh.get_group(axes[0])
-    if mesh.size() == dist.get_world_size() and set(axes) == set(names):
+    dims = tuple(range(mesh.ndim)) if axes is None else tuple(a if isinstance(a, int) else names.index(a) for a in axes)
+    if len(dims) == 1:
+        return mesh.get_group(names[dims[0]] if names else dims[0])
+    if mesh.size() == dist.get_world_size() and set(dims) == set(range(mesh.ndim)):
         return dist.group.WORLD
-    return mesh[axes]._flatten().get_group()
+    groups = _AXES_GROUPS.setdefault(mesh, {})
+    key = tuple(sorted(dims))
+    if key not in groups:
+        groups[key] = _new_group(mesh, key)
+    return groups[key]
+
+
+def _new_group(mesh: DeviceMesh, dims: tuple[int, ...]):
+    """A new process group over `dims` of `mesh` holding this rank (Note [mesh groups])."""
+    rest = [d for d in range(mesh.ndim) if d not in dims]
+    coords = mesh.get_coordinate() or []
+    mine = mesh.mesh
+    for d in reversed(rest):  # this rank's slice along the other axes
+        mine = mine.select(d, coords[d])
+    ranks = sorted(int(r) for r in mine.flatten())
+    every = C.all_gather_object(ranks, "making a process group over mesh axes")
+    distinct = sorted({tuple(r) for r in every})
+    made = None
+    for group_ranks in distinct:
+        group = dist.new_group(list(group_ranks))
+        if list(group_ranks) == ranks:
+            made = group
+    return made

@@ -49,7 +49,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _watch
+from . import _collectives as C
 
 __all__ = ["meta_device", "materialize", "has_meta", "capture"]
 
@@ -388,10 +388,7 @@ def capture(module: nn.Module, params: dict[str, torch.Tensor]) -> Capture | Non
 def _rng_state(rec: _Record) -> torch.Tensor:
     state = rec.rng
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        box = [state]
-        with _watch.watched("meta-device init"), _watch.waiting():
-            dist.broadcast_object_list(box, src=0)
-        state = box[0]
+        state = C.broadcast_object(state, "meta-device init")
     return state
 
 

@@ -90,8 +90,8 @@ class _Probe(torch.autograd.Function):
 
     @staticmethod
     def forward(probe: torch.Tensor, x: Any, acc: _Acc) -> torch.Tensor:  # type: ignore[override]
-        with torch._C._DisableFuncTorch(), _watch.waiting():
-            return x.full_tensor() if isinstance(x, DTensor) else x.detach().clone()
+        with torch._C._DisableFuncTorch():
+            return C.full_tensor(x, "a per-sample gradient") if isinstance(x, DTensor) else x.detach().clone()
 
     setup_context = staticmethod(_keep_acc)
 
@@ -352,7 +352,7 @@ def per_sample_grads(
             world = model.world()
             if world > 1:
                 sizes = torch.tensor([n, -n], dtype=torch.int64, device=model.mesh.device_type)
-                dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=model.group())
+                C.all_reduce_blocking(sizes, model.group(), "sf.per_sample_grads", op="max")
                 if int(sizes[0]) != -int(sizes[1]):
                     raise ValueError(
                         f"sf.per_sample_grads: the ranks pass batches of {-int(sizes[1])} to {int(sizes[0])} examples; the "
@@ -437,9 +437,8 @@ class DPValueAndGrad:
             totals = torch.stack([torch.tensor(float(n)), losses.detach().double().sum().cpu()]).to(device, torch.float64)
             seeds = torch.tensor([seed, -seed], dtype=torch.int64, device=device)
             if model.world() > 1:
-                C.all_reduce(totals, model.group())
-                with _watch.waiting():
-                    dist.all_reduce(seeds, op=dist.ReduceOp.MAX, group=model.group())
+                C.all_reduce_blocking(totals, model.group(), "sf.dp_value_and_grad")
+                C.all_reduce_blocking(seeds, model.group(), "sf.dp_value_and_grad", op="max")
                 if int(seeds[0]) != -int(seeds[1]):
                     raise ValueError(
                         "sf.dp_value_and_grad: the ranks pass different seeds; the noise must be the same draw on every "

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from . import _collectives as C
 from . import _donate, _forward_ad, _watch
+from ._mesh import mesh_group
 from ._functorch import batched, install_mixing_check, note_gathered, refuse_tracing, unwrap
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._C._functorch import TransformType
@@ -74,7 +75,7 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
                 continue
             placements = placements_for(spec, mesh)
             if isinstance(leaf, DTensor):
-                out[i] = leaf.redistribute(mesh, placements)
+                out[i] = C.redistribute(leaf, mesh, placements, "sf.shard")
                 continue
             t = leaf.detach().to(mesh.device_type)
             out[i] = distribute_tensor(t, mesh, placements, src_data_rank=None)
@@ -103,16 +104,12 @@ def _init_model(init: Any, paths: list[str], leaves: list[Any], first: str) -> A
     return found[0]
 
 
-def _mesh_dim_group(mesh: DeviceMesh, dim: int):
-    return mesh.get_group(mesh.mesh_dim_names[dim]) if mesh.mesh_dim_names else mesh.get_group(dim)
-
-
 def _reduce_to_placements(grad: torch.Tensor, mesh: DeviceMesh, placements, shape) -> torch.Tensor:
     """Averages `grad` (a full tensor on each rank) over every rank of the mesh and keeps this
     rank's part (Note [the mean over ranks])."""
     grad = grad.contiguous()
     if mesh.ndim == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0 and grad.dim() > 0:
-        group, W = _mesh_dim_group(mesh, 0), mesh.size()
+        group, W = mesh_group(mesh, 0), mesh.size()
         r = mesh.get_local_rank()
         rows = grad.shape[0]
         chunk = -(-rows // W)
@@ -120,14 +117,15 @@ def _reduce_to_placements(grad: torch.Tensor, mesh: DeviceMesh, placements, shap
         inp = torch.empty(W, seg, dtype=grad.dtype, device=grad.device)
         torch._chunk_cat([grad], dim=0, num_chunks=W, out=inp)
         out = torch.empty(chunk, *grad.shape[1:], dtype=grad.dtype, device=grad.device)
-        C.reduce_scatter(out.view(-1), inp.view(-1), group, async_op=False)
+        with C.watching("the gradient of sf.gather"):
+            C.reduce_scatter(out.view(-1), inp.view(-1), group, async_op=False)
         if W > 1:
             out.div_(W)
         return out[: max(0, min(rows - r * chunk, chunk))]
     total = grad.clone()
     for d, p in enumerate(placements):
         if not isinstance(p, Replicate) or mesh.size(d) > 1:
-            C.all_reduce(total, _mesh_dim_group(mesh, d))
+            C.all_reduce_blocking(total, mesh_group(mesh, d), "the gradient of sf.gather")
     if mesh.size() > 1:
         total.div_(mesh.size())
     # This rank's part, split as DTensor's Shard does (torch.chunk; trailing ranks may get less or
@@ -191,8 +189,8 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(x: DTensor) -> torch.Tensor:  # type: ignore[override]
-        with torch._C._DisableFuncTorch(), _watch.waiting():
-            return x.full_tensor() if isinstance(x, DTensor) else x.clone()
+        with torch._C._DisableFuncTorch():
+            return C.full_tensor(x, "sf.gather") if isinstance(x, DTensor) else x.clone()
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:

@@ -251,7 +251,7 @@ class TrainStep:
         for i, (leaf, spec) in enumerate(zip(leaves, spec_list)):
             u, j = where[i]
             if i not in meta:
-                units[u].fill(j, leaf.full_tensor() if isinstance(leaf, DTensor) else leaf)
+                units[u].fill(j, C.full_tensor(leaf, "the train step's init") if isinstance(leaf, DTensor) else leaf)
             local, grad, shape = units[u].shard(j)
             placements = placements_for(spec, self.mesh)
             flat_views.append(local)  # the step's own; users get aliases (Note [donated state])

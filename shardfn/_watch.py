@@ -111,11 +111,12 @@ WHERE = _Where()
 
 
 @contextlib.contextmanager
-def watched(op: str) -> Iterator[None]:
+def watched(op: str, mark: bool = True) -> Iterator[None]:
     """Marks a shardfn call that issues collectives; a communication error inside becomes a
-    `RankError` naming the rank at fault, when the store tells."""
-    outer = WHERE.op
-    if outer is None:
+    `RankError` naming the rank at fault, when the store tells. With `mark=False` (a thread other
+    than the one the heartbeat describes) only the error is explained, as `op`'s."""
+    outer = WHERE.op if mark else None
+    if outer is None and mark:
         WHERE.op, WHERE.since = op, time.time()
         _ensure_started()
     try:
@@ -130,7 +131,7 @@ def watched(op: str) -> Iterator[None]:
             raise
         raise clear from e
     finally:
-        if outer is None:
+        if outer is None and mark:
             WHERE.op, WHERE.waiting = None, None
 
 

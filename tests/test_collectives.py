@@ -128,3 +128,198 @@ def test_mismatched_sizes_fail_loudly():
     with RankPool(2, timeout=60, pg_timeout=10) as pool:
         with pytest.raises(RankError):
             pool.run(rank_mismatched_gather)
+
+
+# ---- every collective through `_collectives` (Note [every collective here]) ----------------------
+
+_COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "broadcast_object_list",
+    "barrier", "monitored_barrier", "reduce", "gather", "gather_object", "scatter", "scatter_object_list",
+    "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "send_object_list", "recv_object_list",
+}
+_DTENSOR_COLLECTIVES = {"full_tensor", "redistribute"}  # DTensor methods that communicate
+_ALLOWED = {"_collectives.py"}  # process-group set-up (_mesh, _pool, _launch) issues no collective
+
+
+def _direct_collectives(path) -> list[str]:
+    """`torch.distributed` collectives (and DTensor's) that the module at `path` calls itself."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    aliases = {"torch.distributed"}  # names bound to torch.distributed (or its c10d module)
+    direct = set()  # collectives imported by name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("torch.distributed") and a.asname:
+                    aliases.add(a.asname)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            direct |= {a.asname or a.name for a in node.names if a.name in _COLLECTIVES}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id in direct:
+            found.append(f"{path.name}:{node.lineno} {f.id}")
+        elif isinstance(f, ast.Attribute):
+            owner = ast.unparse(f.value)
+            if f.attr in _COLLECTIVES and owner in aliases:
+                found.append(f"{path.name}:{node.lineno} {owner}.{f.attr}")
+            elif f.attr in _DTENSOR_COLLECTIVES and owner not in ("C", "_collectives"):
+                found.append(f"{path.name}:{node.lineno} .{f.attr}")
+    return found
+
+
+def test_no_module_issues_a_collective_but_collectives():
+    """Every collective shardfn issues is counted and watched: none goes to torch.distributed (or
+    through a DTensor's gathers) from another module."""
+    from pathlib import Path
+
+    root = Path(C.__file__).parent
+    found = [hit for p in sorted(root.rglob("*.py")) if p.name not in _ALLOWED for hit in _direct_collectives(p)]
+    assert not found, f"collectives issued outside shardfn/_collectives.py: {found}"
+    # The scan sees the spellings it is for.
+    import tempfile
+    from pathlib import Path as P
+
+    with tempfile.TemporaryDirectory() as d:
+        probe = P(d) / "probe.py"
+        probe.write_text(
+            "import torch\nimport torch.distributed as dist\nfrom torch.distributed import barrier as b\n"
+            "dist.all_reduce(t)\ntorch.distributed.broadcast_object_list(x)\nb()\nx.full_tensor()\n"
+        )
+        assert [h.split(" ")[1] for h in _direct_collectives(probe)] == [
+            "dist.all_reduce", "torch.distributed.broadcast_object_list", "b", ".full_tensor"
+        ], _direct_collectives(probe)
+
+
+def rank_planted_stalls(tmp: str, timeout_s: float, after_s: float) -> list:
+    """Rank 1 does not enter a collective of each shardfn call in turn; rank 0 waits in it until
+    the process group's short timeout (`timeout_s`) and reports the error it got. Before each plant
+    the ranks meet on the job's store and start a new default group (a gloo timeout closes the
+    old one); the last has the pool's own timeout (`after_s`), for the tests that follow."""
+    import datetime
+    import os
+
+    import shardfn as sf
+    from shardfn import _watch
+    from shardfn.optim import clip_by_global_norm
+
+    rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()  # keeps the job's store up across the groups
+    _watch.start()  # as sf.mesh or sf.launch start it: rank 1's heartbeat says where it is
+
+    def new_group(k: int, seconds: float) -> None:
+        dist.destroy_process_group()
+        timeout = datetime.timedelta(seconds=seconds)
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"plant/{k}/", store), rank=rank, world_size=2, timeout=timeout)
+
+    def sharded():
+        mesh = sf.mesh(dp=-1)
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 2)
+        apply, params = sf.functionalize(lin)
+        return mesh, apply, sf.shard(params, {"weight": sf.P("dp"), "bias": sf.P()}, mesh)
+
+    def save():
+        _, _, params = sharded()
+        sf.save({"params": params}, os.path.join(tmp, "ckpt"))
+
+    def export():
+        _, _, params = sharded()
+        sf.export(params, os.path.join(tmp, "model.safetensors"))
+
+    def clip():
+        _, _, params = sharded()
+        clip_by_global_norm(1.0).update(params, None)
+
+    def per_sample():
+        _, apply, params = sharded()
+        loss = lambda p, x: apply(p, x).pow(2).sum()  # noqa: E731
+        sf.per_sample_grad_norms(loss, apply=apply)(params, torch.ones(3, 4))
+
+    plants = {"sf.save": save, "sf.export": export, "sf.optim.clip_by_global_norm": clip, "sf.per_sample_grad_norms": per_sample}
+    out = []
+    for k, (name, fn) in enumerate(plants.items()):
+        new_group(k, timeout_s)
+        if rank == 0:
+            try:
+                fn()
+                out.append((name, "returned", None, ""))
+            except sf.RankError as e:
+                out.append((name, e.kind, e.rank, str(e)))
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out.append((name, type(e).__name__, None, str(e)))
+            store.set(f"plant/{k}", "done")
+        else:
+            store.wait([f"plant/{k}"])  # outside any shardfn call, as a rank stuck in its own code is
+    new_group(len(plants), after_s)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the pool's ranks work together again
+    return [*out, t.item()]
+
+
+def test_a_stall_in_any_collective_is_named(pools, tmp_path):
+    """A checkpoint save, an export, the clip's global norm and a per-sample norm whose peer never
+    comes: the waiting rank gets a RankError naming the stalled rank and the call, as for a
+    stalled gather."""
+    *got, together = pools(2).run(rank_planted_stalls, str(tmp_path), 2.5, 60.0)[0]
+    assert together == 2 and len(got) == 4, got
+    for name, kind, rank, msg in got:
+        assert (kind, rank) == ("stalled", 1), (name, kind, rank, msg)
+        assert f"while rank 0 timed out waiting on it in {name}" in msg, (name, msg)
+
+
+def rank_mesh_groups_and_counts() -> dict:
+    """`mesh_group` over one, several and all axes; the counts of the watched collectives."""
+    import pickle
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from shardfn._mesh import mesh_group
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    mesh = init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=("x", "y", "z"))
+    ranks = lambda g: dist.get_process_group_ranks(g)  # noqa: E731
+    out["all_axes_world"] = mesh_group(mesh) is dist.group.WORLD
+    out["one_axis"] = ranks(mesh_group(mesh, "x")) == list(range(world)) and mesh_group(mesh, 0) is mesh_group(mesh, "x")
+    xy = mesh_group(mesh, ("x", "y"))
+    out["two_axes"] = ranks(xy) == list(range(world)) and mesh_group(mesh, ("y", "x")) is xy  # made once
+    out["two_axes_alone"] = ranks(mesh_group(mesh, ("y", "z"))) == [rank]
+    t = torch.tensor([float(rank + 1)])
+    C.STATS.reset()
+    C.all_reduce_blocking(t, xy, "a test")
+    out["sum"] = t.item() == world * (world + 1) / 2
+    C.all_reduce_blocking(t, xy, "a test", op="max")
+    out["max"] = t.item() == world * (world + 1) / 2
+    obj = {"rank": rank, "pad": "x" * rank}
+    out["objects"] = C.all_gather_object(obj, "a test") == [{"rank": r, "pad": "x" * r} for r in range(world)]
+    out["broadcast"] = C.broadcast_object(f"from {rank}", "a test", src=1) == "from 1"
+    C.barrier("a test")
+    x = distribute_tensor(torch.arange(6.0 * world), init_device_mesh("cpu", (world,)), [Shard(0)])
+    out["full"] = torch.equal(C.full_tensor(x, "a test"), torch.arange(6.0 * world))
+    out["replicated"] = torch.equal(C.redistribute(x, x.device_mesh, [Replicate()], "a test").to_local(), torch.arange(6.0 * world))
+    sent = 6 * 4 * (world - 1)  # each rank's 6 fp32 to every peer
+    want_calls = {"all_reduce": 2, "all_gather_object": 1, "barrier": 1, "all_gather": 1, "redistribute": 1}
+    if rank == 1:
+        want_calls["broadcast_object"] = 1
+    out["calls"] = C.STATS.calls == want_calls or C.STATS.calls
+    out["bytes"] = (
+        C.STATS.bytes_sent["all_gather_object"] == len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)) * (world - 1)
+        and C.STATS.bytes_sent["all_gather"] == sent
+        and C.STATS.bytes_sent["redistribute"] == sent
+    ) or dict(C.STATS.bytes_sent)
+    return out
+
+
+def test_mesh_groups_and_the_watched_collectives_counts(pools):
+    for r in pools(3).run(rank_mesh_groups_and_counts):
+        bad = {k: ok for k, ok in r.items() if ok is not True}
+        assert not bad, bad

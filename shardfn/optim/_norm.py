@@ -5,28 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .. import _collectives as C
+from .._mesh import mesh_group
 from ._local import flatten, locals_
 
 __all__ = ["global_norm", "local_sumsq"]
-
-_GROUPS: dict[tuple[int, ...], Any] = {}
-
-
-def _group(mesh: DeviceMesh) -> Any:
-    """A process group spanning every rank of `mesh`."""
-    if mesh.ndim == 1:
-        return mesh.get_group()
-    ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
-    if ranks == tuple(range(dist.get_world_size())):
-        return dist.group.WORLD
-    if ranks not in _GROUPS:
-        _GROUPS[ranks] = mesh._flatten().get_group()
-    return _GROUPS[ranks]
-
 
 def _replicas(x: DTensor) -> int:
     n = 1
@@ -61,7 +46,7 @@ def global_norm(tree: Any) -> torch.Tensor:
 
     On a sharded tree (DTensor leaves) it is the norm of the full tree: each leaf's local sum of squares
     is divided by its number of replicas (the product of the mesh sizes along its `Replicate` dims),
-    and the sum goes through exactly one ``torch.distributed.all_reduce`` over all ranks of the mesh.
+    and the sum goes through exactly one all-reduce over all ranks of the mesh (watched and counted, `_collectives`).
     Plain-tensor leaves of a sharded tree count as replicated on every rank of the mesh. A tree without
     DTensor leaves needs no communication.
 
@@ -90,5 +75,5 @@ def global_norm(tree: Any) -> torch.Tensor:
     weights = [1.0 / (_replicas(x) if isinstance(x, DTensor) else len(ranks)) for x in leaves]
     total = local_sumsq(locs, weights)
     if len(ranks) > 1:
-        dist.all_reduce(total, group=_group(mesh))
+        C.all_reduce_blocking(total, mesh_group(mesh), "sf.optim.clip_by_global_norm (the global norm)")
     return total.sqrt_()
