@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
@@ -18,9 +18,12 @@ from ._buffers import ModuleBuffers
 from ._engine import Engine, Policy, StaleParameterError
 from ._param import OffSchedule
 from ._flat import STALE, FlatUnit, LeafSpec
-from ._functional import find_apply
+from ._models import model_of
+from ._shard import gather
+from ._state import TrainState
 from ._meta_init import materialize
 from ._mesh import mesh_group
+from .optim import apply_updates
 from .optim._norm import local_sumsq
 from ._remat import install as install_remat
 from ._remat import select_units
@@ -30,20 +33,6 @@ from ._tree import tree_flatten_with_paths
 __all__ = ["TrainState", "MixedPrecision", "TrainStep", "train_step", "STRATEGIES"]
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
-
-
-class TrainState(NamedTuple):
-    """What a train step carries from one step to the next.
-
-    Attributes:
-        params: the parameter tree, DTensor leaves holding this rank's shards (fp32 master weights).
-        opt_state: the optimizer state, sharded like `params`.
-        step: the number of steps taken.
-    """
-
-    params: Any
-    opt_state: Any
-    step: int = 0
 
 
 @dataclass(frozen=True)
@@ -488,8 +477,6 @@ class TrainStep:
     def _gradients_gathered(self, batch: Any) -> tuple[torch.Tensor, Any]:
         """Forward and backward on the whole gathered tree, with plain autograd: the gradient of
         `sf.gather` is the reduce-scatter (Note [steps off the unit schedule])."""
-        from ._shard import gather
-
         k = self.accumulation_steps
         scale = 1.0 / (self.world * k)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device_type)
@@ -525,8 +512,6 @@ class TrainStep:
         if step_ is not None:
             opt_state = step_(self.grads, opt_state, trainable)
         else:
-            from .optim import apply_updates
-
             updates, opt_state = self.opt.update(self.grads, opt_state, trainable)
             new = optree.tree_leaves(apply_updates(trainable, updates))
             old = optree.tree_leaves(trainable)
@@ -662,22 +647,12 @@ def _explain(e: BaseException) -> BaseException | None:
 
 
 def model_info(apply: Any, paths: list[str], leaves: list) -> Any:
-    """The functionalized model whose units a transform runs: `apply=`, or the one whose parameter
-    names are these (the one that returned these tensors, when several have the names); None for a
-    plain pure function."""
-    if apply is not None:
-        if set(apply.info.param_paths) != set(paths):
-            raise ValueError("params do not match apply=: pass the tree that sf.functionalize returned with that apply")
-        return apply.info
-    found = find_apply(paths, leaves)
-    if len(found) > 1:
-        kinds = ", ".join(type(i.module).__name__ for i in found)
-        raise ValueError(
-            f"{len(found)} functionalized models have exactly these parameter names ({kinds}: a teacher, an EMA "
-            "copy, ...), and these params are not the tensors one of them returned; say which one loss_fn "
-            "trains: sf.train_step(..., apply=apply) or sf.value_and_grad(..., apply=apply)"
-        )
-    return found[0] if found else None
+    """The functionalized model whose units a transform runs (`model_of`, refusing to guess between
+    several models with these names); None for a plain pure function."""
+    return model_of(
+        flat=(paths, leaves), apply=apply, what="these params", alike=False,
+        hint="say which one loss_fn trains: sf.train_step(..., apply=apply) or sf.value_and_grad(..., apply=apply)",
+    )
 
 
 def trained_leaves(info: Any, paths: list[str], frozen: list) -> list[bool]:
