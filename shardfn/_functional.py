@@ -7,8 +7,9 @@ storage goes to the returned tree. Each call re-parametrizes the module with the
 Units (sharding units) are submodules whose dotted names match the `units` regexes in full. A unit's
 parameters are those of its submodules that no inner unit claims; a parameter tied across units
 belongs to the root unit. Forward hooks on the unit modules report each unit's start and end to the
-active runtime (`_runtime.current()`): a train step gathers and frees units there, and `apply` on a
-sharded tree gathers there for inference. With no runtime active, the hooks cost one lookup.
+runtime active on the model (Note [unit runtime] in `_runtime.py`): a train step gathers and frees
+units there, and `apply` on a sharded tree gathers there for inference. With no runtime active,
+the hooks cost one lookup.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from . import _runtime, _watch
 from ._inference import ShardedForward
 from ._meta_init import capture
 from ._models import ModelInfo, model_of, persistent_buffers, register
+from ._param import Param
 from ._shard import _holds_dtensor, gather
 from ._state import params_of
 from ._tree import nest, tree_flatten_with_paths
@@ -67,15 +69,15 @@ def _unit_hooks(info: ModelInfo, index: int):
     ref = weakref.ref(info)  # the module holds its hooks; the model's info must not be kept by them
 
     def pre(mod: nn.Module, args: Any, kwargs: dict) -> Any:
-        rt = _runtime.current()
-        if rt is not None:
-            return rt.pre_forward(ref(), index, args, kwargs)
+        model = ref()
+        if model is not None and model.runtimes:
+            return model.runtimes[-1].pre_forward(model, index, args, kwargs)
         return None
 
     def post(mod: nn.Module, args: Any, output: Any) -> Any:
-        rt = _runtime.current()
-        if rt is not None:
-            return rt.post_forward(ref(), index, output)
+        model = ref()
+        if model is not None and model.runtimes:
+            return model.runtimes[-1].post_forward(model, index, output)
         return None
 
     return pre, post
@@ -143,19 +145,23 @@ class Apply:
         return flat
 
     def __call__(self, params: Any, *args: Any, buffers: Any = None, **kwargs: Any) -> Any:
-        rt = _runtime.current()
+        rt = self.info.runtime  # Note [unit runtime] in `_runtime.py`
         # A train step hands `loss_fn` its own parameter objects: it says which tensors the model
         # computes on (Note [parameters outside apply] in `_param.py`).
         flat = rt.flat_params(self, params) if rt is not None and hasattr(rt, "flat_params") else None
         if flat is None:
             leaves = optree.tree_leaves(params)
+            owner = next((x.owner() for x in leaves if isinstance(x, Param)), None)
+            if owner is not None:  # a step's parameters, handed to a model the step does not run
+                flat = owner.flat_params(self, params)
+        if flat is None:
             if any(_holds_dtensor(x) for x in leaves):
                 if _needs_grad(leaves, args, kwargs):
                     # A gradient will flow (to the inputs, to the tree, or inside a torch.func
                     # transform): the tree is gathered differentiably, its gradient the reduce-scatter.
                     return self(gather(params), *args, buffers=buffers, **kwargs)
                 with _watch.watched("apply on a sharded tree"), ShardedForward(self, params) as (gathered, runtime):
-                    with _runtime.activate(runtime):
+                    with _runtime.activate(runtime, self.info):
                         return self._call_flat(gathered, args, buffers, kwargs)
             flat = self.flat_params(params)
         if rt is not None and hasattr(rt, "cast_inputs"):

@@ -87,6 +87,11 @@ class Param(torch.Tensor):
         p.reader, p.where = weakref.WeakMethod(reader), where
         return p
 
+    def owner(self) -> Any:
+        """The engine whose step handed this parameter to `loss_fn` (None once it is deleted)."""
+        read = self.reader()
+        return None if read is None else read.__self__
+
     def resolve(self) -> torch.Tensor:
         read = self.reader()
         if read is None:
