@@ -731,7 +731,7 @@ class Engine:
 
     def leave_schedule(self) -> None:
         """This rank's `loss_fn` went beyond the unit schedule in the forward (Note [steps off the
-        unit schedule] in `_train.py`): issue the rest of the forward's gathers, as the other ranks
+        unit schedule] in `_core.py`): issue the rest of the forward's gathers, as the other ranks
         do, and say so in the exchange that ends every forward, so that every rank leaves with it."""
         if self.group is None or self.phase != Phase.FORWARD:
             return

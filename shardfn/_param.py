@@ -38,7 +38,7 @@ class OffSchedule(NotImplementedError):
     """`loss_fn` used the model in a way the unit schedule cannot serve: a backward of its own
     (a gradient penalty), or torch.func.vmap over the parameters (an ensemble). Raised before
     anything is computed; the train step then computes the step on the whole gathered tree
-    (Note [steps off the unit schedule] in `shardfn/_train.py`)."""
+    (Note [steps off the unit schedule] in `shardfn/_core.py`)."""
 
     agreed = False  # raised from the exchange in which every rank learnt that one leaves
 
