@@ -183,6 +183,29 @@ class GradientCore:
         Returns:
             The parameter tree of DTensors over the core's buffers (see `tree`).
         """
+        paths, leaves, spec_list, treespec = self._leaf_specs(params)
+        info = model_info(self.apply, paths, leaves)
+        trained = trained_leaves(info, paths, self.frozen)
+        units, where, dtype_of, direct_gather = self._flat_units(info, paths, leaves, spec_list, trained)
+        self.engine = self._make_engine(info, units, dtype_of, direct_gather)
+        dt_params, dt_grads, flat_views = self._fill(info, paths, leaves, spec_list, units, where)
+        self._prepare_buffers(info)
+        self._norm_segments, self._norm_parts = self._norm_plan(units)
+        self.treespec = treespec
+        self.paths = paths
+        self.units = units
+        self.dt_params = dt_params
+        self.flat_views = flat_views
+        self.trained = trained
+        self._trained_where = [w for w, t in zip(where, trained) if t]  # the optimizer's leaves, in order
+        self.trained_index = [i for i, t in enumerate(trained) if t]  # their positions in the tree
+        self.grads = optree.tree_unflatten(treespec, dt_grads)
+        self.engine.set_tree(treespec, paths, where)
+        self._install_remat(info)
+        return self.tree()
+
+    def _leaf_specs(self, params: Any) -> tuple[list[str], list, list[P], Any]:
+        """The tree's paths, leaves, one `P` per leaf (checked: dim 0 over the shard axis), structure."""
         spec_tree = self.specs if self.specs is not None else make_specs(params, self.mesh, default=P(self.shard_axis))
         paths, leaves, spec_list, treespec = match_specs(params, spec_tree, self.mesh)
         if self.strategy == "no_shard":
@@ -194,10 +217,13 @@ class GradientCore:
                     f"leaf {path!r} (shape {tuple(leaf.shape)}) has spec {spec!r}: the train step shards dim 0 over "
                     f"{self.shard_axis!r} only for now; use P({self.shard_axis!r}) or P()"
                 )
-        info = model_info(self.apply, paths, leaves)
+        return paths, leaves, spec_list, treespec
+
+    def _flat_units(self, info: Any, paths: list[str], leaves: list, spec_list: list, trained: list[bool]):
+        """A `FlatUnit` per unit (the root is -1) holding its leaves' shards, and each leaf's (unit,
+        index); also each unit's dtype and whether gathers go point to point."""
         unit_of = [info.unit_of[p] if info is not None else -1 for p in paths]
         n_units = len(info.unit_names) if info is not None else 0
-        trained = trained_leaves(info, paths, self.frozen)
         device = self.mesh.device_type
         members: dict[int, list[int]] = {u: [] for u in [*range(n_units), -1]}
         for i, u in enumerate(unit_of):
@@ -237,15 +263,23 @@ class GradientCore:
         for u, unit in units.items():
             for j, i in enumerate(unit.leaf_indices()):
                 where[i] = (u, j)
+        return units, where, dtype_of, direct_gather
+
+    def _make_engine(self, info: Any, units: dict, dtype_of: dict, direct_gather: bool) -> Engine:
+        """The engine that runs these units on the strategy's policy."""
+        n_units = len(units) - 1
         names = info.unit_names if info is not None else []
         nested = {i for i, a in enumerate(names) for b in names if a != b and (a.startswith(b + ".") or b.startswith(a + "."))}
-        self.engine = Engine(
+        return Engine(
             info, [units[u] for u in range(n_units)], units[-1], self._policy(units, dtype_of, direct_gather), nested,
             group=mesh_group(self.mesh) if self.world > 1 else None,
         )
 
-        # Fill the local shards and build the user-facing DTensors over them. Meta leaves: the
-        # module's recorded construction, replayed (Note [meta init] in `_meta_init.py`).
+    def _fill(self, info: Any, paths: list[str], leaves: list, spec_list: list, units: dict, where: list):
+        """Fills the local shards (meta leaves by the module's initializers); returns the DTensors
+        over them, those over the gradient shards, and the shards themselves."""
+        device = self.mesh.device_type
+        # Meta leaves: the module's recorded construction, replayed (Note [meta init] in `_meta_init.py`).
         meta = {i for i, leaf in enumerate(leaves) if leaf.is_meta}
         if meta:
             if info is None:
@@ -270,6 +304,10 @@ class GradientCore:
             flat_views.append(local)  # the step's own; users get aliases (Note [donated state])
             dt_params.append(self.dtensor(_donate.alias(local), placements, shape))
             dt_grads.append(self.dtensor(grad, placements, shape) if grad is not None else None)
+        return dt_params, dt_grads, flat_views
+
+    def _prepare_buffers(self, info: Any) -> None:
+        """Mixed precision's buffer dtype; the buffers a forward updates, kept equal on every rank."""
         if info is not None and self.mp.buffer_dtype is not None:
             _cast_buffers(info.module, self.mp.buffer_dtype)
         if info is not None and self.mp.param_dtype is not None:
@@ -283,8 +321,10 @@ class GradientCore:
                         "BatchNorm in float32 inside a low-precision unit is not supported yet"
                     )
         self._buffers = ModuleBuffers(info.module if info is not None else None, self.mesh)
-        # Gradient segments for the clip, and this rank's part of each for the norm (see
-        # FlatUnit.norm_parts).
+
+    def _norm_plan(self, units: dict) -> tuple[list, list]:
+        """Gradient segments for the clip, and this rank's part of each for the norm (see
+        `FlatUnit.norm_parts`)."""
         replicas = self.world // self.shard_world
         replica_rank = self.mesh.get_local_rank(self.replicate_axis) if self.replicate_axis else 0
         segs, parts = [], []
@@ -292,25 +332,16 @@ class GradientCore:
             s_, p_ = unit.norm_parts(replicas, replica_rank, self.world)
             segs += s_
             parts += p_
-        self._norm_segments = segs
-        self._norm_parts = parts
-        self.treespec = treespec
-        self.paths = paths
-        self.units = units
-        self.dt_params = dt_params
-        self.flat_views = flat_views
-        self.trained = trained
-        self._trained_where = [w for w, t in zip(where, trained) if t]  # the optimizer's leaves, in order
-        self.trained_index = [i for i, t in enumerate(trained) if t]  # their positions in the tree
-        self.grads = optree.tree_unflatten(treespec, dt_grads)
-        self.engine.set_tree(treespec, paths, where)
+        return segs, parts
+
+    def _install_remat(self, info: Any) -> None:
+        """Wraps the forward of each unit `remat` chooses (`_remat.py`)."""
         if self.remat:
             if info is None:
                 raise ValueError("remat needs units: functionalize the model with units=... (or pass apply=)")
             self.engine.remat_units = select_units(self.remat, info.unit_names)
             for u in self.engine.remat_units:
                 install_remat(info, u)
-        return self.tree()
 
     def _policy(self, units: dict, dtype_of: dict, direct_gather: bool) -> Policy:
         """The engine's policy for this strategy and these options."""
