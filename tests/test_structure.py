@@ -100,3 +100,22 @@ def test_cycle_finder_sees_imports_inside_functions(tmp_path):
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]
     (pkg / "b.py").write_text("")
     assert find_cycle(import_graph(pkg)) is None
+
+
+def test_one_owner_decides_which_model_a_tree_belongs_to():
+    """`_models.model_of` is the one place that looks models up by a tree's names: no other module
+    reads the registry of functionalized models or its lookup."""
+    readers = set()
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "_models.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("_models"):
+                if any(a.name in ("candidates", "REGISTRY") for a in node.names):
+                    readers.add(path.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "_models":
+                if node.attr in ("candidates", "REGISTRY"):
+                    readers.add(path.name)
+            elif isinstance(node, (ast.FunctionDef, ast.Name)) and getattr(node, "name", getattr(node, "id", "")) == "find_apply":
+                readers.add(path.name)  # the lookup's old name: a second owner
+    assert readers <= {"_process.py"}, readers  # _process only forgets models nobody holds
