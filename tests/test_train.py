@@ -11,7 +11,7 @@ import torch.distributed as dist
 import shardfn as sf
 from shardfn import _collectives as C
 from shardfn import _flat
-from reference import OPT, Reference, compare_params, global_batch, local_batch, loss_of, make_loss_fn, make_model, units_of
+from reference import OPT, Reference, backward_on_another_thread, compare_params, global_batch, local_batch, loss_of, make_loss_fn, make_model, units_of
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
 STEPS = 4
@@ -420,36 +420,6 @@ def test_train_step_on_a_plain_pure_function(pools):
     assert max(pools(3).run(rank_pure_function)) < 1e-6
 
 
-@contextlib.contextmanager
-def _backward_on_another_thread():
-    """Every `torch.autograd.backward` runs on a thread of its own, as CUDA's autograd runs the
-    backward on its device threads: unit hooks, reductions and remat's recompute run there."""
-    import threading
-
-    real = torch.autograd.backward
-
-    def backward(*args, **kwargs):
-        failed = []
-
-        def run():
-            try:
-                real(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
-                failed.append(e)
-
-        t = threading.Thread(target=run, name="autograd-device-thread")
-        t.start()
-        t.join()
-        if failed:
-            raise failed[0]
-
-    torch.autograd.backward = backward
-    try:
-        yield
-    finally:
-        torch.autograd.backward = real
-
-
 def rank_backward_on_another_thread(kind: str, remat, user_checkpoint: bool = False, mp: bool = False) -> dict:
     """Three steps with the backward on another thread than the forward, against the same steps on
     one thread (bitwise) and, in fp32, against the reference; the threads a child module of the first
@@ -481,7 +451,7 @@ def rank_backward_on_another_thread(kind: str, remat, user_checkpoint: bool = Fa
         step = sf.train_step(loss_fn, sf.optim.adamw(**OPT), sf.mesh(dp=-1), strategy=strategy, remat=remat, mixed_precision=mixed)
         state = step.init(params)
         err = 0.0
-        with _backward_on_another_thread() if threaded else contextlib.nullcontext():
+        with backward_on_another_thread() if threaded else contextlib.nullcontext():
             for i in range(3):
                 batch = global_batch(kind, i, world, per_rank=2)
                 state, m = step(state, local_batch(batch, rank, world))
