@@ -50,7 +50,7 @@ class ModuleBuffers:
 
     def save(self) -> None:
         """Before a step that may be given up and run again (Note [steps off the unit schedule] in
-        `_train.py`): copies of the buffers a forward may update. Until a step has shown which
+        `_core.py`): copies of the buffers a forward may update. Until a step has shown which
         modules' buffers the forward updates, every buffer is copied; afterwards only those."""
         self._saved, self._saved_versions = [], []
         if self.module is None:

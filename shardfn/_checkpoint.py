@@ -68,8 +68,7 @@ import optree
 from . import _collectives as C
 from . import _donate
 from ._files import fsync_dir, fsync_file, replace_synced, temporary_name, write_atomically
-from ._functional import _persistent_buffers, find_apply, model_of
-from ._tree import tree_flatten_with_paths
+from ._models import model_of, persistent_buffers as _persistent_buffers
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -155,18 +154,14 @@ def _model_buffers(state: Any, apply: Any, keys: list[str]) -> tuple[list[str], 
     if params is None and isinstance(state, dict):
         params = state.get("params")
     tree = params if params is not None else state
-    if apply is not None:
-        info = model_of(tree, apply, "the state's params")
-    else:
-        found = find_apply(*tree_flatten_with_paths(tree)[:2])
-        if not any(_persistent_buffers(i) for i in found):
-            return [], []
-        if len(found) > 1:  # only one of them is the module a train step updates and loads into
-            raise ValueError(
-                f"{len(found)} functionalized models have the parameter names of the state and some hold buffers: "
-                "say whose buffers the checkpoint holds with apply=apply (the function sf.functionalize returned for it)"
-            )
-        info = found[0]
+    # Only one of several models with these names is the module a train step updates and loads into.
+    info = model_of(
+        tree, apply, "the state's params", where=lambda i: bool(_persistent_buffers(i)), alike=False,
+        reason=" and hold buffers",
+        hint="say whose buffers the checkpoint holds with apply=apply (the function sf.functionalize returned for it)",
+    )
+    if info is None:
+        return [], []
     buffers = _persistent_buffers(info)
     names = [BUFFERS + n for n in buffers]
     clash = sorted(set(names) & set(keys))

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ._spec import P
+from ._state import TrainState
 from ._tree import tree_flatten_with_paths
 
 __all__ = ["describe", "Description"]
@@ -118,8 +119,6 @@ def describe(tree_or_state: Any) -> Description:
     Example:
         >>> print(sf.describe(state))
     """
-    from ._train import TrainState
-
     if isinstance(tree_or_state, TrainState):
         params, extra = tree_or_state.params, {"optimizer state": tree_or_state.opt_state}
     else:

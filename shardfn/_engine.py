@@ -77,6 +77,7 @@ do not, and is not detected before it blocks.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,12 +92,20 @@ from ._flat import Arena, FlatUnit
 from ._functorch import under_grad_transform, unwrap
 from ._param import Detour, OffSchedule, Param
 
-__all__ = ["Engine", "EngineStats", "Policy", "StaleParameterError"]
+__all__ = ["Engine", "EngineStats", "Phase", "Policy", "StaleParameterError"]
 
 ROOT = -1
 ABORT_WAIT_S = 10.0
 """How long a failed step waits for each collective still in flight (see `Engine.abort`)."""
 _PRIMITIVE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+class Phase(str, enum.Enum):
+    """Where an engine is in its step; equal to its name in lower case ("forward")."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
 
 
 class StaleParameterError(RuntimeError):
@@ -423,7 +432,7 @@ class Engine:
         self._clock = 0
         self._busy_since: dict[int, int] = {}
         self._busy_log: dict[int, list[tuple[int, int]]] = {}
-        self.phase = "idle"
+        self.phase = Phase.IDLE
 
     def _unit(self, u: int) -> FlatUnit:
         return self.root if u == ROOT else self.units[u]
@@ -518,7 +527,7 @@ class Engine:
         if u != ROOT:
             self._live.add(u)
             self.stats.max_live_units = max(self.stats.max_live_units, len(self._live))
-            if self.phase == "forward":
+            if self.phase == Phase.FORWARD:
                 self._fwd_gathered.add(u)
         if unit.gathers_in_place:  # its gather writes the slot at once (Note [slot arenas])
             self._drain_slot(u)
@@ -574,7 +583,7 @@ class Engine:
             self._needs_plan = False
             self.replan()
         self._reset_step_state()
-        self.phase = "forward"
+        self.phase = Phase.FORWARD
         self._accumulate = accumulate
         self._reduce_now = reduce
         self._pending = [u.num_trained for u in self.units]
@@ -596,7 +605,7 @@ class Engine:
     def read(self, u: int, j: int) -> torch.Tensor:
         """The full value of leaf `j` of unit `u`, for a read outside `apply` (Note [parameters
         outside apply] in `_param.py`)."""
-        if self.phase == "idle":
+        if self.phase == Phase.IDLE:
             raise RuntimeError(
                 "a parameter handed to loss_fn was used after its step (or outside a step): it is valid "
                 "only inside loss_fn; return values computed from it instead"
@@ -613,14 +622,14 @@ class Engine:
         return out
 
     def pre_forward(self, info, u: int, args: tuple, kwargs: dict) -> tuple | None:
-        if info is not self.info or self.phase == "idle":
+        if info is not self.info or self.phase == Phase.IDLE:
             return None
-        if self.phase == "forward" and under_grad_transform((args, kwargs)):
+        if self.phase == Phase.FORWARD and under_grad_transform((args, kwargs)):
             raise OffSchedule(
                 f"unit {self.units[u].name!r} ran inside a torch.func gradient transform (grad, vjp, jacrev, ...) in "
                 "loss_fn (a gradient penalty)"
             )
-        if self.phase == "backward":  # a recompute (remat) or a forward run by the backward
+        if self.phase == Phase.BACKWARD:  # a recompute (remat) or a forward run by the backward
             self._ensure(u)
             return (self._cast(args), self._cast(kwargs)) if self.cast_dtype is not None else None
         if u not in self._ran:
@@ -651,7 +660,7 @@ class Engine:
         return args, kwargs
 
     def post_forward(self, info, u: int, output: Any) -> None:
-        if info is not self.info or self.phase != "forward":
+        if info is not self.info or self.phase != Phase.FORWARD:
             return None
         self._running.discard(u)
         if u not in self._running:
@@ -705,7 +714,7 @@ class Engine:
 
     def end_forward(self) -> None:
         """`loss_fn` has returned: the backward comes next."""
-        if self.phase != "forward":
+        if self.phase != Phase.FORWARD:
             return
         if not self._order_known and self._seen:
             rest = [u for u in range(len(self.units)) if u not in self._seen]
@@ -718,13 +727,13 @@ class Engine:
         if self.group is not None:
             self._catch_up(len(self.order))
             self._check_same_units()
-        self.phase = "backward"
+        self.phase = Phase.BACKWARD
 
     def leave_schedule(self) -> None:
         """This rank's `loss_fn` went beyond the unit schedule in the forward (Note [steps off the
-        unit schedule] in `_train.py`): issue the rest of the forward's gathers, as the other ranks
+        unit schedule] in `_core.py`): issue the rest of the forward's gathers, as the other ranks
         do, and say so in the exchange that ends every forward, so that every rank leaves with it."""
-        if self.group is None or self.phase != "forward":
+        if self.group is None or self.phase != Phase.FORWARD:
             return
         self._catch_up(len(self.order))
         self._check_same_units(leaving=True)
@@ -774,7 +783,7 @@ class Engine:
             )
 
     def _pre_backward(self, u: int) -> None:
-        if self.phase != "backward":
+        if self.phase != Phase.BACKWARD:
             raise OffSchedule(
                 "a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model)"
             )
@@ -797,7 +806,7 @@ class Engine:
             self._finish_oldest()
 
     def _post_backward(self, u: int) -> None:
-        if self.phase != "backward":
+        if self.phase != Phase.BACKWARD:
             raise OffSchedule(
                 "a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model)"
             )
@@ -812,7 +821,7 @@ class Engine:
             self._free(u)  # another use comes later: gathered again then
 
     def _grad_ready(self, u: int) -> None:
-        if self.phase == "idle":
+        if self.phase == Phase.IDLE:
             return
         if u in self._reduced and self._reduce_now:
             raise RuntimeError(
@@ -850,7 +859,7 @@ class Engine:
     def _holds(self, unit: FlatUnit) -> bool:
         """Whether `unit` is gathered (or gathering) now."""
         if unit is self.root:
-            return self.phase != "idle"
+            return self.phase != Phase.IDLE
         return any(self.units[v] is unit for v in self._live)
 
     def _finish_oldest(self) -> None:
@@ -865,7 +874,7 @@ class Engine:
         """In the backward, once the last unit of a slot is freed and its reduction (whose input may
         live in the slot) is done, nothing needs the slot until the next forward: give it back, so
         that the sharded gradients, which grow as the backward goes on, do not stack on it."""
-        if self.phase != "backward" or u not in self._slot_done_after or u in self._live:
+        if self.phase != Phase.BACKWARD or u not in self._slot_done_after or u in self._live:
             return
         full = self.units[u].arenas["full"]
         if any(self._unit(w).arenas["full"] is full for w, _, _, _ in self._in_flight):

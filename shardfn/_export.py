@@ -45,7 +45,8 @@ from . import _collectives as C
 from . import _watch
 from ._checkpoint import LoadReport
 from ._files import replace_synced, temporary_name
-from ._functional import _params_of, _persistent_buffers, find_apply, model_of
+from ._models import model_of, persistent_buffers as _persistent_buffers
+from ._state import params_of as _params_of
 from ._tree import tree_flatten_with_paths
 
 __all__ = ["export", "import_state_dict"]
@@ -349,13 +350,11 @@ def import_state_dict(
             src.rename(add if len(add) >= len(strip) else strip)
             have = set(src.keys())
     if apply is None and info is not None and have & set(buffers):
-        several = find_apply(paths, leaves)
-        if len(several) > 1:  # buffers are written into one module: equal buffers do not make them the same
-            kinds = ", ".join(type(i.module).__name__ for i in several)
-            raise ValueError(
-                f"{len(several)} functionalized models have exactly the parameter names of like ({kinds}) and the "
-                "source has buffers, which are written into one of them: say which with apply=apply; nothing was read"
-            )
+        model_of(  # buffers are written into one module: equal buffers do not make them the same
+            flat=(paths, leaves), what="like", alike=False,
+            reason=" and the source has buffers, which are written into one of them",
+            hint="say which with apply=apply; nothing was read",
+        )
     found: dict[str, str] = {}
     missing = []
     for p in paths:

@@ -7,15 +7,14 @@ storage goes to the returned tree. Each call re-parametrizes the module with the
 Units (sharding units) are submodules whose dotted names match the `units` regexes in full. A unit's
 parameters are those of its submodules that no inner unit claims; a parameter tied across units
 belongs to the root unit. Forward hooks on the unit modules report each unit's start and end to the
-active runtime (`_runtime.current()`): a train step gathers and frees units there, and `apply` on a
-sharded tree gathers there for inference. With no runtime active, the hooks cost one lookup.
+runtime active on the model (Note [unit runtime] in `_runtime.py`): a train step gathers and frees
+units there, and `apply` on a sharded tree gathers there for inference. With no runtime active,
+the hooks cost one lookup.
 """
 
 from __future__ import annotations
 
-import gc
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import optree
@@ -27,56 +26,15 @@ from torch.autograd import forward_ad
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _runtime, _watch
+from ._inference import ShardedForward
 from ._meta_init import capture
+from ._models import ModelInfo, model_of, persistent_buffers, register
+from ._param import Param
+from ._shard import _holds_dtensor, gather
+from ._state import params_of
 from ._tree import compile_patterns, nest, tree_flatten_with_paths
 
-__all__ = ["functionalize", "Apply", "to_state_dict", "from_state_dict", "find_apply", "model_of"]
-
-
-@dataclass(eq=False)
-class ModelInfo:
-    """What every `apply` of one functionalized module shares: names, ties, units."""
-
-    module: nn.Module
-    param_paths: list[str]  # canonical dotted names, module order
-    aliases: dict[str, list[str]]  # canonical path -> every name it is used under (itself first)
-    unit_names: list[str]  # unit submodule paths, module order
-    unit_of: dict[str, int]  # canonical path -> unit index, -1 for the root unit
-    buffer_paths: list[str] = field(default_factory=list)
-    returned: dict[str, weakref.ref] = field(default_factory=dict)  # path -> the leaf functionalize returned
-    meta_init: Any = None  # a meta-device module: its recorded construction (`_meta_init.Capture`)
-
-    def returned_tree(self, paths: Sequence[str], leaves: Sequence[Any]) -> bool:
-        """Whether these leaves are the very tensors `functionalize` returned for this model."""
-        return all(p in self.returned and self.returned[p]() is x for p, x in zip(paths, leaves))
-
-
-_REGISTRY: list[weakref.ref] = []
-
-
-def _register(info: ModelInfo) -> None:
-    _REGISTRY[:] = [r for r in _REGISTRY if r() is not None]
-    _REGISTRY.append(weakref.ref(info))
-
-
-def find_apply(paths: Sequence[str], leaves: Sequence[Any] = ()) -> list[ModelInfo]:
-    """The live functionalized models whose parameter names are exactly `paths`; when several
-    have them, the one that returned these very `leaves` if there is one (a train step built
-    without `apply=` uses a single match, and refuses to guess between several)."""
-    want = set(paths)
-
-    def live() -> list[ModelInfo]:
-        infos = (ref() for ref in _REGISTRY)
-        return [i for i in infos if i is not None and set(i.param_paths) == want]
-
-    found = live()
-    if len(found) > 1 and leaves:
-        found = [i for i in found if i.returned_tree(paths, leaves)] or found
-    if len(found) > 1:  # a model nobody uses may still wait for the cycle collector
-        del found
-        gc.collect()
-        found = live()
-    return found
+__all__ = ["functionalize", "Apply", "to_state_dict", "from_state_dict"]
 
 
 def _owner(path: str) -> str:
@@ -95,15 +53,15 @@ def _unit_hooks(info: ModelInfo, index: int):
     ref = weakref.ref(info)  # the module holds its hooks; the model's info must not be kept by them
 
     def pre(mod: nn.Module, args: Any, kwargs: dict) -> Any:
-        rt = _runtime.current()
-        if rt is not None:
-            return rt.pre_forward(ref(), index, args, kwargs)
+        model = ref()
+        if model is not None and model.runtimes:
+            return model.runtimes[-1].pre_forward(model, index, args, kwargs)
         return None
 
     def post(mod: nn.Module, args: Any, output: Any) -> Any:
-        rt = _runtime.current()
-        if rt is not None:
-            return rt.post_forward(ref(), index, output)
+        model = ref()
+        if model is not None and model.runtimes:
+            return model.runtimes[-1].post_forward(model, index, output)
         return None
 
     return pre, post
@@ -171,23 +129,23 @@ class Apply:
         return flat
 
     def __call__(self, params: Any, *args: Any, buffers: Any = None, **kwargs: Any) -> Any:
-        rt = _runtime.current()
+        rt = self.info.runtime  # Note [unit runtime] in `_runtime.py`
         # A train step hands `loss_fn` its own parameter objects: it says which tensors the model
         # computes on (Note [parameters outside apply] in `_param.py`).
         flat = rt.flat_params(self, params) if rt is not None and hasattr(rt, "flat_params") else None
         if flat is None:
-            from ._shard import _holds_dtensor, gather
-
             leaves = optree.tree_leaves(params)
+            owner = next((x.owner() for x in leaves if isinstance(x, Param)), None)
+            if owner is not None:  # a step's parameters, handed to a model the step does not run
+                flat = owner.flat_params(self, params)
+        if flat is None:
             if any(_holds_dtensor(x) for x in leaves):
                 if _needs_grad(leaves, args, kwargs):
                     # A gradient will flow (to the inputs, to the tree, or inside a torch.func
                     # transform): the tree is gathered differentiably, its gradient the reduce-scatter.
                     return self(gather(params), *args, buffers=buffers, **kwargs)
-                from ._inference import ShardedForward
-
                 with _watch.watched("apply on a sharded tree"), ShardedForward(self, params) as (gathered, runtime):
-                    with _runtime.activate(runtime):
+                    with _runtime.activate(runtime, self.info):
                         return self._call_flat(gathered, args, buffers, kwargs)
             flat = self.flat_params(params)
         if rt is not None and hasattr(rt, "cast_inputs"):
@@ -285,61 +243,8 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
         sub = module.get_submodule(name)
         sub.register_forward_pre_hook(pre, with_kwargs=True)
         sub.register_forward_hook(post)
-    _register(info)
+    register(info)
     return Apply(info), params
-
-
-def model_of(tree: Any, apply: "Apply | None" = None, what: str = "this tree") -> ModelInfo | None:
-    """The functionalized model a parameter tree belongs to: `apply`'s when given, else the live
-    model whose parameter names are the tree's (the one that returned these very tensors, when
-    several have the names). None for a tree no functionalized model has the names of. Several
-    models whose state dicts would differ (tied names, buffer values) are refused: pass `apply=`."""
-    paths, leaves, _ = tree_flatten_with_paths(tree)
-    if apply is not None:
-        if not isinstance(apply, Apply):
-            raise ValueError(f"apply= takes the function sf.functionalize returned, got {type(apply).__name__}")
-        if set(apply.info.param_paths) != set(paths):
-            missing = sorted(set(apply.info.param_paths) - set(paths))
-            extra = sorted(set(paths) - set(apply.info.param_paths))
-            raise ValueError(
-                f"{what} does not match apply=: missing {missing[:5]}, unexpected {extra[:5]}; pass the tree "
-                "sf.functionalize returned with that apply (or one with its structure, e.g. state.params)"
-            )
-        return apply.info
-    found = find_apply(paths, leaves)
-    if len(found) > 1 and not all(_same_state_dict(found[0], other) for other in found[1:]):
-        kinds = ", ".join(type(i.module).__name__ for i in found)
-        raise ValueError(
-            f"{len(found)} functionalized models have exactly the parameter names of {what} ({kinds}) and "
-            "differ in their tied names or buffers; say which one it belongs to with apply=apply"
-        )
-    return found[0] if found else None
-
-
-def _persistent_buffers(info: ModelInfo) -> dict[str, torch.Tensor]:
-    buffers = dict(info.module.named_buffers(remove_duplicate=False))
-    return {n: buffers[n] for n in info.module.state_dict(keep_vars=True) if n in buffers}
-
-
-def _same_state_dict(a: ModelInfo, b: ModelInfo) -> bool:
-    """Whether the two models name and fill a state dict alike (then it does not matter which)."""
-    if a.aliases != b.aliases:
-        return False
-    ba, bb = _persistent_buffers(a), _persistent_buffers(b)
-    if list(ba) != list(bb):
-        return False
-    for n, x in ba.items():
-        y = bb[n]
-        if x.is_meta or y.is_meta or x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y.to(x.device)):
-            return False
-    return True
-
-
-def _params_of(tree: Any) -> Any:
-    """A train state's parameter tree; any other tree as it is."""
-    from ._train import TrainState  # _train imports this module
-
-    return tree.params if isinstance(tree, TrainState) else tree
 
 
 def to_state_dict(tree: Any, apply: Apply | None = None) -> dict[str, torch.Tensor]:
@@ -365,14 +270,14 @@ def to_state_dict(tree: Any, apply: Apply | None = None) -> dict[str, torch.Tens
         >>> model.load_state_dict(sf.to_state_dict(params))            # strict=True
         >>> torch.save(sf.to_state_dict(sf.gather(state.params)), "model.pt")
     """
-    tree = _params_of(tree)
+    tree = params_of(tree)
     info = model_of(tree, apply)
     paths, leaves, _ = tree_flatten_with_paths(tree)
     out = dict(zip(paths, leaves))
     if info is None:
         return out
     by_name = {name: out[path] for path in info.param_paths for name in info.aliases[path]}
-    buffers = _persistent_buffers(info)
+    buffers = persistent_buffers(info)
     full: dict[str, torch.Tensor] = {}
     for name in info.module.state_dict(keep_vars=True):  # state_dict's own order
         full[name] = by_name[name] if name in by_name else buffers[name]

@@ -2,8 +2,8 @@
 
 Note [gradient transform]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-`value_and_grad(loss_fn)(params, batch)` runs the gradient half of a train step
-(`TrainStep.gradients`): units gathered just in time, freed, gathered again for the backward,
+`value_and_grad(loss_fn)(params, batch)` runs the gradient core of a train step
+(`GradientCore.gradients` in `_core.py`): units gathered just in time, freed, gathered again for the backward,
 their gradients reduce-scattered as soon as they are complete, the next gather prefetched. Each
 rank passes its own batch and gets the loss and the gradients of the mean over ranks, as a train
 step does. A train step is this plus the optimizer update, so a step written by hand with
@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from . import _donate, _watch
 from ._describe import _spec_of
 from ._functorch import unwrap
-from ._train import MixedPrecision, TrainStep
+from ._core import GradientCore, MixedPrecision
 from ._tree import tree_flatten_with_paths
 
 __all__ = ["value_and_grad", "grad", "ValueAndGrad"]
@@ -46,7 +46,7 @@ class ValueAndGrad:
         if not callable(loss_fn):
             raise ValueError(f"sf.value_and_grad(loss_fn): loss_fn must be callable, got {type(loss_fn).__name__}")
         self.loss_fn, self.has_aux, self.options = loss_fn, bool(has_aux), options
-        self._step: TrainStep | None = None
+        self._core: GradientCore | None = None
         self._layout: dict[str, DTensor] = {}
 
     def _loss(self, params: Any, batch: Any) -> Any:
@@ -61,18 +61,18 @@ class ValueAndGrad:
 
     def __call__(self, params: Any, batch: Any) -> tuple[Any, Any]:
         with _watch.watched("sf.value_and_grad"):
-            step = self._take(params)
-            loss, _, _, aux = step.gradients(optree.tree_unflatten(step.treespec, step._dt_params), batch)
+            core = self._take(params)
+            g = core.gradients(core.tree(), batch)
             message = (
                 "these gradients were donated to the next sf.value_and_grad call, whose gradients fill their memory; "
                 "keep them with sf.copy(grads)"
             )
-            leaves = [None if g is None else _donate.donate(g, message) for g in optree.tree_leaves(step.grads, none_is_leaf=True)]
-            step.grads = optree.tree_unflatten(optree.tree_structure(step.grads, none_is_leaf=True), leaves)
-            return ((loss, aux) if self.has_aux else loss), step.grads
+            leaves = [None if x is None else _donate.donate(x, message) for x in optree.tree_leaves(core.grads, none_is_leaf=True)]
+            core.grads = optree.tree_unflatten(optree.tree_structure(core.grads, none_is_leaf=True), leaves)
+            return ((g.loss, g.aux) if self.has_aux else g.loss), core.grads
 
-    def _take(self, params: Any) -> TrainStep:
-        """The step whose buffers `params` now lives in (built on the first call)."""
+    def _take(self, params: Any) -> GradientCore:
+        """The core whose buffers `params` now lives in (built on the first call)."""
         paths, leaves, treespec = tree_flatten_with_paths(params)
         wrapped = [p for p, x in zip(paths, leaves) if isinstance(unwrap(x), DTensor) and not isinstance(x, DTensor)]
         if wrapped:
@@ -92,13 +92,13 @@ class ValueAndGrad:
         for p, x in zip(paths, leaves):
             if _donate.is_donated(x):
                 raise _donate.DonatedError(x._local_tensor._message)
-        step = self._step
-        if step is None or step.paths != paths or step.treespec != treespec:
-            step = self._step = self._build(params, paths, leaves)
-        views = step._flat_views
+        core = self._core
+        if core is None or core.paths != paths or core.treespec != treespec:
+            core = self._core = self._build(params, paths, leaves)
+        views = core.flat_views
         if all(_donate.same_memory(x._local_tensor, v) for x, v in zip(leaves, views)):
-            step._dt_params = list(leaves)
-            return step
+            core.dt_params = list(leaves)
+            return core
         for p, x, v in zip(paths, leaves, views):
             own = self._layout[p]
             if x.placements != own.placements or x.shape != own.shape:
@@ -111,40 +111,40 @@ class ValueAndGrad:
             "tree's memory. Keep a tree with sf.copy(params)"
         )
         with torch.no_grad():
-            for x, before, v in zip(leaves, step._dt_params, views):
+            for x, before, v in zip(leaves, core.dt_params, views):
                 if _donate.same_memory(x._local_tensor, v):
                     continue
                 v.copy_(x._local_tensor)  # a new tree, or one that another transform took over
                 if before is not x and _donate.same_memory(before._local_tensor, v):
                     _donate.donate(before, message)
                 _donate.adopt(x, v)
-        step._dt_params = list(leaves)
-        return step
+        core.dt_params = list(leaves)
+        return core
 
-    def _build(self, params: Any, paths: list[str], leaves: list[DTensor]) -> TrainStep:
+    def _build(self, params: Any, paths: list[str], leaves: list[DTensor]) -> GradientCore:
         mesh = leaves[0].device_mesh
         for p, x in zip(paths, leaves):
             if x.device_mesh != mesh:
                 raise ValueError(f"leaf {p!r} is on another mesh than {paths[0]!r}: one mesh per tree")
         o = self.options
         specs = optree.tree_unflatten(optree.tree_structure(params), [_spec_of(x) for x in leaves])
-        step = TrainStep(
-            self._loss, None, mesh, specs, o["strategy"], o["mixed_precision"], o["remat"], o["accumulation_steps"], None,
+        core = GradientCore(
+            self._loss, mesh, specs, o["strategy"], o["mixed_precision"], o["remat"], o["accumulation_steps"],
             apply=o["apply"], frozen=o["frozen"], accumulation=o["accumulation"],
         )
-        step.init(params)  # copies the shards into the step's flat buffers
-        for p, x, own in zip(paths, leaves, step._dt_params):
+        core.build(params)  # copies the shards into the core's flat buffers
+        for p, x, own in zip(paths, leaves, core.dt_params):
             if x.placements != own.placements:
                 raise ValueError(
                     f"strategy={o['strategy']!r} lays leaf {p!r} out as {own.placements}, but the tree has it as "
                     f"{x.placements}: under 'no_shard' every leaf is whole on every rank, so pass a replicated tree "
                     "(sf.shard(params, sf.specs(params, mesh, default=sf.P()), mesh))"
                 )
-        self._layout = {p: own for p, own in zip(paths, step._dt_params)}  # the step's own DTensors
-        for x, v in zip(leaves, step._flat_views):
+        self._layout = {p: own for p, own in zip(paths, core.dt_params)}  # the core's own DTensors
+        for x, v in zip(leaves, core.flat_views):
             _donate.adopt(x, v)
-        step._dt_params = list(leaves)
-        return step
+        core.dt_params = list(leaves)
+        return core
 
 
 def value_and_grad(

@@ -50,7 +50,7 @@ class ShardedForward:
 
     def __init__(self, apply, params: Any):
         self.apply = apply
-        info = apply.info
+        self.info = info = apply.info
         paths, leaves, _ = tree_flatten_with_paths(params)
         if set(paths) != set(info.param_paths):
             apply.flat_params(params)  # raises the error naming the mismatch

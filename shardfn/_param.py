@@ -38,7 +38,7 @@ class OffSchedule(NotImplementedError):
     """`loss_fn` used the model in a way the unit schedule cannot serve: a backward of its own
     (a gradient penalty), or torch.func.vmap over the parameters (an ensemble). Raised before
     anything is computed; the train step then computes the step on the whole gathered tree
-    (Note [steps off the unit schedule] in `shardfn/_train.py`)."""
+    (Note [steps off the unit schedule] in `shardfn/_core.py`)."""
 
     agreed = False  # raised from the exchange in which every rank learnt that one leaves
 
@@ -86,6 +86,11 @@ class Param(torch.Tensor):
         p = torch.Tensor._make_subclass(Param, proxy.detach(), proxy.requires_grad)
         p.reader, p.where = weakref.WeakMethod(reader), where
         return p
+
+    def owner(self) -> Any:
+        """The engine whose step handed this parameter to `loss_fn` (None once it is deleted)."""
+        read = self.reader()
+        return None if read is None else read.__self__
 
     def resolve(self) -> torch.Tensor:
         read = self.reader()

@@ -43,7 +43,7 @@ from ._functional import _unit_index
 from ._functorch import under_grad_transform
 from ._mesh import mesh_group
 from ._shard import gather
-from ._train import _rng_state, _set_rng_state, model_info, trained_leaves
+from ._core import _rng_state, _set_rng_state, model_info, trained_leaves
 from ._tree import compile_patterns, tree_flatten_with_paths
 
 __all__ = ["per_sample_grad_norms", "per_sample_grads", "dp_value_and_grad", "DPValueAndGrad"]

@@ -22,7 +22,7 @@ import torch
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import checkpoint
 
-from . import _runtime
+from ._engine import Phase
 from ._tree import compile_patterns
 
 __all__ = ["select_units", "install"]
@@ -52,9 +52,10 @@ def install(info: Any, unit: int) -> None:
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        rt = _runtime.current()
+        model = ref()
+        rt = model.runtime if model is not None else None  # Note [unit runtime] in `_runtime.py`
         wants = getattr(rt, "remat_units", None)
-        if not wants or unit not in wants or getattr(rt, "info", None) is not ref() or rt.phase != "forward" or not torch.is_grad_enabled():
+        if not wants or unit not in wants or rt.phase != Phase.FORWARD or not torch.is_grad_enabled():
             return original(*args, **kwargs)
         cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)  # only if loaded
         if cache is not None and any(isinstance(x, cache) for x in (*args, *kwargs.values())):

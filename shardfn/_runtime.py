@@ -1,36 +1,44 @@
-"""The active unit runtime: who is told when a unit's forward starts and ends.
+"""Unit runtimes: who is told when a unit's forward starts and ends.
 
+Note [unit runtime]
+-------------------
 A runtime is an object with `pre_forward(info, unit, args, kwargs)` and `post_forward(info, unit,
-output)` (each may return replacement (args, kwargs) / output, or None), and optionally
-`cast_inputs(info, args, kwargs)`, applied to the inputs of every `apply` call, and
-`flat_params(apply, params)`, which may say which tensors `apply` computes on. The forward hooks
-that `functionalize` puts on unit modules call the innermost active one. Train steps and sharded
-inference activate theirs for the duration of one call.
+output)` (each may return replacement (args, kwargs) / output, or None), an `info` (the model it
+serves), and optionally `cast_inputs(info, args, kwargs)`, applied to the inputs of every `apply`
+call, and `flat_params(apply, params)`, which may say which tensors `apply` computes on. Train
+steps (their engine), sharded inference and the per-example norms activate theirs for the
+duration of one call.
+
+A runtime is held by the model it serves (`ModelInfo.runtimes`, innermost last), not by the thread
+that activated it: on CUDA, autograd runs the backward on its own device threads, and what runs
+there (unit hooks fired by a recompute, `apply` under the user's own checkpoint, remat) must find
+the same runtime as the forward did. The hooks `functionalize` puts on unit modules and remat's
+wrapper reach the model's info through a weak reference and ask it; with no runtime active they
+cost one lookup. Hooks that only the step installs (on outputs, inputs and gradients) hold their
+engine themselves.
 """
 
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-__all__ = ["current", "activate"]
-
-_state = threading.local()
-
-
-def current() -> Any:
-    stack = getattr(_state, "stack", None)
-    return stack[-1] if stack else None
+__all__ = ["activate"]
 
 
 @contextmanager
-def activate(runtime: Any) -> Iterator[None]:
-    stack = getattr(_state, "stack", None)
-    if stack is None:
-        stack = _state.stack = []
-    stack.append(runtime)
+def activate(runtime: Any, info: Any = None) -> Iterator[None]:
+    """Makes `runtime` the innermost runtime of its model (`info`, default `runtime.info`) while
+    the block runs; a runtime without a model (a train step of a plain function) needs none."""
+    info = info if info is not None else getattr(runtime, "info", None)
+    if info is None:
+        yield
+        return
+    info.runtimes.append(runtime)
     try:
         yield
     finally:
-        stack.pop()
+        for i in range(len(info.runtimes) - 1, -1, -1):  # its own entry, also if an inner one leaked
+            if info.runtimes[i] is runtime:
+                del info.runtimes[i]
+                break

@@ -17,6 +17,7 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._C._functorch import TransformType
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from ._meta_init import materialize
+from ._models import ModelInfo, model_of
 from ._spec import match_specs, placements_for
 
 __all__ = ["shard", "gather"]
@@ -84,24 +85,22 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
 
 def _init_model(init: Any, paths: list[str], leaves: list[Any], first: str) -> Any:
     """The functionalized model whose initializers set the meta leaves."""
-    from ._functional import Apply, find_apply
-
     if init is None:
         raise ValueError(
             f"leaf {first!r} is on the meta device: pass the module it was built with, "
             "sf.shard(params, specs, mesh, init=model), to initialize it with the module's own initializers"
         )
-    if isinstance(init, Apply):
+    if isinstance(getattr(init, "info", None), ModelInfo):  # the module's sf.functionalize function
         return init.info
     if not isinstance(init, torch.nn.Module):
         raise ValueError(f"init= takes the meta-device module (or its sf.functionalize function), got {type(init).__name__}")
-    found = [i for i in find_apply(paths, leaves) if i.module is init]
-    if not found:
+    found = model_of(flat=(paths, leaves), module=init)
+    if found is None:
         raise ValueError(
             f"init= is a {type(init).__name__} whose functionalized parameters are not these: pass the module "
             "sf.functionalize(module) turned into these params"
         )
-    return found[0]
+    return found
 
 
 def _reduce_to_placements(grad: torch.Tensor, mesh: DeviceMesh, placements, shape) -> torch.Tensor:

@@ -1,349 +1,109 @@
-"""`sf.train_step`: a sharded training step around a pure `loss_fn(params, batch)`."""
+"""`sf.train_step`: a sharded training step around a pure `loss_fn(params, batch)`.
+
+A step is the gradient core (`_core.GradientCore`: layout, unit schedule, forward and backward,
+reductions) followed by the clip, the optimizer's update and the donation of the state it was
+given (Note [donated state] in `_donate.py`); `TrainStep._step` reads as those steps in order.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
-import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import _collectives as C
-from . import _donate, _runtime, _watch
-from ._buffers import ModuleBuffers
-from ._engine import Engine, Policy, StaleParameterError
-from ._param import OffSchedule
-from ._flat import STALE, FlatUnit, LeafSpec
-from ._functional import find_apply
-from ._meta_init import materialize
-from ._mesh import mesh_group
-from .optim._norm import local_sumsq
-from ._remat import install as install_remat
-from ._remat import select_units
-from ._tree import compile_patterns
-from ._spec import P, match_specs, placements_for, specs as make_specs
+from . import _donate, _watch
+from ._core import STRATEGIES, GradientCore, MixedPrecision
+from ._core import _rng_state, _set_rng_state, model_info, trained_leaves  # noqa: F401 - also imported from here
+from ._state import TrainState
 from ._tree import tree_flatten_with_paths
+from .optim import apply_updates
 
 __all__ = ["TrainState", "MixedPrecision", "TrainStep", "train_step", "STRATEGIES"]
 
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
-
-
-class TrainState(NamedTuple):
-    """What a train step carries from one step to the next.
-
-    Attributes:
-        params: the parameter tree, DTensor leaves holding this rank's shards (fp32 master weights).
-        opt_state: the optimizer state, sharded like `params`.
-        step: the number of steps taken.
-    """
-
-    params: Any
-    opt_state: Any
-    step: int = 0
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """Dtypes for the compute, the gradient reduction and the buffers; the master weights keep theirs.
-
-    Attributes:
-        param_dtype: the dtype units are gathered and computed in (None: the parameters' own).
-        reduce_dtype: the dtype gradients are reduce-scattered in (None: `param_dtype`).
-        buffer_dtype: the dtype floating-point buffers are cast to for the step (None: their own).
-    """
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    buffer_dtype: torch.dtype | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, torch.dtype) and v.is_floating_point):
-                raise ValueError(f"MixedPrecision.{name} must be a floating-point torch.dtype or None, got {v!r}")
-
-
-def _split_loss(out: Any) -> tuple[torch.Tensor, Any]:
-    if isinstance(out, tuple) and len(out) == 2:
-        loss, aux = out
-    else:
-        loss, aux = out, None
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(f"loss_fn must return a scalar tensor (or (loss, aux)), got {type(loss).__name__} {getattr(loss, 'shape', '')}")
-    loss = loss.reshape(())
-    if not loss.requires_grad:
-        raise ValueError("the loss does not depend on the params: loss_fn must compute it from its `params` argument")
-    return loss, aux
-
-
-def _rng_state(device_type: str) -> tuple:
-    return torch.get_rng_state(), torch.cuda.get_rng_state() if device_type == "cuda" else None
-
-
-def _set_rng_state(state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1])
-
-
-def _split_batch(batch: Any, k: int) -> list[Any]:
-    if k == 1:
-        return [batch]
-    leaves, spec = optree.tree_flatten(batch)
-    parts = []
-    for x in leaves:
-        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % k:
-            got = f"a tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__} leaf"
-            raise ValueError(
-                f"accumulation_steps={k} splits every batch leaf along dim 0 in {k} equal parts; got {got}. "
-                f"Pass a batch of tensors whose first dim is a multiple of {k} (bind constants into loss_fn instead)"
-            )
-        parts.append(x.chunk(k))
-    return [optree.tree_unflatten(spec, [p[i] for p in parts]) for i in range(k)]
-
 
 class TrainStep:
-    """A sharded train step; see `train_step`. Call `init(params)` once, then `step(state, batch)`."""
+    """A sharded train step; see `train_step`. Call `init(params)` once, then `step(state, batch)`.
+
+    Attributes:
+        core: the gradient core (`_core.GradientCore`): layout, engine, gradients.
+        opt: the optimizer.
+        max_grad_norm: the clip's global norm, or None.
+    """
 
     def __init__(self, loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
                  apply=None, frozen=None, offload=None, accumulation="sharded"):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}")
-        if accumulation not in ("sharded", "local"):
-            raise ValueError(f"accumulation must be 'sharded' (reduce every micro-batch) or 'local' (reduce once), got {accumulation!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise ValueError("mixed_precision must be an sf.MixedPrecision(...) or None")
-        if offload not in (None, "cpu"):
-            raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
-        if not isinstance(mesh, DeviceMesh):
-            raise ValueError(f"mesh must be a DeviceMesh (see sf.mesh), got {type(mesh).__name__}")
-        names = tuple(mesh.mesh_dim_names or ())
-        if strategy == "hybrid_shard":
-            if mesh.ndim != 2:
-                raise ValueError(
-                    f"strategy='hybrid_shard' needs a 2-D mesh (replicate, shard), e.g. sf.mesh(replicate=2, shard=-1); got axes {names}"
-                )
-            self.shard_axis, self.replicate_axis = names[1], names[0]
-        else:
-            if mesh.ndim != 1:
-                raise ValueError(
-                    f"strategy={strategy!r} shards over a 1-D mesh; got axes {names}. For a 2-D mesh use strategy='hybrid_shard'"
-                )
-            self.shard_axis, self.replicate_axis = names[0], None
-        self.loss_fn = loss_fn
+        self.core = GradientCore(
+            loss_fn, mesh, specs, strategy, mixed_precision, remat, accumulation_steps,
+            apply=apply, frozen=frozen, offload=offload, accumulation=accumulation,
+        )
         self.opt = opt
-        self.mesh = mesh
-        self.specs = specs
-        self.strategy = strategy
-        self.mp = mixed_precision or MixedPrecision()
-        self.remat = remat
-        self.accumulation_steps = accumulation_steps
-        self.accumulation = accumulation
         self.max_grad_norm = max_grad_norm
-        self.apply = apply
-        self.frozen = compile_patterns(frozen, "frozen", "dotted parameter names")
-        self.offload = offload
-        self._off_schedule = False  # Note [steps off the unit schedule]
-        self.group = mesh.get_group(self.shard_axis)
-        self.replicate_group = mesh.get_group(self.replicate_axis) if self.replicate_axis else None
-        self.shard_world = mesh.size(names.index(self.shard_axis))
-        self.world = mesh.size()
-        self.rank = mesh.get_local_rank(self.shard_axis)
-        self.engine: Engine | None = None
+        self.mesh = mesh
 
-    # -- init -----------------------------------------------------------------------------------
+    # What tests and tools read of a step: the core's.
+    loss_fn = property(lambda self: self.core.loss_fn, lambda self, fn: setattr(self.core, "loss_fn", fn))
+    engine = property(lambda self: self.core.engine)
+    grads = property(lambda self: self.core.grads)
+    paths = property(lambda self: self.core.paths)
+    treespec = property(lambda self: self.core.treespec)
+    _units = property(lambda self: self.core.units)
+    _off_schedule = property(lambda self: self.core.off_schedule)
+
     def init(self, params: Any) -> TrainState:
         """Shards `params` into this step's flat buffers and initializes the optimizer.
 
         Args:
-            params: the full parameter tree (same values on every rank), or a DTensor tree.
+            params: the full parameter tree (same values on every rank), a DTensor tree, or a
+                tree on the meta device (the module's initializers fill it).
 
         Returns:
             `TrainState(params=<DTensor tree>, opt_state=..., step=0)`; frozen leaves get no
             optimizer state.
         """
-        spec_tree = self.specs if self.specs is not None else make_specs(params, self.mesh, default=P(self.shard_axis))
-        paths, leaves, spec_list, treespec = match_specs(params, spec_tree, self.mesh)
-        if self.strategy == "no_shard":
-            spec_list = [P() for _ in leaves]
-        for path, leaf, spec in zip(paths, leaves, spec_list):
-            bad_dim = any(spec.axes_of(d) for d in range(1, len(spec)))
-            if bad_dim or spec.axes_of(0) not in ((), (self.shard_axis,)):
-                raise NotImplementedError(
-                    f"leaf {path!r} (shape {tuple(leaf.shape)}) has spec {spec!r}: the train step shards dim 0 over "
-                    f"{self.shard_axis!r} only for now; use P({self.shard_axis!r}) or P()"
-                )
-        info = self._model(paths, leaves)
-        unit_of = [info.unit_of[p] if info is not None else -1 for p in paths]
-        n_units = len(info.unit_names) if info is not None else 0
-        trained = trained_leaves(info, paths, self.frozen)
-        device = self.mesh.device_type
-        members: dict[int, list[int]] = {u: [] for u in [*range(n_units), -1]}
-        for i, u in enumerate(unit_of):
-            members[u].append(i)
+        params = self.core.build(params)
+        return TrainState(params=params, opt_state=self.opt.init(self.core.trainable(params)), step=0)
 
-        specs_of = {u: [LeafSpec(i, paths[i], leaves[i].shape, bool(spec_list[i].axes_of(0)), trained[i]) for i in idx] for u, idx in members.items()}
-        model_dtypes = [leaf.dtype for leaf in leaves]
-        model_dtype = max(set(model_dtypes), key=model_dtypes.count) if leaves else torch.float32
-        dtype_of = {}
-        for u, idx in members.items():
-            dtypes = {leaves[i].dtype for i in idx}
-            if len(dtypes) > 1:
-                raise NotImplementedError(
-                    f"unit {info.unit_names[u] if u >= 0 else '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
-                    "give each unit one dtype"
-                )
-            dtype_of[u] = dtypes.pop() if dtypes else model_dtype  # a unit without leaves: the model's
-        direct_gather = self.shard_world > 1 and C.point_to_point(self.group, device)
-        units: dict[int, FlatUnit] = {}
-        for u, idx in members.items():
-            compute = self.mp.param_dtype or dtype_of[u]
-            units[u] = FlatUnit(
-                name=(info.unit_names[u] if u >= 0 else ""),
-                leaves=specs_of[u],
-                dtype=dtype_of[u],
-                compute_dtype=compute,
-                reduce_dtype=self.mp.reduce_dtype or compute,
-                group=self.group,
-                world=self.shard_world,
-                rank=self.rank,
-                device=device,
-                replicate_group=self.replicate_group,
-                offload=self.offload == "cpu",
-                direct_gather=direct_gather,
-            )
-        where: list[tuple[int, int]] = [None] * len(leaves)  # type: ignore[list-item]
-        for u, unit in units.items():
-            for j, i in enumerate(unit.leaf_indices()):
-                where[i] = (u, j)
-        names = info.unit_names if info is not None else []
-        nested = {i for i, a in enumerate(names) for b in names if a != b and (a.startswith(b + ".") or b.startswith(a + "."))}
-        self.engine = Engine(
-            info, [units[u] for u in range(n_units)], units[-1], self._policy(units, dtype_of, direct_gather), nested,
-            group=mesh_group(self.mesh) if self.world > 1 else None,
-        )
+    # -- the step -------------------------------------------------------------------------------
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        with _watch.watched("the train step"):
+            return self._step(state, batch)
 
-        # Fill the local shards and build the user-facing DTensors over them. Meta leaves: the
-        # module's recorded construction, replayed (Note [meta init] in `_meta_init.py`).
-        meta = {i for i, leaf in enumerate(leaves) if leaf.is_meta}
-        if meta:
-            if info is None:
-                raise ValueError(
-                    f"leaf {paths[min(meta)]!r} is on the meta device and belongs to no functionalized module whose "
-                    "initializers could set it: pass the tree sf.functionalize returned (or apply=), or real tensors"
-                )
-            at = {paths[i]: i for i in meta}
+    def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        if self.core.engine is None:
+            raise ValueError("call step.init(params) before the first step")
+        params = self._adopt(state.params)
+        g = self.core.gradients(params, batch)
+        self._clip(g.grad_norm)
+        # Scalars of the optimizer state (its step count) are updated in place: the input state
+        # keeps its own (Note [donated state]).
+        opt_in = optree.tree_map(_scalar_copy, state.opt_state, none_is_leaf=True)
+        opt_state = self._optimize(params, opt_in, g.skip)
+        params, opt_state = self._donate(state, opt_state)
+        metrics = {"loss": g.loss, "grad_norm": g.grad_norm, "aux": g.aux}
+        return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
-            def emit(path: str, full: torch.Tensor) -> None:
-                u, j = where[at[path]]
-                units[u].fill(j, full)
-
-            materialize(info, set(at), emit, buffer_device=device)
-        dt_params, dt_grads, flat_views = [], [], []
-        for i, (leaf, spec) in enumerate(zip(leaves, spec_list)):
-            u, j = where[i]
-            if i not in meta:
-                units[u].fill(j, C.full_tensor(leaf, "the train step's init") if isinstance(leaf, DTensor) else leaf)
-            local, grad, shape = units[u].shard(j)
-            placements = placements_for(spec, self.mesh)
-            flat_views.append(local)  # the step's own; users get aliases (Note [donated state])
-            dt_params.append(self._dtensor(_donate.alias(local), placements, shape))
-            dt_grads.append(self._dtensor(grad, placements, shape) if grad is not None else None)
-        if info is not None and self.mp.buffer_dtype is not None:
-            _cast_buffers(info.module, self.mp.buffer_dtype)
-        if info is not None and self.mp.param_dtype is not None:
-            for name, mod in info.module.named_modules():
-                stats = getattr(mod, "running_mean", None)
-                if isinstance(mod, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)) and stats is not None and stats.dtype != self.mp.param_dtype:
-                    raise NotImplementedError(
-                        f"{name!r} is a {type(mod).__name__} whose running statistics are {stats.dtype} while its unit "
-                        f"computes in {self.mp.param_dtype}, which BatchNorm refuses. Pass "
-                        f"MixedPrecision(..., buffer_dtype={self.mp.param_dtype}) to keep the statistics in that dtype; "
-                        "BatchNorm in float32 inside a low-precision unit is not supported yet"
-                    )
-        self._buffers = ModuleBuffers(info.module if info is not None else None, self.mesh)
-        # Gradient segments for the clip, and this rank's part of each for the norm (see
-        # FlatUnit.norm_parts).
-        replicas = self.world // self.shard_world
-        replica_rank = self.mesh.get_local_rank(self.replicate_axis) if self.replicate_axis else 0
-        segs, parts = [], []
-        for unit in units.values():
-            s_, p_ = unit.norm_parts(replicas, replica_rank, self.world)
-            segs += s_
-            parts += p_
-        self._norm_segments = segs
-        self._norm_parts = parts
-        self.treespec = treespec
-        self.paths = paths
-        self._units = units
-        self._dt_params = dt_params
-        self._flat_views = flat_views
-        self._trained = trained
-        self._trained_where = [w for w, t in zip(where, trained) if t]  # the optimizer's leaves, in order
-        self._trained_index = [i for i, t in enumerate(trained) if t]  # their positions in the tree
-        self.grads = optree.tree_unflatten(treespec, dt_grads)
-        self.engine.set_tree(treespec, paths, where)
-        if self.remat:
-            if info is None:
-                raise ValueError("remat needs units: functionalize the model with units=... (or pass apply=)")
-            self.engine.remat_units = select_units(self.remat, info.unit_names)
-            for u in self.engine.remat_units:
-                install_remat(info, u)
-        params_tree = optree.tree_unflatten(treespec, dt_params)
-        opt_state = self.opt.init(self._trainable(params_tree)) if self.opt is not None else None
-        return TrainState(params=params_tree, opt_state=opt_state, step=0)
-
-    def _model(self, paths: list[str], leaves: list):
-        return model_info(self.apply, paths, leaves)
-
-    def _policy(self, units: dict, dtype_of: dict, direct_gather: bool) -> Policy:
-        """The engine's policy for this strategy and these options."""
-        master = dtype_of[-1]
-        one_dtype = len(set(dtype_of.values())) == 1 and self.offload is None
-        reduce_in_master = one_dtype and (self.mp.reduce_dtype or self.mp.param_dtype or master) == master
-        in_place = direct_gather and any(u.gathers_in_place for k, u in units.items() if k >= 0)
-        return Policy(
-            reshard_after_forward=self.strategy in ("full_shard", "hybrid_shard"),
-            share_slots=self.strategy in ("full_shard", "hybrid_shard"),
-            slots=3 if in_place else 2,
-            all_reduce=self.strategy == "no_shard" and reduce_in_master and (self.accumulation_steps == 1 or self.accumulation == "local"),
-            reduce_in_master=reduce_in_master and self.mp.param_dtype in (None, master),
-            single_micro_batch=self.accumulation_steps == 1,
-            cast_dtype=self.mp.param_dtype,
-        )
-
-    def _trainable(self, tree: Any) -> Any:
-        """`tree` with frozen leaves replaced by None: what the optimizer sees."""
-        if all(self._trained):
-            return tree
-        leaves = optree.tree_leaves(tree)
-        return optree.tree_unflatten(self.treespec, [x if t else None for x, t in zip(leaves, self._trained)])
-
-    def _dtensor(self, local: torch.Tensor, placements, shape: torch.Size) -> DTensor:
-        stride = torch.empty(shape, device="meta").stride()
-        spec = DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape, stride=stride)._spec
-        return _donate.wrap(local, spec)
+    def _clip(self, grad_norm: torch.Tensor) -> None:
+        """Scales the gradients to `max_grad_norm` when their global norm exceeds it."""
+        if self.max_grad_norm is not None:
+            self.core.scale_grads(torch.clamp(self.max_grad_norm / (grad_norm + 1e-6), max=1.0))
 
     def _adopt(self, params: Any) -> Any:
         """Makes `params` this step's own flat-buffer DTensors (copying values in if they are not)."""
         leaves = optree.tree_leaves(params)
-        if len(leaves) == len(self._dt_params) and all(
-            a is b and _donate.same_memory(a._local_tensor, v) for a, b, v in zip(leaves, self._dt_params, self._flat_views)
+        if len(leaves) == len(self.core.dt_params) and all(
+            a is b and _donate.same_memory(a._local_tensor, v) for a, b, v in zip(leaves, self.core.dt_params, self.core.flat_views)
         ):
             return params
         paths, leaves, _ = tree_flatten_with_paths(params)
-        if paths != self.paths:
+        if paths != self.core.paths:
             raise ValueError("state.params does not have the structure this step was initialized with")
         for i, leaf in enumerate(leaves):
-            dst = self._dt_params[i]
+            dst = self.core.dt_params[i]
             if not isinstance(leaf, DTensor) or leaf.placements != dst.placements or leaf.shape != dst.shape:
                 raise ValueError(
                     f"state.params leaf {paths[i]!r} is {type(leaf).__name__} "
@@ -355,14 +115,14 @@ class TrainStep:
         # The step's buffers take these values (a copy, an unpickled state, or its own state that
         # another transform took over): the state that held them before is donated.
         with torch.no_grad():
-            for view, leaf in zip(self._flat_views, leaves):
+            for view, leaf in zip(self.core.flat_views, leaves):
                 if not _donate.same_memory(leaf._local_tensor, view):
                     view.copy_(leaf._local_tensor)
-        for p, view in zip(self._dt_params, self._flat_views):
+        for p, view in zip(self.core.dt_params, self.core.flat_views):
             if _donate.same_memory(p._local_tensor, view):
                 _donate.donate(p, _replaced())
-        self._dt_params = [_donate.wrap(_donate.alias(v), p._spec) for p, v in zip(self._dt_params, self._flat_views)]
-        return optree.tree_unflatten(self.treespec, self._dt_params)
+        self.core.dt_params = [_donate.wrap(_donate.alias(v), p._spec) for p, v in zip(self.core.dt_params, self.core.flat_views)]
+        return optree.tree_unflatten(self.core.treespec, self.core.dt_params)
 
     def _donate(self, state: TrainState, opt_state: Any) -> tuple[Any, Any]:
         """New DTensors over the step's memory for the returned state and `step.grads`; the input
@@ -380,154 +140,23 @@ class TrainStep:
         for leaf in optree.tree_leaves(state.params):  # a copy that was copied in is donated too
             if isinstance(leaf, DTensor) and not _donate.is_donated(leaf):
                 one(leaf)
-        self._dt_params = [one(p) for p in self._dt_params]
-        grads = [one(g) for g in optree.tree_leaves(self.grads, none_is_leaf=True)]
-        self.grads = optree.tree_unflatten(optree.tree_structure(self.grads, none_is_leaf=True), grads)
+        self.core.dt_params = [one(p) for p in self.core.dt_params]
+        grads = [one(g) for g in optree.tree_leaves(self.core.grads, none_is_leaf=True)]
+        self.core.grads = optree.tree_unflatten(optree.tree_structure(self.core.grads, none_is_leaf=True), grads)
         opt_state = optree.tree_map(one, opt_state, none_is_leaf=True)
-        return optree.tree_unflatten(self.treespec, self._dt_params), opt_state
-
-    # -- the step -------------------------------------------------------------------------------
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        with _watch.watched("the train step"):
-            return self._step(state, batch)
-
-    def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        if self.engine is None:
-            raise ValueError("call step.init(params) before the first step")
-        params = self._adopt(state.params)
-        loss_mean, grad_norm, skip, aux = self.gradients(params, batch)
-        if self.max_grad_norm is not None:
-            coef = torch.clamp(self.max_grad_norm / (grad_norm + 1e-6), max=1.0)
-            if self._norm_segments:  # the trained segments: frozen ones hold no gradient
-                torch._foreach_mul_(self._norm_segments, coef.to(self._norm_segments[0].device))
-        # Scalars of the optimizer state (its step count) are updated in place: the input state
-        # keeps its own (Note [donated state]).
-        opt_in = optree.tree_map(_scalar_copy, state.opt_state, none_is_leaf=True)
-        opt_state = self._optimize(params, opt_in, skip)
-        params, opt_state = self._donate(state, opt_state)
-        metrics = {"loss": loss_mean, "grad_norm": grad_norm, "aux": aux}
-        return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
-
-    def gradients(self, params: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor, list[int], Any]:
-        """The gradient half of a step, what `sf.value_and_grad` runs: forward and backward on the
-        unit schedule, gradients reduced into `self.grads`; returns the loss averaged over ranks,
-        the global gradient norm, the trained leaves (positions among them) that got no gradient
-        on any rank, and this rank's aux. `params` must be this step's own tree (`_adopt`)."""
-        for u in self._units.values():  # the last step's gradient shards are spent
-            u.release_grad()
-        k = self.accumulation_steps
-        self._buffers.mark()
-        if self._off_schedule:
-            loss_sum, aux = self._gradients_gathered(batch)
-        else:
-            rng = _rng_state(self.mesh.device_type)
-            self._buffers.save()
-            try:
-                loss_sum, aux = self._gradients_on_schedule(batch)
-            except OffSchedule as e:
-                if self.mp.param_dtype is not None or self.offload is not None:
-                    raise NotImplementedError(
-                        f"{e}: with mixed_precision or offload, train_step cannot compute this step yet (Note [steps off "
-                        "the unit schedule] in shardfn/_train.py)"
-                    ) from e
-                self._off_schedule = True
-                for u in self._units.values():
-                    u.release_grad()
-                # The same random draws and buffers (BatchNorm's statistics) as the attempt had.
-                _set_rng_state(rng)
-                self._buffers.restore()
-                loss_sum, aux = self._gradients_gathered(batch)
-            self._buffers.learn()
-        self._buffers.sync()
-        # One all-reduce for the loss, the squared gradient norm, and which leaves got a gradient
-        # on some rank (Note [leaves without a gradient]).
-        sq = local_sumsq(self._norm_parts).to(loss_sum.device) if self._norm_parts else loss_sum.new_zeros(())
-        had = [self._units[u].had_grad[j] for u, j in self._trained_where]
-        stats = torch.cat([torch.stack([loss_sum / k, sq]), torch.tensor(had, dtype=torch.float32).to(sq.device)])
-        if self.world > 1:
-            C.all_reduce(stats, None if self.replicate_group is not None else self.group)
-        loss_mean = stats[0] / self.world
-        grad_norm = stats[1].sqrt()
-        # Read back (a host sync on GPUs) only where this rank saw a leaf without a gradient.
-        skip = [i for i, n in enumerate(stats[2:].tolist()) if n == 0] if not all(had) else []
-        aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux, none_is_leaf=True)
-        return loss_mean, grad_norm, skip, aux
-
-    def _gradients_on_schedule(self, batch: Any) -> tuple[torch.Tensor, Any]:
-        """Forward and backward on the unit schedule; returns this rank's loss (summed over
-        micro-batches) and aux."""
-        k = self.accumulation_steps
-        local = self.accumulation == "local"
-        scale = 1.0 / (self.world * k)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device_type)
-        aux = None
-        engine = self.engine
-        try:
-            with _runtime.activate(engine), torch.enable_grad():
-                for m, micro in enumerate(_split_batch(batch, k)):
-                    last = m == k - 1
-                    engine.begin(accumulate=m > 0 and not local, reduce=last or not local)
-                    loss, aux = _split_loss(self.loss_fn(engine.user_tree, micro))
-                    loss_sum += loss.detach().float()
-                    engine.end_forward()
-                    torch.autograd.backward(loss * scale)
-                    engine.end()
-        except BaseException as e:
-            if isinstance(e, OffSchedule) and not e.agreed:
-                engine.leave_schedule()  # the other ranks leave with this one
-            engine.abort()
-            if not isinstance(e, OffSchedule):
-                _watch.report_step(e)
-            clear = _explain(e)
-            if clear is not None:
-                raise clear from e
-            raise
-        _watch.report_step(None)
-        return loss_sum, aux
-
-    def _gradients_gathered(self, batch: Any) -> tuple[torch.Tensor, Any]:
-        """Forward and backward on the whole gathered tree, with plain autograd: the gradient of
-        `sf.gather` is the reduce-scatter of the mean over ranks (Note [steps off the unit schedule])."""
-        from ._shard import gather
-
-        k = self.accumulation_steps
-        scale = 1.0 / k  # the gather's backward averages over the ranks
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device_type)
-        aux = None
-        with torch.enable_grad():
-            leaves = [x.detach().requires_grad_(t) for x, t in zip(self._dt_params, self._trained)]
-            full = optree.tree_unflatten(self.treespec, [gather(x) for x in leaves])
-            trained = [x for x, t in zip(leaves, self._trained) if t]
-            sums: list = [None] * len(trained)
-            for micro in _split_batch(batch, k):
-                loss, aux = _split_loss(self.loss_fn(full, micro))
-                loss_sum += loss.detach().float()
-                grads = torch.autograd.grad(loss * scale, trained, allow_unused=True, retain_graph=k > 1)
-                sums = [g if s is None else s if g is None else s + g for s, g in zip(sums, grads)]
-        del full
-        for unit in self._units.values():
-            unit.alloc_grad()
-            unit.grad.zero_()
-        with torch.no_grad():
-            for (u, j), g in zip(self._trained_where, sums):
-                if g is not None:
-                    self._units[u].grad_views[j].copy_(g.to_local())
-                    self._units[u].had_grad[j] = True
-        return loss_sum, aux
+        return optree.tree_unflatten(self.core.treespec, self.core.dt_params), opt_state
 
     def _optimize(self, params: Any, opt_state: Any, skip: list[int]) -> Any:
         """The optimizer's update, in place; trained leaves at positions `skip` keep their values
         and their optimizer state (Note [leaves without a gradient])."""
-        trainable = self._trainable(params)
-        idx = [self._trained_index[k] for k in skip]  # positions in the tree, frozen leaves counted
+        trainable = self.core.trainable(params)
+        idx = [self.core.trained_index[k] for k in skip]  # positions in the tree, frozen leaves counted
         kept = _keep(trainable, opt_state, idx) if skip else None
         step_ = getattr(self.opt, "step_", None)  # a user's (init, update) pair has none
         if step_ is not None:
-            opt_state = step_(self.grads, opt_state, trainable)
+            opt_state = step_(self.core.grads, opt_state, trainable)
         else:
-            from .optim import apply_updates
-
-            updates, opt_state = self.opt.update(self.grads, opt_state, trainable)
+            updates, opt_state = self.opt.update(self.core.grads, opt_state, trainable)
             new = optree.tree_leaves(apply_updates(trainable, updates))
             old = optree.tree_leaves(trainable)
             with torch.no_grad():
@@ -536,29 +165,6 @@ class TrainStep:
             _restore(trainable, opt_state, idx, kept)
         return opt_state
 
-
-# Note [steps off the unit schedule]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Two things a `loss_fn` may do are beyond the unit schedule: run a backward of its own through
-# the model (a gradient penalty: `torch.autograd.grad(..., create_graph=True)`, or a torch.func
-# gradient transform over the inputs or the parameters), and vmap over the parameters themselves
-# (an ensemble built with `torch.func.stack_module_state`). The first needs every unit's
-# parameters again at moments the schedule does not know (the backward inside the forward, then
-# the backward of that backward); the second batches the parameters in C++, past their reads.
-# The engine and the `Param`s raise `OffSchedule` at once, before any op computes with a wrong
-# value (a backward inside loss_fn is seen when it starts, after the forward), and the step
-# starts over from the same random state and buffers (copies of those that forwards update,
-# BatchNorm's statistics, are kept for that; loss_fn runs twice on that step), computing on the whole tree,
-# gathered with `sf.gather` under plain autograd, whose gradient is the reduce-scatter. The step
-# stays there from then on: exact under every strategy, with the parameters and gradients in full
-# for the forward and backward, as `no_shard` holds them. Not yet with mixed precision or offload.
-# The ranks leave together: a rank that leaves issues the rest of the forward's gathers (once the
-# order of units is known, from the second step) and says so in the small exchange that ends every
-# forward (Note [units on every rank]), where the others learn it and leave too. So a penalty that
-# some ranks take and others do not (it depends on the data) still moves every rank off the
-# schedule on the same step. On the first step, whose order of units is not known yet, a rank that
-# leaves before its forward has run every unit cannot line its collectives up: take such a
-# penalty on every rank, or from the second step on.
 
 # Note [leaves without a gradient]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -627,82 +233,6 @@ def _replaced() -> str:
         "this state was replaced: another state was passed to the train step, whose values now fill its memory. "
         "Keep a state with sf.copy(state) before the step (Note [donated state] in shardfn/_donate.py)"
     )
-
-
-def _explain(e: BaseException) -> BaseException | None:
-    """A clear error for what a failed step's exception means, when shardfn knows (else None)."""
-    msg = str(e)
-    if isinstance(e, RuntimeError) and f"is at version {STALE}" in msg:
-        return StaleParameterError(
-            "the backward read a unit's parameters while their memory was freed or held another unit, so "
-            "nothing was reduced or applied (Note [stale parameters] in shardfn/_flat.py). The unit's "
-            "pre-backward was missed: return its outputs as tensors or containers of them, and do not "
-            "hand them to code that detaches and re-attaches them. Autograd said: " + msg
-        )
-    if isinstance(e, RuntimeError) and "_PostBackward is a view and is being modified inplace" in msg:
-        return ValueError(
-            "a unit modifies one of its inputs in place (e.g. x.add_(...) or an inplace activation on its "
-            "input): shardfn detects the end of a unit's backward on its inputs, as FSDP2 does, so a unit "
-            "must not modify them; use the out-of-place op (x = x + ...)"
-        )
-    if isinstance(e, RuntimeError) and "device meta" in msg and "expected device" in msg:
-        return NotImplementedError(
-            "a recompute ran in the backward, after apply returned, on the module's own (meta) parameters: "
-            "the model checkpoints activations itself (e.g. Hugging Face's gradient_checkpointing_enable()), "
-            "or remat= covers a unit whose forward calls another unit. Use sf.train_step(..., remat=...) "
-            "on units that call no other unit, and turn the model's own checkpointing off (Hugging Face "
-            "decoders also need use_cache=False under remat)"
-        )
-    if isinstance(e, torch.utils.checkpoint.CheckpointError):
-        return NotImplementedError(
-            "remat of a unit whose forward runs other units (nested units, or a unit calling another) is "
-            f"not supported yet: leave those units out of remat= ({msg.splitlines()[0]})"
-        )
-    return None
-
-
-def model_info(apply: Any, paths: list[str], leaves: list) -> Any:
-    """The functionalized model whose units a transform runs: `apply=`, or the one whose parameter
-    names are these (the one that returned these tensors, when several have the names); None for a
-    plain pure function."""
-    if apply is not None:
-        if set(apply.info.param_paths) != set(paths):
-            raise ValueError("params do not match apply=: pass the tree that sf.functionalize returned with that apply")
-        return apply.info
-    found = find_apply(paths, leaves)
-    if len(found) > 1:
-        kinds = ", ".join(type(i.module).__name__ for i in found)
-        raise ValueError(
-            f"{len(found)} functionalized models have exactly these parameter names ({kinds}: a teacher, an EMA "
-            "copy, ...), and these params are not the tensors one of them returned; say which one loss_fn "
-            "trains: sf.train_step(..., apply=apply) or sf.value_and_grad(..., apply=apply)"
-        )
-    return found[0] if found else None
-
-
-def trained_leaves(info: Any, paths: list[str], frozen: list) -> list[bool]:
-    """Which leaves are trained: not named by a `frozen=` pattern, and not `requires_grad=False` on
-    the module's parameter (as peft freezes). `info` is the model's (None for a plain function)."""
-    needs_grad = dict(info.module.named_parameters(remove_duplicate=True)) if info is not None else {}
-    names = {p: info.aliases[p] if info is not None else [p] for p in paths}  # a tied leaf: every name
-    for rx in frozen:
-        if not any(rx.fullmatch(n) for p in paths for n in names[p]):
-            raise ValueError(
-                f"frozen={rx.pattern!r} matches no parameter (patterns match dotted names in full); "
-                f"the names look like {[n for p in paths[:6] for n in names[p]][:6]}"
-            )
-    return [
-        not any(rx.fullmatch(n) for rx in frozen for n in names[p]) and (p not in needs_grad or needs_grad[p].requires_grad)
-        for p in paths
-    ]
-
-
-def _cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Mixed precision: floating-point buffers of the module, in `dtype` for good."""
-    for mod in module.modules():
-        for name, b in list(mod._buffers.items()):
-            if b is not None and b.is_floating_point():
-                mod._buffers[name] = b.to(dtype)
 
 
 def train_step(

@@ -11,9 +11,19 @@ import os
 
 import pytest
 
+from shardfn import _process
 from shardfn._pool import RankPool
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _process_state():
+    """Each test starts from the process-wide state a fresh process has (Note [process-wide state]
+    in `shardfn/_process.py`)."""
+    _process.reset()
+    yield
+    _process.reset()
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
 
 import torch
 import torch.distributed as dist
@@ -145,3 +147,31 @@ def compare_params(sharded_params, apply, ref: Reference, per_leaf: bool = True)
 
 def world_info():
     return dist.get_rank(), dist.get_world_size()
+
+
+@contextlib.contextmanager
+def backward_on_another_thread():
+    """Every `torch.autograd.backward` runs on a thread of its own, as CUDA's autograd runs the
+    backward on its device threads: unit hooks, reductions and remat's recompute run there."""
+    real = torch.autograd.backward
+
+    def backward(*args, **kwargs):
+        failed = []
+
+        def run():
+            try:
+                real(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+                failed.append(e)
+
+        t = threading.Thread(target=run, name="autograd-device-thread")
+        t.start()
+        t.join()
+        if failed:
+            raise failed[0]
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = real

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import shardfn as sf
 from shardfn import _collectives as C
-from reference import OPT, global_batch, local_batch, loss_of, make_loss_fn, make_model, rel_err, units_of
+from reference import OPT, backward_on_another_thread, global_batch, local_batch, loss_of, make_loss_fn, make_model, rel_err, units_of
 
 KINDS = ["mlp", "gpt"]
 
@@ -51,6 +51,10 @@ def rank_gradients(kind: str) -> dict:
     out["grad"] = max(rel_err(a, b) for a, b in zip(optree.tree_leaves(sf.gather(g2)), first))
     third = vg(sharded, local_batch(batch, rank, world))[1]
     out["third"] = max(rel_err(a, b) for a, b in zip(optree.tree_leaves(sf.gather(third)), first))
+    # With remat, the backward (hooks, reductions, recomputes) on another thread, as on CUDA.
+    with backward_on_another_thread():
+        fourth = sf.grad(loss_fn, remat=True)(sharded, local_batch(batch, rank, world))
+    out["threaded"] = max(rel_err(a, b) for a, b in zip(optree.tree_leaves(sf.gather(fourth)), first))
     return out
 
 
@@ -62,6 +66,7 @@ def test_value_and_grad_equals_the_unsharded_gradient(pools, kind, world):
         assert out["types"] == {"DTensor"}, out
         assert out["aux"] == global_batch(kind, 0, world)[0].chunk(world)[rank].shape[0]
         assert out["grad"] < 1e-6 and out["second"] < 1e-6 and out["third"] < 1e-6, {k: out[k] for k in ("grad", "second", "third")}
+        assert out["threaded"] < 1e-6, out["threaded"]
         assert out["same_memory"] and out["old_grads"] == "donated", {k: out[k] for k in ("same_memory", "old_grads")}
 
 

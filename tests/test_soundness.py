@@ -22,6 +22,7 @@ from torch import nn
 
 import shardfn as sf
 from shardfn._engine import StaleParameterError
+from shardfn._core import model_info
 from shardfn._tree import nest
 
 LR, EPS, WD, STEPS, V, D = 1e-2, 1e-5, 0.01, 3, 32, 12
@@ -370,7 +371,7 @@ def rank_refusals() -> dict:
     except ValueError as e:
         out["ambiguous"] = str(e)
     # The very tensors functionalize returned tell the student from the teacher.
-    out["found"] = sf.train_step(loss_fn, sf.optim.adamw(LR), sf.mesh(dp=-1))._model(sf.tree_paths(s_params), optree.tree_leaves(s_params)) is s_apply.info
+    out["found"] = model_info(None, sf.tree_paths(s_params), optree.tree_leaves(s_params)) is s_apply.info
     # The step's params handed to another model's apply.
     step = sf.train_step(lambda p, x: t_apply(p, x).sum(), sf.optim.adamw(LR), sf.mesh(dp=-1), apply=s_apply)
     state = step.init(s_params)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import shardfn as sf
 from shardfn import _collectives as C
 from shardfn import _flat
-from reference import OPT, Reference, compare_params, global_batch, local_batch, make_loss_fn, make_model, units_of
+from reference import OPT, Reference, backward_on_another_thread, compare_params, global_batch, local_batch, loss_of, make_loss_fn, make_model, units_of
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
 STEPS = 4
@@ -418,3 +418,60 @@ def rank_pure_function() -> float:
 
 def test_train_step_on_a_plain_pure_function(pools):
     assert max(pools(3).run(rank_pure_function)) < 1e-6
+
+
+def rank_backward_on_another_thread(kind: str, remat, user_checkpoint: bool = False, mp: bool = False) -> dict:
+    """Three steps with the backward on another thread than the forward, against the same steps on
+    one thread (bitwise) and, in fp32, against the reference; the threads a child module of the first
+    unit ran on (the forward, and a recompute)."""
+    import threading
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    threads = []
+    runs = []
+    for threaded in (False, True):
+        model = make_model(kind)
+        ref = Reference(model, kind)
+        apply, params = sf.functionalize(model, units=units_of(kind))
+        unit = model.get_submodule(apply.units[0])
+        child = next((m for n, m in unit.named_modules() if n), unit)  # the MLP's units are Linears
+        child.register_forward_hook(lambda *_: threads.append(threading.current_thread().name) if threaded else None)
+
+        def loss_fn(params, batch, apply=apply):
+            x, y = batch
+            # The model under the user's own activation checkpoint: its recompute runs apply, and
+            # every unit's hooks, in the backward.
+            out = torch.utils.checkpoint.checkpoint(apply, params, x, use_reentrant=False) if user_checkpoint else apply(params, x)
+            return loss_of(kind, out, y)
+
+        mixed = sf.MixedPrecision(param_dtype=torch.bfloat16) if mp else None
+        # A recompute of the whole model in the backward runs units out of the plan's order: their
+        # slots are not shared under shard_grad_op.
+        strategy = "shard_grad_op" if user_checkpoint else "full_shard"
+        step = sf.train_step(loss_fn, sf.optim.adamw(**OPT), sf.mesh(dp=-1), strategy=strategy, remat=remat, mixed_precision=mixed)
+        state = step.init(params)
+        err = 0.0
+        with backward_on_another_thread() if threaded else contextlib.nullcontext():
+            for i in range(3):
+                batch = global_batch(kind, i, world, per_rank=2)
+                state, m = step(state, local_batch(batch, rank, world))
+                ref_loss, _ = ref.step(batch)
+                err = max(err, abs(m["loss"].item() - ref_loss) / abs(ref_loss), compare_params(state.params, apply, ref))
+        runs.append((sf.to_state_dict(sf.gather(state.params), apply), err))
+    (one, _), (two, err) = runs
+    same = all(torch.equal(one[n], two[n]) for n in one)
+    return dict(err=err, same=same, threads=sorted(set(threads)))
+
+
+def test_backward_on_another_thread_than_the_forward(pools):
+    """On CUDA autograd runs the backward on its own threads: unit hooks, reductions, remat's
+    recompute and a recompute of `apply` (the user's own checkpoint) must reach the step's engine
+    there, not through anything the forward's thread holds. The same steps on one thread are
+    equal bitwise; in fp32 they equal the reference."""
+    pool = pools(2)
+    cases = [("gpt", True, False, False), ("gpt", True, False, True), ("mlp", False, True, False), ("mlp", False, True, True)]
+    for kind, remat, user_checkpoint, mp in cases:
+        for r in pool.run(rank_backward_on_another_thread, kind, remat, user_checkpoint, mp):
+            assert r["same"], (kind, remat, user_checkpoint, mp, r)
+            assert mp or r["err"] < 1e-5, (kind, remat, user_checkpoint, mp, r)
+            assert r["threads"] == ["MainThread", "autograd-device-thread"], (kind, remat, user_checkpoint, mp, r)
