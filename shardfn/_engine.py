@@ -91,12 +91,63 @@ from ._flat import Arena, FlatUnit
 from ._functorch import under_grad_transform, unwrap
 from ._param import Detour, OffSchedule, Param
 
-__all__ = ["Engine", "EngineStats", "Policy", "StaleParameterError"]
+__all__ = ["Engine", "EngineStats", "Policy", "StaleParameterError", "GROUP_BYTES", "plan_groups", "group_name"]
 
 ROOT = -1
+GROUP_BYTES = 2 << 20
+"""The default cap on a unit group's full parameters, in bytes (Note [unit groups]); 0: no groups."""
 ABORT_WAIT_S = 10.0
 """How long a failed step waits for each collective still in flight (see `Engine.abort`)."""
 _PRIMITIVE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+# Note [unit groups]
+# ~~~~~~~~~~~~~~~~~~
+# A small unit pays a fixed cost per collective (a message per peer, a wait) and per hook, which
+# DDP's gradient buckets pay once per bucket. So consecutive small units are grouped: the units the
+# user named keep their hooks, their remat and the check that every rank ran them (Note [units on
+# every rank], at the level of the units named), while the engine gathers, frees and reduces a
+# group as one unit (one flat buffer, one all-gather, one reduce-scatter), which runs once per
+# member in a step: it is freed after its last member's forward, and in the backward it stays
+# gathered from its last member's backward to its first's, then is reduced once.
+#
+# The plan comes from the units' names and sizes, when the flat buffers are laid out (before any
+# step, since the state's DTensors view them): units are grouped in the order of their names, when
+# they are siblings (`blocks.3`, `blocks.4`), none is nested in another unit, their parameters share
+# a dtype, and their full parameters fit in the cap together (`GROUP_BYTES` by default, the
+# `group_bytes` option of `train_step`; 0 turns grouping off). A unit over the cap stays alone.
+# Members that run out of order, or on some ranks only, are still exact: the group is gathered
+# again where needed, and every rank reduces it once.
+#
+# Memory bound: under `full_shard` at most two groups besides the root are gathered at once, so
+# the bound of Note [unit schedule] reads "two units" as "two groups": at most twice the cap, or two
+# units where one is larger than the cap.
+
+
+def plan_groups(names: list[str], nbytes: list[int], dtypes: list, nested: set[int], cap: int) -> list[list[int]]:
+    """Consecutive sibling units, by name order, whose full parameters fit in `cap` bytes together
+    (Note [unit groups]); returns the groups, each a list of unit indices, covering every unit."""
+    groups: list[list[int]] = []
+    size = 0
+    for u, name in enumerate(names):
+        last = groups[-1][-1] if groups else None
+        fits = (
+            last is not None and cap > 0 and u not in nested and last not in nested
+            and names[last].rpartition(".")[0] == name.rpartition(".")[0]
+            and dtypes[last] == dtypes[u] and size + nbytes[u] <= cap
+        )
+        if fits:
+            groups[-1].append(u)
+            size += nbytes[u]
+        else:
+            groups.append([u])
+            size = nbytes[u]
+    return groups
+
+
+def group_name(names: list[str]) -> str:
+    """A group's name: its single unit's, or its units' joined with "+"."""
+    return "+".join(names)
 
 
 class StaleParameterError(RuntimeError):
@@ -211,10 +262,15 @@ class Engine:
         nested: units that run inside other units (they never share slot arenas).
         group: a process group over every rank of the mesh, on which ranks check that they ran the
             same units (Note [units on every rank]); None on one rank.
+        groups: for each of `units`, the units of `info` it holds (Note [unit groups]); None: one each.
+            `nested` is over `info`'s units too.
     """
 
-    def __init__(self, info, units: list[FlatUnit], root: FlatUnit, policy: Policy, nested: set[int] = frozenset(), group=None):
+    def __init__(self, info, units: list[FlatUnit], root: FlatUnit, policy: Policy, nested: set[int] = frozenset(), group=None,
+                 groups: list[list[int]] | None = None):
         self.info = info
+        self._set_groups(groups if groups is not None else [[u] for u in range(len(units))])
+        nested = {self._group_of[m] for m in nested}
         self.group = group
         self._world = torch.distributed.get_world_size(group) if group is not None else 1
         self.units = units
@@ -235,6 +291,31 @@ class Engine:
         self.broken: str | None = None
         self._reset_step_state()
         self._bind({})
+
+    # -- unit groups (Note [unit groups]) ---------------------------------------------------------
+    def _set_groups(self, groups: list[list[int]]) -> None:
+        """Maps the model's units (as its hooks number them) to the engine's units."""
+        self.groups = [list(g) for g in groups]
+        self._group_of = {m: g for g, ms in enumerate(self.groups) for m in ms}
+        self._n_members = len(self._group_of)
+        self._not_last = {m for ms in self.groups for m in ms[:-1]}  # freed later in the forward
+        self._grouped = {g for g, ms in enumerate(self.groups) if len(ms) > 1}
+        names = self.info.unit_names if self.info is not None else []
+        self._member_names = list(names) if len(names) == self._n_members else [str(m) for m in range(self._n_members)]
+
+    def _member(self, m: int) -> int:
+        """The engine's unit that holds the model's unit `m`."""
+        return self._group_of[m]
+
+    def _keep_after_forward(self, m: int) -> bool:
+        """Whether the group of unit `m` stays gathered after `m`'s forward: another member follows."""
+        return m in self._not_last
+
+    def _free_kept(self) -> None:
+        """Frees groups kept gathered for members that did not follow (the forward is over)."""
+        if self.reshard_after_forward and self._grouped:
+            for u in [u for u in self._live if u in self._grouped and u in self._ran and not self._busy(u)]:
+                self._free(u)
 
     # -- the plan (Note [unit plan]) ------------------------------------------------------------
     def _bind(self, slot_of: dict[int, int]) -> None:
@@ -414,6 +495,7 @@ class Engine:
         self._reads: dict[tuple[int, int], torch.Tensor] = {}
         self._seen: list[int] = []
         self._ran: set[int] = set()  # units whose forward ran in this step
+        self._ran_members: set[int] = set()  # the model's units (hook numbering) that ran
         self._fwd_gathered: set[int] = set()  # units gathered in this forward
         self._fwd_ptr = 0  # units before this position in forward order were gathered or caught up
         self._pos: dict[int, int] = {u: i for i, u in enumerate(self.order)}
@@ -615,14 +697,16 @@ class Engine:
     def pre_forward(self, info, u: int, args: tuple, kwargs: dict) -> tuple | None:
         if info is not self.info or self.phase == "idle":
             return None
+        m, u = u, self._member(u)
         if self.phase == "forward" and under_grad_transform((args, kwargs)):
             raise OffSchedule(
-                f"unit {self.units[u].name!r} ran inside a torch.func gradient transform (grad, vjp, jacrev, ...) in "
+                f"unit {self._member_names[m]!r} ran inside a torch.func gradient transform (grad, vjp, jacrev, ...) in "
                 "loss_fn (a gradient penalty)"
             )
         if self.phase == "backward":  # a recompute (remat) or a forward run by the backward
             self._ensure(u)
             return (self._cast(args), self._cast(kwargs)) if self.cast_dtype is not None else None
+        self._ran_members.add(m)
         if u not in self._ran:
             self._ran.add(u)
             self._seen.append(u)
@@ -653,6 +737,7 @@ class Engine:
     def post_forward(self, info, u: int, output: Any) -> None:
         if info is not self.info or self.phase != "forward":
             return None
+        m, u = u, self._member(u)
         self._running.discard(u)
         if u not in self._running:
             self._swap_in(u, False)
@@ -671,7 +756,7 @@ class Engine:
                     "begins. Return tensors, or tuples, lists, dicts, dataclasses of them, or register the type "
                     "with torch.utils._pytree.register_pytree_node"
                 )
-        if self.reshard_after_forward:
+        if self.reshard_after_forward and not self._keep_after_forward(m):
             self._free(u)
             if self.slot_of and self._order_known and self._next_of(u) is None and not self._live:
                 # The last unit's forward is done: until the first unit backward, the slots hold
@@ -713,6 +798,7 @@ class Engine:
             self._pos = {u: i for i, u in enumerate(self.order)}
             self._slot_done_after = self._last_of_slot()
             self._order_known = True
+        self._free_kept()
         # Prefetches issued during the forward for units that never ran are dropped.
         self._deferred = []
         if self.group is not None:
@@ -744,12 +830,12 @@ class Engine:
     def _check_same_units(self, leaving: bool = False) -> None:
         """Stops every rank, before any gradient is reduced, if the ranks ran different units; and
         takes every rank off the unit schedule if one is `leaving` it (a row of 2s)."""
-        n = max(len(self.units), 1)
+        n = max(self._n_members, 1)
         mine = torch.zeros(n, dtype=torch.int32, device=self.root.local.device)
         if leaving:
             mine.fill_(2)
-        elif self._ran:
-            mine[list(self._ran)] = 1
+        elif self._ran_members:
+            mine[list(self._ran_members)] = 1
         everyone = torch.empty(self._world * n, dtype=torch.int32, device=mine.device)
         C.all_gather(everyone, mine, self.group, async_op=False)
         table = everyone.view(self._world, n)
@@ -765,7 +851,7 @@ class Engine:
         differ = (table != table[0]).any(dim=0).nonzero().flatten().tolist()
         if differ:
             lines = "; ".join(
-                f"{self.units[u].name!r} ran on ranks {table[:, u].nonzero().flatten().tolist()} only" for u in differ[:4]
+                f"{self._member_names[u]!r} ran on ranks {table[:, u].nonzero().flatten().tolist()} only" for u in differ[:4]
             )
             raise NotImplementedError(
                 f"the ranks ran different units in this step ({lines}). Every rank must run every unit in a "
@@ -808,7 +894,7 @@ class Engine:
         self._pending[u] -= 1
         if self._pending[u] == 0:
             self._reduce(u)
-        elif self.reshard_after_forward and not self._busy(u) and u in self._live:
+        elif self.reshard_after_forward and not self._busy(u) and u in self._live and u not in self._grouped:
             self._free(u)  # another use comes later: gathered again then
 
     def _grad_ready(self, u: int) -> None:

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from . import _collectives as C
 from . import _donate, _runtime, _watch
 from ._buffers import ModuleBuffers
-from ._engine import Engine, Policy, StaleParameterError
+from ._engine import GROUP_BYTES, Engine, Policy, StaleParameterError, group_name, plan_groups
 from ._param import OffSchedule
 from ._flat import STALE, FlatUnit, LeafSpec
 from ._functional import find_apply
@@ -110,7 +110,10 @@ class TrainStep:
     """A sharded train step; see `train_step`. Call `init(params)` once, then `step(state, batch)`."""
 
     def __init__(self, loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
-                 apply=None, frozen=None, offload=None, accumulation="sharded"):
+                 apply=None, frozen=None, offload=None, accumulation="sharded", group_bytes=None):
+        if group_bytes is not None and not (isinstance(group_bytes, int) and group_bytes >= 0):
+            raise ValueError(f"group_bytes must be a byte count >= 0 (0: no unit groups) or None, got {group_bytes!r}")
+        self.group_bytes = GROUP_BYTES if group_bytes is None else group_bytes
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
@@ -202,12 +205,21 @@ class TrainStep:
                     "give each unit one dtype"
                 )
             dtype_of[u] = dtypes.pop() if dtypes else model_dtype  # a unit without leaves: the model's
+        # Small consecutive units are gathered and reduced as one (Note [unit groups] in _engine.py).
+        names = info.unit_names if info is not None else []
+        nested = {i for i, a in enumerate(names) for b in names if a != b and (a.startswith(b + ".") or b.startswith(a + "."))}
+        nbytes = [sum(leaves[i].numel() for i in members[u]) * (self.mp.param_dtype or dtype_of[u]).itemsize for u in range(n_units)]
+        groups = plan_groups(names, nbytes, [dtype_of[u] for u in range(n_units)], nested, self.group_bytes)
+        members = {**{g: [i for m in ms for i in members[m]] for g, ms in enumerate(groups)}, -1: members[-1]}
+        specs_of = {**{g: [x for m in ms for x in specs_of[m]] for g, ms in enumerate(groups)}, -1: specs_of[-1]}
+        dtype_of = {**{g: dtype_of[ms[0]] for g, ms in enumerate(groups)}, -1: dtype_of[-1]}
+        n_units = len(groups)
         direct_gather = self.shard_world > 1 and C.point_to_point(self.group, device)
         units: dict[int, FlatUnit] = {}
         for u, idx in members.items():
             compute = self.mp.param_dtype or dtype_of[u]
             units[u] = FlatUnit(
-                name=(info.unit_names[u] if u >= 0 else ""),
+                name=(group_name([names[m] for m in groups[u]]) if u >= 0 else ""),
                 leaves=specs_of[u],
                 dtype=dtype_of[u],
                 compute_dtype=compute,
@@ -224,11 +236,9 @@ class TrainStep:
         for u, unit in units.items():
             for j, i in enumerate(unit.leaf_indices()):
                 where[i] = (u, j)
-        names = info.unit_names if info is not None else []
-        nested = {i for i, a in enumerate(names) for b in names if a != b and (a.startswith(b + ".") or b.startswith(a + "."))}
         self.engine = Engine(
             info, [units[u] for u in range(n_units)], units[-1], self._policy(units, dtype_of, direct_gather), nested,
-            group=mesh_group(self.mesh) if self.world > 1 else None,
+            group=mesh_group(self.mesh) if self.world > 1 else None, groups=groups,
         )
 
         # Fill the local shards and build the user-facing DTensors over them. Meta leaves: the
@@ -730,6 +740,7 @@ def train_step(
     frozen: str | Sequence[str] | None = None,
     offload: str | None = None,
     accumulation: str = "sharded",
+    group_bytes: int | None = None,
 ) -> TrainStep:
     """Builds a sharded train step around `loss_fn(params, batch)`.
 
@@ -761,6 +772,9 @@ def train_step(
         accumulation: "sharded" reduce-scatters every micro-batch into the sharded gradient (memory
             stays flat); "local" keeps full gradients across micro-batches and reduces once (less
             communication, more memory).
+        group_bytes: consecutive small units whose full parameters fit in this many bytes together
+            are gathered and reduced as one (Note [unit groups] in `shardfn/_engine.py`); None: 2 MiB;
+            0: every unit alone.
 
     Returns:
         A `TrainStep`: `state = step.init(params)`, then `state, metrics = step(state, batch)`.
@@ -772,5 +786,5 @@ def train_step(
     """
     return TrainStep(
         loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
-        apply=apply, frozen=frozen, offload=offload, accumulation=accumulation,
+        apply=apply, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
     )
