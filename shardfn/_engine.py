@@ -65,8 +65,10 @@ breaks that: with equal-sized units a shard could land in the wrong unit without
   frees) each of them at the point where the others gather it, so the forward's collectives match
   on every rank whatever each one runs.
 - When the forward ends (before any gradient is reduced), the ranks exchange which units they ran,
-  in one small all-gather. If they differ, every rank stops with an error naming the units and
-  ranks, and nothing is reduced or applied; the next step can run.
+  in one small all-gather. It starts there and is waited for at the engine's next collective or
+  reduction (the first unit's backward), so that it overlaps the loss's and the root's backward. If
+  the ranks differ, every rank stops with an error naming the units and ranks, and nothing is
+  reduced or applied; the next step can run.
 
 So a unit must run on every rank or on none, as FSDP requires. (A unit that no rank runs is
 gathered, reduced with zero gradients, and costs only its collectives.) A unit run a different
@@ -496,6 +498,7 @@ class Engine:
         self._seen: list[int] = []
         self._ran: set[int] = set()  # units whose forward ran in this step
         self._ran_members: set[int] = set()  # the model's units (hook numbering) that ran
+        self._check: tuple | None = None  # the exchange of which units ran, until acted on
         self._fwd_gathered: set[int] = set()  # units gathered in this forward
         self._fwd_ptr = 0  # units before this position in forward order were gathered or caught up
         self._pos: dict[int, int] = {u: i for i, u in enumerate(self.order)}
@@ -572,6 +575,7 @@ class Engine:
         return None
 
     def _start(self, u: int) -> None:
+        self._settle_check()
         unit = self._unit(u)
         if u in self._works or (u != ROOT and u in self._live):
             return
@@ -828,8 +832,10 @@ class Engine:
         self._fwd_ptr = max(self._fwd_ptr, upto)
 
     def _check_same_units(self, leaving: bool = False) -> None:
-        """Stops every rank, before any gradient is reduced, if the ranks ran different units; and
-        takes every rank off the unit schedule if one is `leaving` it (a row of 2s)."""
+        """Starts the exchange that stops every rank, before any gradient is reduced, if the ranks
+        ran different units, and takes every rank off the unit schedule if one is `leaving` it (a
+        row of 2s). Leaving, it is waited for at once; else it overlaps the backward until the
+        engine's next collective or reduction (`_settle_check`)."""
         n = max(self._n_members, 1)
         mine = torch.zeros(n, dtype=torch.int32, device=self.root.local.device)
         if leaving:
@@ -837,7 +843,20 @@ class Engine:
         elif self._ran_members:
             mine[list(self._ran_members)] = 1
         everyone = torch.empty(self._world * n, dtype=torch.int32, device=mine.device)
-        C.all_gather(everyone, mine, self.group, async_op=False)
+        work = C.all_gather(everyone, mine, self.group, async_op=True)
+        self._check = (work, everyone, mine, leaving)
+        if leaving:
+            self._settle_check()
+
+    def _settle_check(self, timeout: float | None = None) -> None:
+        """Waits for the exchange of which units ran, if one is pending, and acts on it."""
+        if self._check is None:
+            return
+        work, everyone, mine, leaving = self._check
+        if work is not None:
+            C.wait(work, timeout)
+        self._check = None
+        n = mine.numel()
         table = everyone.view(self._world, n)
         left = (table == 2).all(dim=1).nonzero().flatten().tolist()
         if leaving:
@@ -864,6 +883,7 @@ class Engine:
             raise OffSchedule(
                 "a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model)"
             )
+        self._settle_check()
         if u in self._reduced:
             raise RuntimeError(
                 f"unit {self.units[u].name!r} got a gradient after its reduction; please report this with the model"
@@ -909,6 +929,7 @@ class Engine:
             self._reduce(u)
 
     def _reduce(self, u: int) -> None:
+        self._settle_check()
         unit = self._unit(u)
         if u in self._reduced:
             return
@@ -965,6 +986,7 @@ class Engine:
     def end(self) -> None:
         """Ends one forward/backward: reduces what did not finish, waits, frees everything."""
         self.end_forward()
+        self._settle_check()
         for u in list(self._live):  # the backward is over: nothing reads a full parameter now
             self._free(u)
         for u in reversed(self.order):
@@ -993,6 +1015,9 @@ class Engine:
         them, and the engine refuses every later step with an error that says to restart.
         """
         try:
+            if self._check is not None:  # what it says no longer matters: the step failed
+                work, self._check = self._check[0], None
+                C.wait(work, ABORT_WAIT_S)
             for u, w in list(self._works.items()):
                 self._unit(u).finish_gather(w, timeout=ABORT_WAIT_S)
                 del self._works[u]
