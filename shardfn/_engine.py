@@ -431,7 +431,8 @@ class Engine:
         for q, (u, j) in zip(params, self._where):
             self._params_of.setdefault(u, {})[j] = q
         self._flat = None  # {every parameter name: tensor}, built on the first `apply`
-        self._swaps: dict[int, list[tuple[Any, str, int]]] = {}  # unit -> (submodule, attribute, leaf)
+        # (unit, the model's unit whose module holds the attribute, or None) -> (submodule, attribute, leaf)
+        self._swaps: dict[tuple[int, int | None], list[tuple[Any, str, int]]] = {}
         if self.info is not None:
             module = self.info.module
             for path, (u, j) in zip(self._paths, self._where):
@@ -439,16 +440,29 @@ class Engine:
                     continue
                 for name in self.info.aliases[path]:
                     owner, _, attr = name.rpartition(".")
-                    self._swaps.setdefault(u, []).append((module.get_submodule(owner), attr, j))
+                    self._swaps.setdefault((u, self._member_of_module(u, owner)), []).append((module.get_submodule(owner), attr, j))
 
-    def _swap_in(self, u: int, full: bool) -> None:
-        """Unit `u`'s module attributes: its full parameters (its forward runs), or its Params
-        (Note [parameters outside apply] in `_param.py`)."""
-        if u not in self._swaps:
+    def _member_of_module(self, u: int, owner: str) -> int | None:
+        """Which of group `u`'s units holds submodule `owner` (None: none of them, or one unit alone)."""
+        if u not in self._grouped:
+            return None
+        for m in self.groups[u]:
+            name = self._member_names[m]
+            if owner == name or owner.startswith(name + "."):
+                return m
+        return None
+
+    def _swap_in(self, u: int, full: bool, m: int | None = None) -> None:
+        """Unit `u`'s module attributes (of its member `m` only, in a group): its full parameters
+        (its forward runs), or its Params (Note [parameters outside apply] in `_param.py`)."""
+        swaps = self._swaps.get((u, None), [])
+        if m is not None and u in self._grouped:
+            swaps = swaps + self._swaps.get((u, m), [])
+        if not swaps:
             return  # the root, or a unit without parameters
         proxies, params = self._unit(u).proxies, self._params_of[u]
         new, old = (proxies, params) if full else (params, proxies)
-        for mod, attr, j in self._swaps[u]:
+        for mod, attr, j in swaps:
             # Only where `apply` was given this step's own parameter: a tensor the user derived
             # from it (scaled, noised, a delta added) is what the module must compute on.
             if mod._parameters.get(attr) is old[j]:
@@ -718,7 +732,7 @@ class Engine:
                 self._catch_up(self._pos[u])
         self._ensure(u)
         self._running.add(u)
-        self._swap_in(u, True)
+        self._swap_in(u, True, m)
         self._busy_start(u)
         self._prefetch(self._next_of(u))
         if self.cast_dtype is not None:
@@ -743,8 +757,8 @@ class Engine:
             return None
         m, u = u, self._member(u)
         self._running.discard(u)
-        if u not in self._running:
-            self._swap_in(u, False)
+        if u not in self._running or u in self._grouped:
+            self._swap_in(u, False, m)
         self._busy_end(u)
         wrapped = self._wrapped.pop() if self._wrapped else False
         tensors, opaque = _output_tensors(output)
