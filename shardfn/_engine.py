@@ -33,7 +33,8 @@ reduced once, when the last use is over. A unit with no input that needs a gradi
 block of a model fed raw features) has no post-backward; it is over when its gradients are.
 
 Memory bound: at most two units besides the root are gathered (or being gathered) at any time under
-`full_shard`: a prefetch that would make three waits until a unit is freed. `shard_grad_op` keeps
+`full_shard`: a prefetch that would make three waits until a unit is freed. (A unit here may be a
+group of the model's small units: Note [unit groups].) `shard_grad_op` keeps
 units from their forward to the end of their backward (no second gather); `no_shard` has no gathers.
 
 Note [unit plan]
@@ -54,6 +55,10 @@ If a later step runs units differently, so that a unit is needed while the other
 is busy, the step stops with an error before anything wrong is computed, and the next step
 plans again from scratch. Whatever the schedule, a unit's parameters are never read while its
 memory holds another unit: autograd checks it (Note [stale parameters] in `_flat.py`).
+
+The units this plan speaks of are the engine's: groups of the model's small units, decided before
+the first step from their names and sizes (Note [unit groups]); the slots are planned over groups
+from the first step's schedule in the same way.
 
 Note [units on every rank]
 --------------------------

@@ -308,6 +308,7 @@ def rank_errors() -> list[str]:
         lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, accumulation_steps=0),
         lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, max_grad_norm=-1.0),
         lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh)(None, None),
+        lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, group_bytes=-1),
     ):
         try:
             call()
@@ -325,6 +326,7 @@ def test_user_errors_are_value_errors(pools):
     assert "accumulation_steps" in msgs[2]
     assert "max_grad_norm" in msgs[3]
     assert "init" in msgs[4]
+    assert "group_bytes" in msgs[5] and "0: no unit groups" in msgs[5], msgs[5]
 
 
 def rank_schedule(strategy: str, small_segment: int | None = None) -> list:
