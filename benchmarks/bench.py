@@ -60,7 +60,7 @@ import time
 from _proc import status_kb  # benchmarks/_proc.py, beside this script
 
 # -- settings (each one can be overridden by the flag of the same name) ---------------------------
-MODELS = "mlp,gpt"
+MODELS = "mlp,gpt,deep"
 WORLD = 2
 IMPLS = "shardfn,shardfn_vg,shardfn_no_shard,fsdp2,ddp"
 ROUNDS = 4  # timing rounds; each implementation runs WARMUP + STEPS steps per round
@@ -79,6 +79,8 @@ LOSS_RTOL = 1e-5  # losses of the implementations must agree to this (relative)
 UNITS = r"blocks\.\d+"
 MLP_D, MLP_LAYERS, MLP_BATCH = 2048, 8, 16  # MLP(d, n_layer), batch per rank
 GPT_VOCAB, GPT_BLOCK, GPT_LAYERS, GPT_HEADS, GPT_D, GPT_BATCH = 8192, 128, 4, 4, 256, 8
+# "deep": many small units (the fixed cost per unit), untied head
+DEEP_VOCAB, DEEP_BLOCK, DEEP_LAYERS, DEEP_HEADS, DEEP_D, DEEP_BATCH = 512, 64, 32, 2, 64, 8
 MALLOC_MMAP_THRESHOLD = "65536"  # glibc env of the memory runs' ranks; "none": glibc's default (memory then means little)
 TIMING_MALLOC_MMAP_THRESHOLD = "same"  # the same env for the timing ranks ("same" as above, a value, or "none")
 POOL_TIMEOUT = 900.0  # seconds one call into the ranks may take
@@ -113,7 +115,8 @@ def _build(model: str, cfg: dict):
     torch.manual_seed(cfg["seed"])  # identical initial weights for every implementation
     if model == "mlp":
         return MLP(d=cfg["mlp_d"], n_layer=cfg["mlp_layers"])
-    return GPT(GPTConfig(vocab=cfg["gpt_vocab"], block_size=cfg["gpt_block"], n_layer=cfg["gpt_layers"], n_head=cfg["gpt_heads"], d=cfg["gpt_d"]))
+    k = "deep" if model == "deep" else "gpt"
+    return GPT(GPTConfig(vocab=cfg[f"{k}_vocab"], block_size=cfg[f"{k}_block"], n_layer=cfg[f"{k}_layers"], n_head=cfg[f"{k}_heads"], d=cfg[f"{k}_d"], tie=model != "deep"))
 
 
 def _criterion(model: str):
@@ -132,7 +135,8 @@ def _batch(model: str, cfg: dict, step: int, rank: int):
     if model == "mlp":
         B, d = cfg["mlp_batch"], cfg["mlp_d"]
         return torch.randn(B, d, generator=g), torch.randn(B, d, generator=g)
-    B, T, V = cfg["gpt_batch"], cfg["gpt_block"], cfg["gpt_vocab"]
+    k = "deep" if model == "deep" else "gpt"
+    B, T, V = cfg[f"{k}_batch"], cfg[f"{k}_block"], cfg[f"{k}_vocab"]
     seq = torch.randint(0, V, (B, T + 1), generator=g)
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
@@ -627,12 +631,14 @@ def _cfg(args) -> dict:
         mlp_d=args.mlp_d, mlp_layers=args.mlp_layers, mlp_batch=args.mlp_batch,
         gpt_vocab=args.gpt_vocab, gpt_block=args.gpt_block, gpt_layers=args.gpt_layers, gpt_heads=args.gpt_heads,
         gpt_d=args.gpt_d, gpt_batch=args.gpt_batch,
+        deep_vocab=args.deep_vocab, deep_block=args.deep_block, deep_layers=args.deep_layers, deep_heads=args.deep_heads,
+        deep_d=args.deep_d, deep_batch=args.deep_batch,
     )
 
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=MODELS, help="comma-separated: mlp,gpt")
+    p.add_argument("--models", default=MODELS, help="comma-separated: mlp,gpt,deep")
     p.add_argument("--world", type=int, default=WORLD)
     p.add_argument("--impls", default=IMPLS, help="comma-separated: shardfn,shardfn_vg,shardfn_no_shard,fsdp2,ddp")
     p.add_argument("--rounds", type=int, default=ROUNDS)
@@ -661,12 +667,18 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--gpt-heads", type=int, default=GPT_HEADS)
     p.add_argument("--gpt-d", type=int, default=GPT_D)
     p.add_argument("--gpt-batch", type=int, default=GPT_BATCH)
+    p.add_argument("--deep-vocab", type=int, default=DEEP_VOCAB)
+    p.add_argument("--deep-block", type=int, default=DEEP_BLOCK)
+    p.add_argument("--deep-layers", type=int, default=DEEP_LAYERS)
+    p.add_argument("--deep-heads", type=int, default=DEEP_HEADS)
+    p.add_argument("--deep-d", type=int, default=DEEP_D)
+    p.add_argument("--deep-batch", type=int, default=DEEP_BATCH)
     p.add_argument("--profile", default="", help="IMPL: also print torch.profiler's top ops for rank 0 of IMPL (per model)")
     a = p.parse_args()
     a.models = [m for m in a.models.split(",") if m]
     a.impls = [i for i in a.impls.split(",") if i]
     for m in a.models:
-        if m not in ("mlp", "gpt"):
+        if m not in ("mlp", "gpt", "deep"):
             p.error(f"unknown model {m!r}")
     for i in a.impls:
         if i not in NAMES:

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from . import _collectives as C
 from . import _donate, _runtime, _watch
 from ._buffers import ModuleBuffers
-from ._engine import Engine, Policy, StaleParameterError
+from ._engine import GROUP_BYTES, Engine, Policy, StaleParameterError, group_name, plan_groups
 from ._flat import STALE, FlatUnit, LeafSpec
 from ._meta_init import materialize
 from ._mesh import mesh_group
@@ -127,7 +127,8 @@ class GradientCore:
 
     def __init__(self, loss_fn: Callable[[Any, Any], Any], mesh: DeviceMesh, specs: Any = None, strategy: str = "full_shard",
                  mixed_precision: "MixedPrecision | None" = None, remat: Any = False, accumulation_steps: int = 1,
-                 apply: Any = None, frozen: Any = None, offload: str | None = None, accumulation: str = "sharded"):
+                 apply: Any = None, frozen: Any = None, offload: str | None = None, accumulation: str = "sharded",
+                 group_bytes: int | None = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
@@ -138,6 +139,8 @@ class GradientCore:
             raise ValueError("mixed_precision must be an sf.MixedPrecision(...) or None")
         if offload not in (None, "cpu"):
             raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+        if group_bytes is not None and not (isinstance(group_bytes, int) and not isinstance(group_bytes, bool) and group_bytes >= 0):
+            raise ValueError(f"group_bytes must be a byte count >= 0 (0: no unit groups) or None, got {group_bytes!r}")
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"mesh must be a DeviceMesh (see sf.mesh), got {type(mesh).__name__}")
         names = tuple(mesh.mesh_dim_names or ())
@@ -164,6 +167,7 @@ class GradientCore:
         self.apply = apply
         self.frozen = compile_patterns(frozen, "frozen", "dotted parameter names")
         self.offload = offload
+        self.group_bytes = GROUP_BYTES if group_bytes is None else group_bytes
         self.off_schedule = False  # Note [steps off the unit schedule]
         self.group = mesh.get_group(self.shard_axis)
         self.replicate_group = mesh.get_group(self.replicate_axis) if self.replicate_axis else None
@@ -186,8 +190,8 @@ class GradientCore:
         paths, leaves, spec_list, treespec = self._leaf_specs(params)
         info = model_info(self.apply, paths, leaves)
         trained = trained_leaves(info, paths, self.frozen)
-        units, where, dtype_of, direct_gather = self._flat_units(info, paths, leaves, spec_list, trained)
-        self.engine = self._make_engine(info, units, dtype_of, direct_gather)
+        units, where, dtype_of, direct_gather, groups = self._flat_units(info, paths, leaves, spec_list, trained)
+        self.engine = self._make_engine(info, units, dtype_of, direct_gather, groups)
         dt_params, dt_grads, flat_views = self._fill(info, paths, leaves, spec_list, units, where)
         self._prepare_buffers(info)
         self._norm_segments, self._norm_parts = self._norm_plan(units)
@@ -220,8 +224,9 @@ class GradientCore:
         return paths, leaves, spec_list, treespec
 
     def _flat_units(self, info: Any, paths: list[str], leaves: list, spec_list: list, trained: list[bool]):
-        """A `FlatUnit` per unit (the root is -1) holding its leaves' shards, and each leaf's (unit,
-        index); also each unit's dtype and whether gathers go point to point."""
+        """A `FlatUnit` per unit group (the root is -1) holding its leaves' shards, and each leaf's
+        (group, index); also each group's dtype, whether gathers go point to point, and the groups
+        (Note [unit groups] in `_engine.py`: consecutive small units are gathered and reduced as one)."""
         unit_of = [info.unit_of[p] if info is not None else -1 for p in paths]
         n_units = len(info.unit_names) if info is not None else 0
         device = self.mesh.device_type
@@ -241,12 +246,18 @@ class GradientCore:
                     "give each unit one dtype"
                 )
             dtype_of[u] = dtypes.pop() if dtypes else model_dtype  # a unit without leaves: the model's
+        names = info.unit_names if info is not None else []
+        nbytes = [sum(leaves[i].numel() for i in members[u]) * (self.mp.param_dtype or dtype_of[u]).itemsize for u in range(n_units)]
+        groups = plan_groups(names, nbytes, [dtype_of[u] for u in range(n_units)], _nested(names), self.group_bytes)
+        members = {**{g: [i for m in ms for i in members[m]] for g, ms in enumerate(groups)}, -1: members[-1]}
+        specs_of = {**{g: [x for m in ms for x in specs_of[m]] for g, ms in enumerate(groups)}, -1: specs_of[-1]}
+        dtype_of = {**{g: dtype_of[ms[0]] for g, ms in enumerate(groups)}, -1: dtype_of[-1]}
         direct_gather = self.shard_world > 1 and C.point_to_point(self.group, device)
         units: dict[int, FlatUnit] = {}
         for u, idx in members.items():
             compute = self.mp.param_dtype or dtype_of[u]
             units[u] = FlatUnit(
-                name=(info.unit_names[u] if u >= 0 else ""),
+                name=(group_name([names[m] for m in groups[u]]) if u >= 0 else ""),
                 leaves=specs_of[u],
                 dtype=dtype_of[u],
                 compute_dtype=compute,
@@ -263,16 +274,15 @@ class GradientCore:
         for u, unit in units.items():
             for j, i in enumerate(unit.leaf_indices()):
                 where[i] = (u, j)
-        return units, where, dtype_of, direct_gather
+        return units, where, dtype_of, direct_gather, groups
 
-    def _make_engine(self, info: Any, units: dict, dtype_of: dict, direct_gather: bool) -> Engine:
-        """The engine that runs these units on the strategy's policy."""
+    def _make_engine(self, info: Any, units: dict, dtype_of: dict, direct_gather: bool, groups: list[list[int]]) -> Engine:
+        """The engine that runs these unit groups on the strategy's policy."""
         n_units = len(units) - 1
-        names = info.unit_names if info is not None else []
-        nested = {i for i, a in enumerate(names) for b in names if a != b and (a.startswith(b + ".") or b.startswith(a + "."))}
+        nested = _nested(info.unit_names if info is not None else [])
         return Engine(
             info, [units[u] for u in range(n_units)], units[-1], self._policy(units, dtype_of, direct_gather), nested,
-            group=mesh_group(self.mesh) if self.world > 1 else None,
+            group=mesh_group(self.mesh) if self.world > 1 else None, groups=groups,
         )
 
     def _fill(self, info: Any, paths: list[str], leaves: list, spec_list: list, units: dict, where: list):
@@ -563,6 +573,11 @@ def trained_leaves(info: Any, paths: list[str], frozen: list) -> list[bool]:
         not any(rx.fullmatch(n) for rx in frozen for n in names[p]) and (p not in needs_grad or needs_grad[p].requires_grad)
         for p in paths
     ]
+
+
+def _nested(names: list[str]) -> set[int]:
+    """The units that hold, or are held by, another unit."""
+    return {i for i, a in enumerate(names) for b in names if a != b and (a.startswith(b + ".") or b.startswith(a + "."))}
 
 
 def _cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:

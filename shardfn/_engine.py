@@ -33,7 +33,8 @@ reduced once, when the last use is over. A unit with no input that needs a gradi
 block of a model fed raw features) has no post-backward; it is over when its gradients are.
 
 Memory bound: at most two units besides the root are gathered (or being gathered) at any time under
-`full_shard`: a prefetch that would make three waits until a unit is freed. `shard_grad_op` keeps
+`full_shard`: a prefetch that would make three waits until a unit is freed. (A unit here may be a
+group of the model's small units: Note [unit groups].) `shard_grad_op` keeps
 units from their forward to the end of their backward (no second gather); `no_shard` has no gathers.
 
 Note [unit plan]
@@ -55,6 +56,10 @@ is busy, the step stops with an error before anything wrong is computed, and the
 plans again from scratch. Whatever the schedule, a unit's parameters are never read while its
 memory holds another unit: autograd checks it (Note [stale parameters] in `_flat.py`).
 
+The units this plan speaks of are the engine's: groups of the model's small units, decided before
+the first step from their names and sizes (Note [unit groups]); the slots are planned over groups
+from the first step's schedule in the same way.
+
 Note [units on every rank]
 --------------------------
 Every collective must be issued by every rank, in the same order. A model whose execution depends
@@ -65,8 +70,10 @@ breaks that: with equal-sized units a shard could land in the wrong unit without
   frees) each of them at the point where the others gather it, so the forward's collectives match
   on every rank whatever each one runs.
 - When the forward ends (before any gradient is reduced), the ranks exchange which units they ran,
-  in one small all-gather. If they differ, every rank stops with an error naming the units and
-  ranks, and nothing is reduced or applied; the next step can run.
+  in one small all-gather. It starts there and is waited for at the engine's next collective or
+  reduction (the first unit's backward), so that it overlaps the loss's and the root's backward. If
+  the ranks differ, every rank stops with an error naming the units and ranks, and nothing is
+  reduced or applied; the next step can run.
 
 So a unit must run on every rank or on none, as FSDP requires. (A unit that no rank runs is
 gathered, reduced with zero gradients, and costs only its collectives.) A unit run a different
@@ -92,9 +99,11 @@ from ._flat import Arena, FlatUnit
 from ._functorch import under_grad_transform, unwrap
 from ._param import Detour, OffSchedule, Param
 
-__all__ = ["Engine", "EngineStats", "Phase", "Policy", "StaleParameterError"]
+__all__ = ["Engine", "EngineStats", "Phase", "Policy", "StaleParameterError", "GROUP_BYTES", "plan_groups", "group_name"]
 
 ROOT = -1
+GROUP_BYTES = 2 << 20
+"""The default cap on a unit group's full parameters, in bytes (Note [unit groups]); 0: no groups."""
 ABORT_WAIT_S = 10.0
 """How long a failed step waits for each collective still in flight (see `Engine.abort`)."""
 _PRIMITIVE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
@@ -106,6 +115,55 @@ class Phase(str, enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
+
+
+# Note [unit groups]
+# ~~~~~~~~~~~~~~~~~~
+# A small unit pays a fixed cost per collective (a message per peer, a wait) and per hook, which
+# DDP's gradient buckets pay once per bucket. So consecutive small units are grouped: the units the
+# user named keep their hooks, their remat and the check that every rank ran them (Note [units on
+# every rank], at the level of the units named), while the engine gathers, frees and reduces a
+# group as one unit (one flat buffer, one all-gather, one reduce-scatter), which runs once per
+# member in a step: it is freed after its last member's forward, and in the backward it stays
+# gathered from its last member's backward to its first's, then is reduced once.
+#
+# The plan comes from the units' names and sizes, when the flat buffers are laid out (before any
+# step, since the state's DTensors view them): units are grouped in the order of their names, when
+# they are siblings (`blocks.3`, `blocks.4`), none is nested in another unit, their parameters share
+# a dtype, and their full parameters fit in the cap together (`GROUP_BYTES` by default, the
+# `group_bytes` option of `train_step`; 0 turns grouping off). A unit over the cap stays alone.
+# Members that run out of order, or on some ranks only, are still exact: the group is gathered
+# again where needed, and every rank reduces it once.
+#
+# Memory bound: under `full_shard` at most two groups besides the root are gathered at once, so
+# the bound of Note [unit schedule] reads "two units" as "two groups": at most twice the cap, or two
+# units where one is larger than the cap.
+
+
+def plan_groups(names: list[str], nbytes: list[int], dtypes: list, nested: set[int], cap: int) -> list[list[int]]:
+    """Consecutive sibling units, by name order, whose full parameters fit in `cap` bytes together
+    (Note [unit groups]); returns the groups, each a list of unit indices, covering every unit."""
+    groups: list[list[int]] = []
+    size = 0
+    for u, name in enumerate(names):
+        last = groups[-1][-1] if groups else None
+        fits = (
+            last is not None and cap > 0 and u not in nested and last not in nested
+            and names[last].rpartition(".")[0] == name.rpartition(".")[0]
+            and dtypes[last] == dtypes[u] and size + nbytes[u] <= cap
+        )
+        if fits:
+            groups[-1].append(u)
+            size += nbytes[u]
+        else:
+            groups.append([u])
+            size = nbytes[u]
+    return groups
+
+
+def group_name(names: list[str]) -> str:
+    """A group's name: its single unit's, or its units' joined with "+"."""
+    return "+".join(names)
 
 
 class StaleParameterError(RuntimeError):
@@ -220,10 +278,15 @@ class Engine:
         nested: units that run inside other units (they never share slot arenas).
         group: a process group over every rank of the mesh, on which ranks check that they ran the
             same units (Note [units on every rank]); None on one rank.
+        groups: for each of `units`, the units of `info` it holds (Note [unit groups]); None: one each.
+            `nested` is over `info`'s units too.
     """
 
-    def __init__(self, info, units: list[FlatUnit], root: FlatUnit, policy: Policy, nested: set[int] = frozenset(), group=None):
+    def __init__(self, info, units: list[FlatUnit], root: FlatUnit, policy: Policy, nested: set[int] = frozenset(), group=None,
+                 groups: list[list[int]] | None = None):
         self.info = info
+        self._set_groups(groups if groups is not None else [[u] for u in range(len(units))])
+        nested = {self._group_of[m] for m in nested}
         self.group = group
         self._world = torch.distributed.get_world_size(group) if group is not None else 1
         self.units = units
@@ -244,6 +307,31 @@ class Engine:
         self.broken: str | None = None
         self._reset_step_state()
         self._bind({})
+
+    # -- unit groups (Note [unit groups]) ---------------------------------------------------------
+    def _set_groups(self, groups: list[list[int]]) -> None:
+        """Maps the model's units (as its hooks number them) to the engine's units."""
+        self.groups = [list(g) for g in groups]
+        self._group_of = {m: g for g, ms in enumerate(self.groups) for m in ms}
+        self._n_members = len(self._group_of)
+        self._not_last = {m for ms in self.groups for m in ms[:-1]}  # freed later in the forward
+        self._grouped = {g for g, ms in enumerate(self.groups) if len(ms) > 1}
+        names = self.info.unit_names if self.info is not None else []
+        self._member_names = list(names) if len(names) == self._n_members else [str(m) for m in range(self._n_members)]
+
+    def _member(self, m: int) -> int:
+        """The engine's unit that holds the model's unit `m`."""
+        return self._group_of[m]
+
+    def _keep_after_forward(self, m: int) -> bool:
+        """Whether the group of unit `m` stays gathered after `m`'s forward: another member follows."""
+        return m in self._not_last
+
+    def _free_kept(self) -> None:
+        """Frees groups kept gathered for members that did not follow (the forward is over)."""
+        if self.reshard_after_forward and self._grouped:
+            for u in [u for u in self._live if u in self._grouped and u in self._ran and not self._busy(u)]:
+                self._free(u)
 
     # -- the plan (Note [unit plan]) ------------------------------------------------------------
     def _bind(self, slot_of: dict[int, int]) -> None:
@@ -357,7 +445,8 @@ class Engine:
         for q, (u, j) in zip(params, self._where):
             self._params_of.setdefault(u, {})[j] = q
         self._flat = None  # {every parameter name: tensor}, built on the first `apply`
-        self._swaps: dict[int, list[tuple[Any, str, int]]] = {}  # unit -> (submodule, attribute, leaf)
+        # (unit, the model's unit whose module holds the attribute, or None) -> (submodule, attribute, leaf)
+        self._swaps: dict[tuple[int, int | None], list[tuple[Any, str, int]]] = {}
         if self.info is not None:
             module = self.info.module
             for path, (u, j) in zip(self._paths, self._where):
@@ -365,16 +454,29 @@ class Engine:
                     continue
                 for name in self.info.aliases[path]:
                     owner, _, attr = name.rpartition(".")
-                    self._swaps.setdefault(u, []).append((module.get_submodule(owner), attr, j))
+                    self._swaps.setdefault((u, self._member_of_module(u, owner)), []).append((module.get_submodule(owner), attr, j))
 
-    def _swap_in(self, u: int, full: bool) -> None:
-        """Unit `u`'s module attributes: its full parameters (its forward runs), or its Params
-        (Note [parameters outside apply] in `_param.py`)."""
-        if u not in self._swaps:
+    def _member_of_module(self, u: int, owner: str) -> int | None:
+        """Which of group `u`'s units holds submodule `owner` (None: none of them, or one unit alone)."""
+        if u not in self._grouped:
+            return None
+        for m in self.groups[u]:
+            name = self._member_names[m]
+            if owner == name or owner.startswith(name + "."):
+                return m
+        return None
+
+    def _swap_in(self, u: int, full: bool, m: int | None = None) -> None:
+        """Unit `u`'s module attributes (of its member `m` only, in a group): its full parameters
+        (its forward runs), or its Params (Note [parameters outside apply] in `_param.py`)."""
+        swaps = self._swaps.get((u, None), [])
+        if m is not None and u in self._grouped:
+            swaps = swaps + self._swaps.get((u, m), [])
+        if not swaps:
             return  # the root, or a unit without parameters
         proxies, params = self._unit(u).proxies, self._params_of[u]
         new, old = (proxies, params) if full else (params, proxies)
-        for mod, attr, j in self._swaps[u]:
+        for mod, attr, j in swaps:
             # Only where `apply` was given this step's own parameter: a tensor the user derived
             # from it (scaled, noised, a delta added) is what the module must compute on.
             if mod._parameters.get(attr) is old[j]:
@@ -423,6 +525,8 @@ class Engine:
         self._reads: dict[tuple[int, int], torch.Tensor] = {}
         self._seen: list[int] = []
         self._ran: set[int] = set()  # units whose forward ran in this step
+        self._ran_members: set[int] = set()  # the model's units (hook numbering) that ran
+        self._check: tuple | None = None  # the exchange of which units ran, until acted on
         self._fwd_gathered: set[int] = set()  # units gathered in this forward
         self._fwd_ptr = 0  # units before this position in forward order were gathered or caught up
         self._pos: dict[int, int] = {u: i for i, u in enumerate(self.order)}
@@ -499,6 +603,7 @@ class Engine:
         return None
 
     def _start(self, u: int) -> None:
+        self._settle_check()
         unit = self._unit(u)
         if u in self._works or (u != ROOT and u in self._live):
             return
@@ -624,14 +729,16 @@ class Engine:
     def pre_forward(self, info, u: int, args: tuple, kwargs: dict) -> tuple | None:
         if info is not self.info or self.phase == Phase.IDLE:
             return None
+        m, u = u, self._member(u)
         if self.phase == Phase.FORWARD and under_grad_transform((args, kwargs)):
             raise OffSchedule(
-                f"unit {self.units[u].name!r} ran inside a torch.func gradient transform (grad, vjp, jacrev, ...) in "
+                f"unit {self._member_names[m]!r} ran inside a torch.func gradient transform (grad, vjp, jacrev, ...) in "
                 "loss_fn (a gradient penalty)"
             )
         if self.phase == Phase.BACKWARD:  # a recompute (remat) or a forward run by the backward
             self._ensure(u)
             return (self._cast(args), self._cast(kwargs)) if self.cast_dtype is not None else None
+        self._ran_members.add(m)
         if u not in self._ran:
             self._ran.add(u)
             self._seen.append(u)
@@ -639,7 +746,7 @@ class Engine:
                 self._catch_up(self._pos[u])
         self._ensure(u)
         self._running.add(u)
-        self._swap_in(u, True)
+        self._swap_in(u, True, m)
         self._busy_start(u)
         self._prefetch(self._next_of(u))
         if self.cast_dtype is not None:
@@ -662,9 +769,10 @@ class Engine:
     def post_forward(self, info, u: int, output: Any) -> None:
         if info is not self.info or self.phase != Phase.FORWARD:
             return None
+        m, u = u, self._member(u)
         self._running.discard(u)
-        if u not in self._running:
-            self._swap_in(u, False)
+        if u not in self._running or u in self._grouped:
+            self._swap_in(u, False, m)
         self._busy_end(u)
         wrapped = self._wrapped.pop() if self._wrapped else False
         tensors, opaque = _output_tensors(output)
@@ -680,7 +788,7 @@ class Engine:
                     "begins. Return tensors, or tuples, lists, dicts, dataclasses of them, or register the type "
                     "with torch.utils._pytree.register_pytree_node"
                 )
-        if self.reshard_after_forward:
+        if self.reshard_after_forward and not self._keep_after_forward(m):
             self._free(u)
             if self.slot_of and self._order_known and self._next_of(u) is None and not self._live:
                 # The last unit's forward is done: until the first unit backward, the slots hold
@@ -722,6 +830,7 @@ class Engine:
             self._pos = {u: i for i, u in enumerate(self.order)}
             self._slot_done_after = self._last_of_slot()
             self._order_known = True
+        self._free_kept()
         # Prefetches issued during the forward for units that never ran are dropped.
         self._deferred = []
         if self.group is not None:
@@ -751,16 +860,31 @@ class Engine:
         self._fwd_ptr = max(self._fwd_ptr, upto)
 
     def _check_same_units(self, leaving: bool = False) -> None:
-        """Stops every rank, before any gradient is reduced, if the ranks ran different units; and
-        takes every rank off the unit schedule if one is `leaving` it (a row of 2s)."""
-        n = max(len(self.units), 1)
+        """Starts the exchange that stops every rank, before any gradient is reduced, if the ranks
+        ran different units, and takes every rank off the unit schedule if one is `leaving` it (a
+        row of 2s). Leaving, it is waited for at once; else it overlaps the backward until the
+        engine's next collective or reduction (`_settle_check`)."""
+        n = max(self._n_members, 1)
         mine = torch.zeros(n, dtype=torch.int32, device=self.root.local.device)
         if leaving:
             mine.fill_(2)
-        elif self._ran:
-            mine[list(self._ran)] = 1
+        elif self._ran_members:
+            mine[list(self._ran_members)] = 1
         everyone = torch.empty(self._world * n, dtype=torch.int32, device=mine.device)
-        C.all_gather(everyone, mine, self.group, async_op=False)
+        work = C.all_gather(everyone, mine, self.group, async_op=True)
+        self._check = (work, everyone, mine, leaving)
+        if leaving:
+            self._settle_check()
+
+    def _settle_check(self, timeout: float | None = None) -> None:
+        """Waits for the exchange of which units ran, if one is pending, and acts on it."""
+        if self._check is None:
+            return
+        work, everyone, mine, leaving = self._check
+        if work is not None:
+            C.wait(work, timeout)
+        self._check = None
+        n = mine.numel()
         table = everyone.view(self._world, n)
         left = (table == 2).all(dim=1).nonzero().flatten().tolist()
         if leaving:
@@ -774,7 +898,7 @@ class Engine:
         differ = (table != table[0]).any(dim=0).nonzero().flatten().tolist()
         if differ:
             lines = "; ".join(
-                f"{self.units[u].name!r} ran on ranks {table[:, u].nonzero().flatten().tolist()} only" for u in differ[:4]
+                f"{self._member_names[u]!r} ran on ranks {table[:, u].nonzero().flatten().tolist()} only" for u in differ[:4]
             )
             raise NotImplementedError(
                 f"the ranks ran different units in this step ({lines}). Every rank must run every unit in a "
@@ -787,6 +911,7 @@ class Engine:
             raise OffSchedule(
                 "a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model)"
             )
+        self._settle_check()
         if u in self._reduced:
             raise RuntimeError(
                 f"unit {self.units[u].name!r} got a gradient after its reduction; please report this with the model"
@@ -817,7 +942,7 @@ class Engine:
         self._pending[u] -= 1
         if self._pending[u] == 0:
             self._reduce(u)
-        elif self.reshard_after_forward and not self._busy(u) and u in self._live:
+        elif self.reshard_after_forward and not self._busy(u) and u in self._live and u not in self._grouped:
             self._free(u)  # another use comes later: gathered again then
 
     def _grad_ready(self, u: int) -> None:
@@ -832,6 +957,7 @@ class Engine:
             self._reduce(u)
 
     def _reduce(self, u: int) -> None:
+        self._settle_check()
         unit = self._unit(u)
         if u in self._reduced:
             return
@@ -888,6 +1014,7 @@ class Engine:
     def end(self) -> None:
         """Ends one forward/backward: reduces what did not finish, waits, frees everything."""
         self.end_forward()
+        self._settle_check()
         for u in list(self._live):  # the backward is over: nothing reads a full parameter now
             self._free(u)
         for u in reversed(self.order):
@@ -916,6 +1043,9 @@ class Engine:
         them, and the engine refuses every later step with an error that says to restart.
         """
         try:
+            if self._check is not None:  # what it says no longer matters: the step failed
+                work, self._check = self._check[0], None
+                C.wait(work, ABORT_WAIT_S)
             for u, w in list(self._works.items()):
                 self._unit(u).finish_gather(w, timeout=ABORT_WAIT_S)
                 del self._works[u]

@@ -130,7 +130,7 @@ class ValueAndGrad:
         specs = optree.tree_unflatten(optree.tree_structure(params), [_spec_of(x) for x in leaves])
         core = GradientCore(
             self._loss, mesh, specs, o["strategy"], o["mixed_precision"], o["remat"], o["accumulation_steps"],
-            apply=o["apply"], frozen=o["frozen"], accumulation=o["accumulation"],
+            apply=o["apply"], frozen=o["frozen"], accumulation=o["accumulation"], group_bytes=o["group_bytes"],
         )
         core.build(params)  # copies the shards into the core's flat buffers
         for p, x, own in zip(paths, leaves, core.dt_params):
@@ -158,6 +158,7 @@ def value_and_grad(
     accumulation: str = "sharded",
     apply: Any = None,
     frozen: Any = None,
+    group_bytes: int | None = None,
 ) -> ValueAndGrad:
     """The loss and its gradient with respect to a sharded tree, on the FSDP unit schedule.
 
@@ -169,8 +170,8 @@ def value_and_grad(
         loss_fn: `loss_fn(params, batch) -> loss`, or `(loss, aux)` with `has_aux=True`; `params`
             hold full values wherever they are used, as in `train_step`.
         has_aux: whether `loss_fn` returns `(loss, aux)`.
-        strategy, mixed_precision, remat, accumulation_steps, accumulation, apply, frozen: as in
-            `train_step`.
+        strategy, mixed_precision, remat, accumulation_steps, accumulation, apply, frozen,
+            group_bytes: as in `train_step`.
 
     Returns:
         `fn(params, batch) -> (loss, grads)` (or `((loss, aux), grads)`), where `params` is a tree of
@@ -185,7 +186,7 @@ def value_and_grad(
         ...     opt_state = opt.step_(grads, opt_state, params)   # in place
     """
     options = dict(strategy=strategy, mixed_precision=mixed_precision, remat=remat, accumulation_steps=accumulation_steps,
-                   accumulation=accumulation, apply=apply, frozen=frozen)
+                   accumulation=accumulation, apply=apply, frozen=frozen, group_bytes=group_bytes)
     return ValueAndGrad(loss_fn, has_aux, options)
 
 

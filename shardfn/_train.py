@@ -34,12 +34,12 @@ class TrainStep:
     """
 
     def __init__(self, loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
-                 apply=None, frozen=None, offload=None, accumulation="sharded"):
+                 apply=None, frozen=None, offload=None, accumulation="sharded", group_bytes=None):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         self.core = GradientCore(
             loss_fn, mesh, specs, strategy, mixed_precision, remat, accumulation_steps,
-            apply=apply, frozen=frozen, offload=offload, accumulation=accumulation,
+            apply=apply, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
         )
         self.opt = opt
         self.max_grad_norm = max_grad_norm
@@ -250,6 +250,7 @@ def train_step(
     frozen: str | Sequence[str] | None = None,
     offload: str | None = None,
     accumulation: str = "sharded",
+    group_bytes: int | None = None,
 ) -> TrainStep:
     """Builds a sharded train step around `loss_fn(params, batch)`.
 
@@ -281,6 +282,9 @@ def train_step(
         accumulation: "sharded" reduce-scatters every micro-batch into the sharded gradient (memory
             stays flat); "local" keeps full gradients across micro-batches and reduces once (less
             communication, more memory).
+        group_bytes: consecutive small units whose full parameters fit in this many bytes together
+            are gathered and reduced as one (Note [unit groups] in `shardfn/_engine.py`); None: 2 MiB;
+            0: every unit alone.
 
     Returns:
         A `TrainStep`: `state = step.init(params)`, then `state, metrics = step(state, batch)`.
@@ -292,5 +296,5 @@ def train_step(
     """
     return TrainStep(
         loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
-        apply=apply, frozen=frozen, offload=offload, accumulation=accumulation,
+        apply=apply, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
     )

@@ -170,6 +170,7 @@ def _count(strategy: str, opts: dict) -> dict:
         make_loss_fn("gpt", apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1), strategy=strategy,
         remat=opts.get("remat", False), max_grad_norm=opts.get("clip"), frozen=opts.get("frozen"),
         accumulation_steps=opts.get("accum", 1), accumulation=opts.get("accumulation", "sharded"),
+        group_bytes=opts.get("group_bytes", 0),
     )
     state = step.init(params)
     batch = local_batch(global_batch("gpt", 0, world, per_rank=4), rank, world)
@@ -200,6 +201,9 @@ def test_collectives_with_options(pools):
     # remat: the unit is gathered once for both the recompute and the backward.
     # (one all-gather per step is the units check, Note [units on every rank])
     assert pool.run(rank_count, "full_shard", {"remat": True})[0] == {"all_gather_single": 2 * U + 2, "reduce_scatter_single": U + 1, "all_reduce": 1}
+    # The three blocks as one group (Note [unit groups]): remat still per block, one gather each way.
+    c = pool.run(rank_count, "full_shard", {"remat": True, "group_bytes": None})[0]
+    assert c == {"all_gather_single": 2 + 2, "reduce_scatter_single": 1 + 1, "all_reduce": 1}, c
     # clipping: the norm costs no collective beyond the one metrics all-reduce.
     assert pool.run(rank_count, "full_shard", {"clip": 0.1})[0]["all_reduce"] == 1
     # frozen: a fully frozen unit (blocks.0) is gathered but never reduced.

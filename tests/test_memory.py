@@ -69,8 +69,9 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(field)
 
 
-def rank_peak_growth(strategy: str) -> dict:
-    """Peak RSS growth of one step over the RSS between steps, and the sizes it is made of."""
+def rank_peak_growth(strategy: str, units: int = UNITS, width: int = WIDTH, group_bytes: int | None = None) -> dict:
+    """Peak RSS growth of one step over the RSS between steps, and the sizes it is made of (a
+    `unit` is what the engine gathers at once: a unit, or a group of them)."""
     import gc
 
     import torch.distributed as dist
@@ -81,13 +82,15 @@ def rank_peak_growth(strategy: str) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(UNITS)])
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(units)])
     apply, params = sf.functionalize(model, units=r"\d+")
-    step = sf.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), sf.optim.sgd(1e-3), sf.mesh(dp=-1), strategy=strategy)
+    step = sf.train_step(
+        lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), sf.optim.sgd(1e-3), sf.mesh(dp=-1), strategy=strategy, group_bytes=group_bytes
+    )
     state = step.init(params)
     del params
     g = torch.Generator().manual_seed(rank)
-    batch = (torch.randn(PER_RANK, WIDTH, generator=g), torch.randn(PER_RANK, WIDTH, generator=g))
+    batch = (torch.randn(PER_RANK, width, generator=g), torch.randn(PER_RANK, width, generator=g))
     for _ in range(3):
         state, _ = step(state, batch)
     for unit in step._units.values():  # the step gives its gradient shards back as it begins
@@ -98,8 +101,9 @@ def rank_peak_growth(strategy: str) -> dict:
         f.write("5")  # VmHWM := VmRSS
     base = _status_kb("VmHWM")
     state, _ = step(state, batch)
-    unit = WIDTH * WIDTH * 4 >> 10
-    return dict(growth_kb=_status_kb("VmHWM") - base, unit_kb=unit, shard_kb=-(-unit // world))
+    unit = max(u.full.numel() * u.full.element_size() for u in step.engine.units) >> 10
+    shards = sum(u.local.numel() * u.local.element_size() for u in step.engine.units) >> 10
+    return dict(growth_kb=_status_kb("VmHWM") - base, unit_kb=unit, shards_kb=shards, engine_units=len(step.engine.units))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc to measure peak RSS")
@@ -107,7 +111,9 @@ def test_full_shard_peak_memory_is_measured_within_its_bound():
     """Measured, not counted by the engine: the peak RSS growth of a `full_shard` step stays within
     the gradient shards plus four units (two gathered, a reduction's input, a full gradient) and a
     small margin, while `shard_grad_op`, which keeps every unit gathered, goes well past it. Ranks
-    run with glibc's mmap threshold at 64 KiB, so freed buffers leave the RSS at once."""
+    run with glibc's mmap threshold at 64 KiB, so freed buffers leave the RSS at once. Then the
+    same for units small enough to be grouped two by two (Note [unit groups]): the bound holds
+    with a group in place of a unit."""
     from shardfn._pool import RankPool
 
     old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
@@ -116,16 +122,20 @@ def test_full_shard_peak_memory_is_measured_within_its_bound():
         with RankPool(2, timeout=120) as pool:
             full = pool.run(rank_peak_growth, "full_shard")
             keep = pool.run(rank_peak_growth, "shard_grad_op")
+            small = dict(units=16, width=WIDTH // 2, group_bytes=2 * (WIDTH // 2) ** 2 * 4)  # 1 MiB units, 2 by 2
+            full_g = pool.run(rank_peak_growth, "full_shard", **small)
+            keep_g = pool.run(rank_peak_growth, "shard_grad_op", **small)
     finally:
         if old is None:
             del os.environ["MALLOC_MMAP_THRESHOLD_"]
         else:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = old
-    for f, k in zip(full, keep):
-        unit, shard = f["unit_kb"], f["shard_kb"]
-        bound = UNITS * shard + 4 * unit + 2048  # gradient shards, four units, 2 MiB of activations and slack
+    for f, k in [*zip(full, keep), *zip(full_g, keep_g)]:
+        unit = f["unit_kb"]
+        bound = f["shards_kb"] + 4 * unit + 2048  # gradient shards, four units, 2 MiB of activations and slack
         assert f["growth_kb"] <= bound, (f, bound)
         assert k["growth_kb"] > f["growth_kb"] + 2 * unit, (f, k)
+    assert [f["engine_units"] for f in full_g] == [8, 8] and [f["engine_units"] for f in full] == [UNITS, UNITS]
 
 
 def rank_cycles() -> list:

@@ -413,7 +413,7 @@ def rank_failures() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     case = dict(build=lambda: Net())
     ref, ref_losses = _reference(case, world)
-    model, apply, step, state = _step(case, "full_shard", world)
+    model, apply, step, state = _step(case, "full_shard", world, group_bytes=0)  # units alone: unit 1 planted
     good = step.loss_fn
     out = {}
 
@@ -475,7 +475,7 @@ def rank_plan() -> dict:
     out = {}
     for name in ("interleaved", "no_root_applied_twice"):
         case = CASES[name]
-        _, apply, step, state = _step(case, "full_shard", world)
+        _, apply, step, state = _step(case, "full_shard", world, group_bytes=0)  # the plan of units alone
         state, _ = step(state, batch(0, world).chunk(world)[rank])
         e = step.engine
         out[name] = dict(order=[e.units[u].name for u in e.order], slot_of={e.units[u].name: k for u, k in e.slot_of.items()})

@@ -47,8 +47,10 @@ def rank_parity(strategy: str, gloo: str = "p2p", small_segment: int | None = No
 
 def _parity(strategy, rank, world, **kw) -> dict:
     out = {}
-    for kind in ("gpt", "mlp"):
-        ref, apply, step, state, _ = _setup(kind, strategy, **kw)
+    # The GPT's blocks are grouped (Note [unit groups]); the MLP's units each run alone.
+    for kind, group_bytes in (("gpt", None), ("mlp", 0)):
+        ref, apply, step, state, _ = _setup(kind, strategy, group_bytes=group_bytes, **kw)
+        assert len(step.engine.units) == (1 if kind == "gpt" else 5)
         loss_err = norm_err = param_err = 0.0
         for i in range(STEPS):
             batch = global_batch(kind, i, world, per_rank=4)
@@ -111,7 +113,7 @@ def test_parity_with_clipping_and_accumulation(pools, world):
             assert max(loss_err, norm_err, param_err) < 1e-5, (kind, loss_err, norm_err, param_err)
 
 
-def rank_count_collectives(strategy: str, gloo: str = "native", small_segment: int | None = None) -> dict:
+def rank_count_collectives(strategy: str, gloo: str = "native", small_segment: int | None = None, group_bytes: int | None = 0) -> dict:
     """Counts the process-group calls of one step, by collective and by phase (forward/backward).
 
     Point-to-point messages are posted from the calling thread here, so that each call is seen in
@@ -120,14 +122,14 @@ def rank_count_collectives(strategy: str, gloo: str = "native", small_segment: i
     old, C.POST_FROM_THREAD = C.POST_FROM_THREAD, False
     try:
         with C.gloo_collectives(gloo), _small_segment(small_segment):
-            return _count_collectives(strategy)
+            return _count_collectives(strategy, group_bytes)
     finally:
         C.POST_FROM_THREAD = old
 
 
-def _count_collectives(strategy: str) -> dict:
+def _count_collectives(strategy: str, group_bytes: int | None = 0) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    ref, apply, step, state, mesh = _setup("gpt", strategy)
+    ref, apply, step, state, mesh = _setup("gpt", strategy, group_bytes=group_bytes)
     batch = local_batch(global_batch("gpt", 0, world), rank, world)
     state, _ = step(state, batch)  # first step learns the unit order
 
@@ -188,6 +190,15 @@ def test_collectives_per_step(pools, world):
                 assert (ag_f, ag_b, rs, ar) == (U + 2, 0, U + 1, 1), (strategy, c)
             else:  # one all-reduce per unit (+ root) for gradients, one for the metrics
                 assert (ag_f, ag_b, rs, ar) == (1, 0, 0, U + 2), (strategy, c)
+        # Grouped (Note [unit groups]): the three blocks are gathered and reduced as one unit.
+        for r in pools(world).run(rank_count_collectives, strategy, group_bytes=None):
+            c = r["counts"]
+            assert r["units"] == 1, r
+            ag = c.get(("all_gather_single", "forward"), 0), c.get(("all_gather_single", "backward"), 0)
+            rs = sum(v for (n, _), v in c.items() if n == "reduce_scatter_single")
+            ar = sum(v for (n, _), v in c.items() if n == "all_reduce")
+            expect = {"full_shard": ((3, 1), 2, 1), "shard_grad_op": ((3, 0), 2, 1), "no_shard": ((1, 0), 0, 3)}[strategy]
+            assert (ag, rs, ar) == expect, (strategy, c)
         # "in_place": each unit's reduce-scatter as gloo runs it, an all-reduce, but in place.
         c = pools(world).run(rank_count_collectives, "full_shard", "in_place")[0]["counts"]
         assert c == {("all_gather_single", "forward"): U + 2, ("all_gather_single", "backward"): U,
@@ -221,6 +232,13 @@ def test_memory_at_most_two_units_and_nothing_left(pools, world):
     for r in pools(world).run(rank_count_collectives, "shard_grad_op"):
         assert r["storage_left"] == [] and r["grads_left"] == [], r
         assert r["max_live"] == r["units"], r  # kept from forward to backward, by design
+    # Groups of two blocks and one (a cap between two and three blocks): at most two groups.
+    r0 = pools(world).run(rank_count_collectives, "full_shard")[0]
+    cap = 2 * r0["unit_bytes"] + 1
+    for r in pools(world).run(rank_count_collectives, "full_shard", group_bytes=cap):
+        assert r["units"] == 2, r
+        assert r["max_live"] == 2 and 0 < r["live_seen"] <= 2 * r["unit_bytes"], r
+        assert r["storage_left"] == [] and r["grads_left"] == [], r
 
 
 def rank_local_shards() -> list:
@@ -290,6 +308,7 @@ def rank_errors() -> list[str]:
         lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, accumulation_steps=0),
         lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, max_grad_norm=-1.0),
         lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh)(None, None),
+        lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, group_bytes=-1),
     ):
         try:
             call()
@@ -307,12 +326,13 @@ def test_user_errors_are_value_errors(pools):
     assert "accumulation_steps" in msgs[2]
     assert "max_grad_norm" in msgs[3]
     assert "init" in msgs[4]
+    assert "group_bytes" in msgs[5] and "0: no unit groups" in msgs[5], msgs[5]
 
 
 def rank_schedule(strategy: str, small_segment: int | None = None) -> list:
     rank, world = dist.get_rank(), dist.get_world_size()
     with _small_segment(small_segment):
-        _, _, step, state, _ = _setup("gpt", strategy)
+        _, _, step, state, _ = _setup("gpt", strategy, group_bytes=0)
         batch = local_batch(global_batch("gpt", 0, world), rank, world)
         state, _ = step(state, batch)
         step.engine.stats.record_events = True
