@@ -1,8 +1,10 @@
-"""Shared fixtures: one pool of spawned gloo ranks per world size, per test module.
+"""Shared fixtures: one pool of spawned gloo ranks per world size, for the whole session.
 
-Spawning ranks costs seconds, so each test module keeps a pool per world size and runs many checks
-on it. Every call has a hard deadline (the pool's timeout) and the ranks' process group a short
-timeout, so a deadlock fails in seconds. A failed call kills its pool; the next test gets a new one.
+Spawning ranks costs seconds, so the session keeps a pool per world size and every test runs its
+checks on it. Each test starts from the process-wide state a fresh process has (Note [process-wide
+state] in `shardfn/_process.py`), in this process and in the pools' ranks. Every call has a hard
+deadline (the pool's timeout) and the ranks' process group a short timeout, so a deadlock fails in
+seconds. A failed call kills its pool; the next test gets a new one.
 """
 
 from __future__ import annotations
@@ -16,27 +18,31 @@ from shardfn._pool import RankPool
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+_LIVE: dict[int, RankPool] = {}
+
 
 @pytest.fixture(autouse=True)
 def _process_state():
-    """Each test starts from the process-wide state a fresh process has (Note [process-wide state]
-    in `shardfn/_process.py`)."""
+    """Each test starts from the process-wide state a fresh process has, here and in the ranks."""
     _process.reset()
+    for pool in _LIVE.values():
+        if pool.alive:
+            pool.run(_process.reset, timeout=30)
     yield
     _process.reset()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pools():
-    """`pools(world_size)` -> a live RankPool for this module."""
-    live: dict[int, RankPool] = {}
+    """`pools(world_size)` -> a live RankPool, shared by every test of the session."""
 
     def get(world_size: int) -> RankPool:
-        pool = live.get(world_size)
+        pool = _LIVE.get(world_size)
         if pool is None or not pool.alive:
-            pool = live[world_size] = RankPool(world_size, timeout=120, pg_timeout=60)
+            pool = _LIVE[world_size] = RankPool(world_size, timeout=120, pg_timeout=60)
         return pool
 
     yield get
-    for pool in live.values():
-        pool.close()
+    for pool in _LIVE.values():
+        pool.close(kill=True)  # nothing to finish: every call has returned
+    _LIVE.clear()

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import shardfn.optim as O
-from shardfn._pool import RankPool
 from shardfn.optim._norm import global_norm
 
 SHAPES = {"a": (3, 4), "s": (), "m": (5, 7), "v": (2,), "sub": {"w": (7, 3), "b": (3,)}}
@@ -393,20 +392,6 @@ def _rank_sharded_check(world: int) -> dict:
     mixed = global_norm({**sg, "plain": torch.full((3,), 2.0)})
     res["mixed_err"] = abs(mixed.item() - global_norm({**grads[0], "plain": torch.full((3,), 2.0)}).item())
     return res
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made = {}
-
-    def get(world):
-        if world not in made:
-            made[world] = RankPool(world)
-        return made[world]
-
-    yield get
-    for pool in made.values():
-        pool.close()
 
 
 @pytest.mark.timeout(120)
