@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import shardfn
@@ -119,3 +120,16 @@ def test_one_owner_decides_which_model_a_tree_belongs_to():
             elif isinstance(node, (ast.FunctionDef, ast.Name)) and getattr(node, "name", getattr(node, "id", "")) == "find_apply":
                 readers.add(path.name)  # the lookup's old name: a second owner
     assert readers <= {"_process.py"}, readers  # _process only forgets models nobody holds
+
+
+def test_the_readme_layout_table_names_every_module():
+    """README.md's layout table names every module of the package (a new concern gets a row)."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    table = readme[readme.index("## Layout"):]
+    table = table[: table.index("\n## ", 1)] if "\n## " in table[1:] else table
+    named = set(re.findall(r"`(?:shardfn/)?(?:optim/)?(_?\w+)\.py`", table)) | set(re.findall(r"`(_\w+)\.py`", table))
+    missing = [
+        p.relative_to(PACKAGE).as_posix() for p in PACKAGE.glob("*.py")
+        if p.name != "__init__.py" and p.stem not in named
+    ]
+    assert not missing, f"README.md's layout table lacks {missing}"
