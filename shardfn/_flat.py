@@ -49,9 +49,10 @@ gathered at once, the running one and the prefetched one, which in a sequential 
 neighbours in forward order. So the units in forward order u_0, u_2, u_4, ... share one "slot"
 arena for their full parameters, u_1, u_3, u_5, ... another (the engine plans which units share,
 from the first step's schedule: Note [unit plan] in `_engine.py`): a unit's full parameters are
-fixed views into its slot, and gathering u_{i+2} overwrites u_i, which by then is freed. Each slot
-is allocated once per step and released when the step ends, so memory is that of two units, as
-the bound says, and nothing survives the step. A unit needed while the other unit of its slot is
+fixed views into its slot, and gathering u_{i+2} overwrites u_i, which by then is freed. A slot is
+allocated when its first unit is gathered and given back in the backward once the last unit that
+uses it is freed and reduced (so the sharded gradients, which grow as the backward goes on, do not
+stack on it), so memory is that of two units, as the bound says, and nothing survives the step. A unit needed while the other unit of its slot is
 still in use is an error, never a silent overwrite (Note [stale parameters]). All units that share
 slots share one all-gather output arena (one unit gather is in flight at a time). A unit's
 reduce-scatter input is built in its own slot, whose parameters are dead once its backward is
