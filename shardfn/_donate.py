@@ -91,7 +91,7 @@ def _rebuild(local: torch.Tensor, spec: Any, requires_grad: bool) -> DTensor:
 # A train step donates every DTensor of the state it is given and wraps the same memory in new ones
 # (a few per leaf: parameters, gradients, optimizer moments), so what one donation allocates is paid
 # per leaf and per step, and whatever outlives the step feeds the garbage collector's full passes.
-# So a donation allocates one DTensor per leaf and nothing else: the DTensor comes from
+# So a donation allocates one DTensor per leaf (and the dict that holds its `__reduce_ex__`): it comes from
 # `DTensor.__new__` alone (`DTensor.__init__` does nothing but pass through torch._dynamo's disable
 # wrapper); its pickling object (`_Reduce`, which holds the local tensor, not the DTensor) is the
 # donated DTensor's, taken over; the donated DTensors share one placeholder per shape, stride and
