@@ -19,14 +19,13 @@ pickle and `torch.save` as plain DTensors of the same mesh and placements.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import optree
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["DonatedError", "adopt", "alias", "copy", "donate", "same_memory", "wrap"]
+__all__ = ["DonatedError", "Donation", "adopt", "alias", "copy", "donate", "same_memory", "wrap"]
 
 
 class DonatedError(RuntimeError):
@@ -58,30 +57,53 @@ class _Donated(torch.Tensor):
 
 
 class _Reduce:
-    """Pickles a DTensor made by `wrap` as `DTensor(local values, spec)`; held by the DTensor itself
-    through a weak reference, so it makes no reference cycle."""
+    """Pickles a DTensor made here as `DTensor(local values, spec)`. It holds the local tensor, not
+    the DTensor (no reference cycle), so one object serves every DTensor that wraps that local tensor
+    in turn: the one a donation makes takes it over, and the donated one gets `Donation`'s refusal."""
 
-    __slots__ = ("ref",)
+    __slots__ = ("local", "spec", "requires_grad")
 
-    def __init__(self, dt: DTensor):
-        self.ref = weakref.ref(dt)
+    def __init__(self, local: torch.Tensor, spec: Any, requires_grad: bool):
+        self.local, self.spec, self.requires_grad = local, spec, requires_grad
 
     def __call__(self, protocol: int):
-        dt = self.ref()
-        local = dt._local_tensor
-        if isinstance(local, _Donated):
-            raise DonatedError(local._message)
-        return (_rebuild, (local.detach().clone(), dt._spec, dt.requires_grad))
+        return (_rebuild, (self.local.detach().clone(), self.spec, self.requires_grad))
+
+
+class _Refuse:
+    """The `__reduce_ex__` of a donated DTensor: pickling it raises."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __call__(self, protocol: int):
+        raise DonatedError(self.message)
 
 
 def _rebuild(local: torch.Tensor, spec: Any, requires_grad: bool) -> DTensor:
     return wrap(local, spec, requires_grad)
 
 
+# Note [cheap donation]
+# ~~~~~~~~~~~~~~~~~~~~~
+# A train step donates every DTensor of the state it is given and wraps the same memory in new ones
+# (a few per leaf: parameters, gradients, optimizer moments), so what one donation allocates is paid
+# per leaf and per step, and whatever outlives the step feeds the garbage collector's full passes.
+# So a donation allocates one DTensor per leaf (and the dict that holds its `__reduce_ex__`): it comes from
+# `DTensor.__new__` alone (`DTensor.__init__` does nothing but pass through torch._dynamo's disable
+# wrapper); its pickling object (`_Reduce`, which holds the local tensor, not the DTensor) is the
+# donated DTensor's, taken over; the donated DTensors share one placeholder per shape, stride and
+# dtype and one pickling refusal per donation (`Donation`).
+def _new(local: torch.Tensor, spec: Any, requires_grad: bool) -> DTensor:
+    return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
+
+
 def wrap(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> DTensor:
     """A DTensor over `local` with `spec` (no checks, no communication) that pickles."""
-    dt = DTensor(local, spec, requires_grad=requires_grad)
-    dt.__reduce_ex__ = _Reduce(dt)
+    dt = _new(local, spec, requires_grad)
+    dt.__reduce_ex__ = _Reduce(local, spec, requires_grad)
     return dt
 
 
@@ -109,14 +131,50 @@ def adopt(dt: DTensor, view: torch.Tensor) -> None:
     local = dt._local_tensor
     with torch.no_grad():
         local.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
-    dt.__reduce_ex__ = _Reduce(dt)
+    dt.__reduce_ex__ = _Reduce(local, dt._spec, dt.requires_grad)
+
+
+class Donation:
+    """One donation (a train step's, a transform call's): `donation(dt)` returns a new DTensor over
+    `dt`'s local tensor and donates `dt` (reads raise `message`). The DTensors one donation donates
+    share its placeholders and pickling refusal (Note [cheap donation])."""
+
+    __slots__ = ("message", "_refuse", "_placeholders")
+
+    def __init__(self, message: str):
+        self.message = message
+        self._refuse = _Refuse(message)
+        self._placeholders: dict[tuple, _Donated] = {}
+
+    def placeholder(self, like: torch.Tensor) -> "_Donated":
+        key = (like.shape, like.stride(), like.dtype, like.device)
+        d = self._placeholders.get(key)
+        if d is None:
+            d = self._placeholders[key] = _Donated(like, self.message)
+        return d
+
+    def __call__(self, dt: DTensor) -> DTensor:
+        local, spec, requires_grad = dt._local_tensor, dt._spec, dt.requires_grad
+        new = _new(local, spec, requires_grad)
+        r = dt.__dict__.get("__reduce_ex__")
+        if type(r) is not _Reduce or r.local is not local or r.spec is not spec or r.requires_grad != requires_grad:
+            r = _Reduce(local, spec, requires_grad)
+        new.__reduce_ex__ = r
+        dt._local_tensor = self.placeholder(local)
+        dt.__reduce_ex__ = self._refuse
+        return new
+
+
+_LAST: list[Donation] = []  # the last `donate` call's, shared by the calls with its message
 
 
 def donate(dt: DTensor, message: str) -> DTensor:
     """A new DTensor over `dt`'s local tensor; `dt` itself is donated (reads raise `message`)."""
-    new = wrap(dt._local_tensor, dt._spec, dt.requires_grad)
-    dt._local_tensor = _Donated(dt._local_tensor, message)
-    return new
+    last = _LAST[0] if _LAST else None
+    if last is None or last.message != message:
+        last = Donation(message)
+        _LAST[:] = [last]
+    return last(dt)
 
 
 def is_donated(x: Any) -> bool:

@@ -7,6 +7,7 @@ given (Note [donated state] in `_donate.py`); `TrainStep._step` reads as those s
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 import optree
@@ -127,22 +128,26 @@ class TrainStep:
     def _donate(self, state: TrainState, opt_state: Any) -> tuple[Any, Any]:
         """New DTensors over the step's memory for the returned state and `step.grads`; the input
         state's and the old gradients' DTensors are donated (Note [donated state])."""
-        message = _donated(state.step + 1)
+        donation = _donate.Donation(_donated(state.step + 1))
         memo: dict[int, DTensor] = {}
 
         def one(x: Any) -> Any:
             if not isinstance(x, DTensor):
                 return x
-            if id(x) not in memo:
-                memo[id(x)] = _donate.donate(x, message)
-            return memo[id(x)]
+            new = memo.get(id(x))
+            if new is None:
+                new = memo[id(x)] = donation(x)
+            return new
 
-        for leaf in optree.tree_leaves(state.params):  # a copy that was copied in is donated too
-            if isinstance(leaf, DTensor) and not _donate.is_donated(leaf):
-                one(leaf)
-        self.core.dt_params = [one(p) for p in self.core.dt_params]
-        grads = [one(g) for g in optree.tree_leaves(self.core.grads, none_is_leaf=True)]
-        self.core.grads = optree.tree_unflatten(optree.tree_structure(self.core.grads, none_is_leaf=True), grads)
+        dt_params = self.core.dt_params
+        leaves = optree.tree_leaves(state.params)
+        if len(leaves) != len(dt_params) or not all(map(operator.is_, leaves, dt_params)):
+            for leaf in leaves:  # a copy that was copied in is donated too
+                if isinstance(leaf, DTensor) and not _donate.is_donated(leaf):
+                    one(leaf)
+        self.core.dt_params = [one(p) for p in dt_params]
+        grads, grads_spec = optree.tree_flatten(self.core.grads, none_is_leaf=True)
+        self.core.grads = optree.tree_unflatten(grads_spec, [one(g) for g in grads])
         opt_state = optree.tree_map(one, opt_state, none_is_leaf=True)
         return optree.tree_unflatten(self.core.treespec, self.core.dt_params), opt_state
 

@@ -67,6 +67,15 @@ def rank_donation() -> dict:
     # Training goes on from the returned state.
     r3, m = step(r2, _batch(2))
     out["finite"] = bool(torch.isfinite(m["loss"]))
+    # Each donated DTensor refuses pickling on its own; after several donations the returned state and
+    # gradients pickle their current values (Note [cheap donation]).
+    dts = [x for x in optree.tree_leaves((s1, g1, s2.params)) if isinstance(x, torch.Tensor) and hasattr(x, "to_local")]
+    out["pickle_each"] = len(dts) > 0 and all(_raises_donated(lambda x=x: pickle.dumps(x)) for x in dts)
+    now = optree.tree_leaves((r3, step.grads))
+    back = optree.tree_leaves(pickle.loads(pickle.dumps((r3, step.grads))))
+    out["pickle_current"] = len(now) == len(back) and all(
+        torch.equal(_local(a), _local(b)) for a, b in zip(now, back) if isinstance(a, torch.Tensor)
+    )
     return out
 
 
@@ -74,7 +83,7 @@ def rank_donation() -> dict:
 def test_a_step_donates_its_input_state(pools, world):
     for rank, out in enumerate(pools(world).run(rank_donation)):
         for key in ("local", "gather", "moments", "grads", "again", "pickle", "printed", "kept_grads_differ", "rollback",
-                    "rollback_opt", "replaced", "finite"):
+                    "rollback_opt", "replaced", "finite", "pickle_each", "pickle_current"):
             assert out[key], (rank, key, out)
         assert out["count"] == (1, 1, 2), out
         assert out["kept_equal"], out  # the kept copy holds step 1, not step 2

@@ -101,6 +101,7 @@ def _adam_family(
     i_adam = parts.index(adam_t)
     opt = chain(*parts)
     fallback = generic_step(opt.update_)
+    step_counts: dict[tuple, list[torch.Tensor]] = {}  # torch's per-leaf step tensors, kept between steps
 
     @torch.no_grad()
     def step_(grads: Any, state: OptState, params: Params) -> OptState:
@@ -119,8 +120,14 @@ def _adam_family(
         lr_t = lr_at(lr, state[-1])
         for wd_g, device, (p, g, m, v) in _groups(weight_decay, mask, params, lists):
             # torch.optim's functional Adam with fused=True (its fused kernel); it counts the steps
-            # itself, one tensor per leaf, so each starts at t - 1.
-            steps = [torch.full((), t - 1, dtype=torch.float32, device=device) for _ in p]
+            # itself, one tensor per leaf, so each starts at t - 1 (set in two kernels, not one
+            # allocation per leaf).
+            steps = step_counts.get((device, len(p)))
+            if steps is None:
+                steps = step_counts[(device, len(p))] = [torch.zeros((), dtype=torch.float32, device=device) for _ in p]
+            else:
+                torch._foreach_zero_(steps)
+            torch._foreach_add_(steps, t - 1)
             adam_functional(p, g, m, v, [], steps, fused=True, decoupled_weight_decay=decoupled, amsgrad=False,
                                   beta1=b1, beta2=b2, lr=lr_t, weight_decay=wd_g, eps=eps, maximize=False)
         st.count.add_(1)
