@@ -165,16 +165,10 @@ class Donation:
         return new
 
 
-_LAST: list[Donation] = []  # the last `donate` call's, shared by the calls with its message
-
-
 def donate(dt: DTensor, message: str) -> DTensor:
-    """A new DTensor over `dt`'s local tensor; `dt` itself is donated (reads raise `message`)."""
-    last = _LAST[0] if _LAST else None
-    if last is None or last.message != message:
-        last = Donation(message)
-        _LAST[:] = [last]
-    return last(dt)
+    """A new DTensor over `dt`'s local tensor; `dt` itself is donated (reads raise `message`).
+    Donating many at once: one `Donation(message)` called on each shares its placeholders."""
+    return Donation(message)(dt)
 
 
 def is_donated(x: Any) -> bool:

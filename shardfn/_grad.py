@@ -67,7 +67,8 @@ class ValueAndGrad:
                 "these gradients were donated to the next sf.value_and_grad call, whose gradients fill their memory; "
                 "keep them with sf.copy(grads)"
             )
-            leaves = [None if x is None else _donate.donate(x, message) for x in optree.tree_leaves(core.grads, none_is_leaf=True)]
+            donation = _donate.Donation(message)
+            leaves = [None if x is None else donation(x) for x in optree.tree_leaves(core.grads, none_is_leaf=True)]
             core.grads = optree.tree_unflatten(optree.tree_structure(core.grads, none_is_leaf=True), leaves)
             return ((g.loss, g.aux) if self.has_aux else g.loss), core.grads
 
