@@ -116,7 +116,9 @@ def alias(view: torch.Tensor) -> torch.Tensor:
 
 
 def same_memory(t: torch.Tensor, view: torch.Tensor) -> bool:
-    """Whether `t` holds exactly `view`'s memory."""
+    """Whether `t` holds exactly `view`'s memory (a donated tensor holds none)."""
+    if isinstance(t, _Donated) or isinstance(view, _Donated):
+        return False
     return (
         t.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
         and t.storage_offset() == view.storage_offset()

@@ -76,6 +76,23 @@ def rank_donation() -> dict:
     out["pickle_current"] = len(now) == len(back) and all(
         torch.equal(_local(a), _local(b)) for a, b in zip(now, back) if isinstance(a, torch.Tensor)
     )
+    # Two consumers of one model take a state in turn (two train steps, then value_and_grad): each
+    # copies the values in and donates the state that held them, and the one that went first takes
+    # the state back the same way, equal to one step run on the same batches.
+    other = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), mesh)
+    other.init(sf.copy(r3.params))
+    ref = sf.copy(r3)
+    t1, _ = other(r3, _batch(3))
+    t2, _ = step(t1, _batch(4))
+    t2_full = _full(t2.params)
+    t3, _ = other(t2, _batch(5))
+    vg = sf.value_and_grad(make_loss_fn("mlp", apply))
+    vg(t3.params, _batch(6))
+    t4, _ = step(t3, _batch(7))
+    vg(t4.params, _batch(8))
+    u1, _ = step(ref, _batch(3))
+    u2, _ = step(u1, _batch(4))
+    out["two_consumers"] = all(torch.equal(a, b) for a, b in zip(t2_full, _full(u2.params)))
     return out
 
 
@@ -83,7 +100,7 @@ def rank_donation() -> dict:
 def test_a_step_donates_its_input_state(pools, world):
     for rank, out in enumerate(pools(world).run(rank_donation)):
         for key in ("local", "gather", "moments", "grads", "again", "pickle", "printed", "kept_grads_differ", "rollback",
-                    "rollback_opt", "replaced", "finite", "pickle_each", "pickle_current"):
+                    "rollback_opt", "replaced", "finite", "pickle_each", "pickle_current", "two_consumers"):
             assert out[key], (rank, key, out)
         assert out["count"] == (1, 1, 2), out
         assert out["kept_equal"], out  # the kept copy holds step 1, not step 2
