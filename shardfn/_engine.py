@@ -504,7 +504,9 @@ class Engine:
             ours = type(self.info.module).__name__ if self.info is not None else "a plain function"
             raise ValueError(
                 f"loss_fn applied a model ({theirs}) to the train step's parameters, but the step was built for "
-                f"{ours}: pass the apply that loss_fn calls, sf.train_step(..., apply=apply)"
+                f"{ours}: pass the apply that loss_fn calls, sf.train_step(..., apply=apply). If the step's "
+                "tree holds the parameters of several models (a student and a teacher), train one model's tree "
+                "and shard the other's on its own (sf.shard), reading it inside loss_fn"
             )
         if mapped is self._in_apply:
             if self._flat is None:
