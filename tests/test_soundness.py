@@ -407,13 +407,14 @@ def test_refusals_before_anything_is_computed(pools):
         assert r["teacher_err"] < 1e-5, r
 
 
-def rank_failures() -> dict:
+def rank_failures(group_bytes: int | None) -> dict:
     """A step that raises (in loss_fn after the forward, or in the backward) on every rank leaves
-    every rank able to run the next step, which is exact; a planted stale read is an error."""
+    every rank able to run the next step, which is exact, with units alone or grouped; a planted
+    stale read (units alone: unit 1 planted) is an error."""
     rank, world = dist.get_rank(), dist.get_world_size()
     case = dict(build=lambda: Net())
     ref, ref_losses = _reference(case, world)
-    model, apply, step, state = _step(case, "full_shard", world, group_bytes=0)  # units alone: unit 1 planted
+    model, apply, step, state = _step(case, "full_shard", world, group_bytes=group_bytes)
     good = step.loss_fn
     out = {}
 
@@ -443,27 +444,30 @@ def rank_failures() -> dict:
                     out[bad.__name__] = "NO ERROR"
                 except RuntimeError as e:
                     out[bad.__name__] = str(e)
-            # A missed pre-backward, planted: unit 1 is not gathered again before its backward.
-            engine = step.engine
-            original = engine._pre_backward
-            engine._pre_backward = lambda u: None if u == 1 else original(u)
             step.loss_fn = good
-            try:
-                step(state, x)
-                out["stale"] = "NO ERROR"
-            except StaleParameterError as e:
-                out["stale"] = str(e)
-            engine._pre_backward = original
+            if group_bytes == 0:
+                # A missed pre-backward, planted: unit 1 is not gathered again before its backward.
+                engine = step.engine
+                original = engine._pre_backward
+                engine._pre_backward = lambda u: None if u == 1 else original(u)
+                try:
+                    step(state, x)
+                    out["stale"] = "NO ERROR"
+                except StaleParameterError as e:
+                    out["stale"] = str(e)
+                engine._pre_backward = original
         state, m = step(state, x)
     out["err"] = _param_err(state, ref)
     return out
 
 
-def test_failed_steps_leave_every_rank_ready(pools):
-    for r in pools(2).run(rank_failures, timeout=60):
+@pytest.mark.parametrize("group_bytes", [0, None])
+def test_failed_steps_leave_every_rank_ready(pools, group_bytes):
+    for r in pools(2).run(rank_failures, group_bytes, timeout=60):
         assert "boom in loss_fn" in r["raise_after_forward"], r
         assert "boom in backward" in r["raise_in_backward"], r
-        assert "memory was freed or held another unit" in r["stale"], r
+        if group_bytes == 0:
+            assert "memory was freed or held another unit" in r["stale"], r
         assert r["err"] < 1e-5, r
 
 
