@@ -87,12 +87,20 @@ def rank_donation() -> dict:
     t2_full = _full(t2.params)
     t3, _ = other(t2, _batch(5))
     vg = sf.value_and_grad(make_loss_fn("mlp", apply))
-    vg(t3.params, _batch(6))
+    loss3, _ = vg(t3.params, _batch(6))
     t4, _ = step(t3, _batch(7))
-    vg(t4.params, _batch(8))
+    t4_full = _full(t4.params)
+    loss4, _ = vg(t4.params, _batch(8))
     u1, _ = step(ref, _batch(3))
     u2, _ = step(u1, _batch(4))
-    out["two_consumers"] = all(torch.equal(a, b) for a, b in zip(t2_full, _full(u2.params)))
+    u2_full = _full(u2.params)
+    u3, _ = step(u2, _batch(5))
+    u4, _ = step(u3, _batch(7))
+    out["two_consumers"] = (
+        all(torch.equal(a, b) for a, b in zip(t2_full, u2_full))
+        and all(torch.equal(a, b) for a, b in zip(t4_full, _full(u4.params)))
+        and bool(torch.isfinite(loss3)) and bool(torch.isfinite(loss4))
+    )
     return out
 
 
