@@ -69,6 +69,7 @@ from . import _collectives as C
 from . import _donate
 from ._files import fsync_dir, fsync_file, replace_synced, temporary_name, write_atomically
 from ._models import model_of, persistent_buffers as _persistent_buffers
+from ._tree import tree_flatten_with_paths
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -149,18 +150,33 @@ BUFFERS = "buffers."  # the dotted prefix of the model's buffers among a checkpo
 
 def _model_buffers(state: Any, apply: Any, keys: list[str]) -> tuple[list[str], list[torch.Tensor]]:
     """(entry names, tensors) of the persistent buffers of the model `state`'s parameters belong
-    to (Note [checkpointed buffers]); none when no functionalized model has their names."""
-    params = getattr(state, "params", None)
-    if params is None and isinstance(state, dict):
-        params = state.get("params")
-    tree = params if params is not None else state
-    # Only one of several models with these names is the module a train step updates and loads into.
-    info = model_of(
-        tree, apply, "the state's params", where=lambda i: bool(_persistent_buffers(i)), alike=False,
-        reason=" and hold buffers",
-        hint="say whose buffers the checkpoint holds with apply=apply (the function sf.functionalize returned for it)",
-    )
+    to (Note [checkpointed buffers]); none when no functionalized model has their names. The
+    parameters are `state.params`, `state["params"]`, the state itself, or one of its top-level
+    entries (`{"model": params, "opt": opt_state}`)."""
+    subtrees: list[Any] = []
+    for t in (getattr(state, "params", None), state.get("params") if isinstance(state, dict) else None, state):
+        if t is not None:
+            subtrees.append(t)
+    if isinstance(state, dict):
+        subtrees += list(state.values())
+    elif isinstance(state, (list, tuple)):
+        subtrees += list(state)
+    info = None
+    for tree in subtrees:
+        paths = tree_flatten_with_paths(tree)[0]
+        if apply is not None and set(paths) != set(getattr(getattr(apply, "info", None), "param_paths", ())):
+            continue
+        # Only one of several models with these names is the module a train step updates and loads into.
+        info = model_of(
+            tree, apply, "the state's params", where=lambda i: bool(_persistent_buffers(i)), alike=False,
+            reason=" and hold buffers",
+            hint="say whose buffers the checkpoint holds with apply=apply (the function sf.functionalize returned for it)",
+        )
+        if info is not None:
+            break
     if info is None:
+        if apply is not None:
+            model_of(subtrees[0], apply, "the state's params")  # raises: no part of the state is apply's model's
         return [], []
     buffers = _persistent_buffers(info)
     names = [BUFFERS + n for n in buffers]

@@ -38,4 +38,4 @@ def reset() -> None:
     """Clears the collective counters and forgets models and transforms nobody holds."""
     _collectives.STATS.reset()
     _models.REGISTRY.prune()
-    _functorch._transforms[:] = [r for r in _functorch._transforms if r() is not None]
+    _functorch._transforms[:] = [r for r in _functorch._transforms if _functorch._live(r)]

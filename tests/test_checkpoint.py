@@ -511,17 +511,22 @@ def rank_batchnorm_resume(d: str) -> dict:
     loaded_mean = model[1].running_mean.clone()
     state = bn_train(step, state, 3, 6)
     resumed = {**full(state.params), **{k: v.clone() for k, v in model.named_buffers()}}
+    # A state of the user's own shape holds the model's buffers too.
+    sf.save({"model": state.params, "opt": state.opt_state, "step": 6}, f"{d}/own_shape")
+    own_shape = sorted(_checkpoint._read_meta(f"{d}/own_shape").get("buffers", []))
     # A checkpoint without buffers (a plain tree of the same names) loads; the module keeps its own.
     params_only = f"{d}/params_only"
     sf.save({"w": state.params["0"]["weight"]}, params_only)
     report = sf.load(params_only, like={"w": state.params["0"]["weight"]}, strict=False)[1]
     return {"straight": straight, "resumed": resumed, "saved_mean": saved_mean, "fresh_mean": fresh_mean,
-            "loaded_mean": loaded_mean, "several": several, "entries": sorted(_checkpoint._read_meta(f"{d}/bn").get("buffers", [])), "report": report}
+            "loaded_mean": loaded_mean, "several": several, "entries": sorted(_checkpoint._read_meta(f"{d}/bn").get("buffers", [])), "report": report,
+            "own_shape": own_shape}
 
 
 def test_buffers_resume_exactly(pools, tmp_path):
     for out in pools(2).run(rank_batchnorm_resume, str(tmp_path)):
         assert out["entries"] == ["buffers.1.num_batches_tracked", "buffers.1.running_mean", "buffers.1.running_var"]
+        assert out["own_shape"] == out["entries"], out["own_shape"]
         assert not torch.equal(out["fresh_mean"], out["saved_mean"])
         assert torch.equal(out["loaded_mean"], out["saved_mean"])
         assert_same(out["resumed"], out["straight"])
