@@ -124,16 +124,19 @@ class Phase(str, enum.Enum):
 # user named keep their hooks, their remat and the check that every rank ran them (Note [units on
 # every rank], at the level of the units named), while the engine gathers, frees and reduces a
 # group as one unit (one flat buffer, one all-gather, one reduce-scatter), which runs once per
-# member in a step: it is freed after its last member's forward, and in the backward it stays
-# gathered from its last member's backward to its first's, then is reduced once.
+# member in a step: it stays gathered from its first member's forward until another group's
+# forward starts (or the forward ends), so it is gathered once per forward in whatever order its
+# members run; in the backward it stays gathered from its last member's backward to its first's,
+# then is reduced once.
 #
 # The plan comes from the units' names and sizes, when the flat buffers are laid out (before any
 # step, since the state's DTensors view them): units are grouped in the order of their names, when
 # they are siblings (`blocks.3`, `blocks.4`), none is nested in another unit, their parameters share
 # a dtype, and their full parameters fit in the cap together (`GROUP_BYTES` by default, the
 # `group_bytes` option of `train_step`; 0 turns grouping off). A unit over the cap stays alone.
-# Members that run out of order, or on some ranks only, are still exact: the group is gathered
-# again where needed, and every rank reduces it once.
+# Members that run out of order (on one rank or differently on each) are still exact. A group
+# whose members are interleaved with another group's is gathered again at each switch, which all
+# ranks must do alike, as they must run the units themselves alike.
 #
 # Memory bound: under `full_shard` at most two groups besides the root are gathered at once, so
 # the bound of Note [unit schedule] reads "two units" as "two groups": at most twice the cap, or two
@@ -314,7 +317,6 @@ class Engine:
         self.groups = [list(g) for g in groups]
         self._group_of = {m: g for g, ms in enumerate(self.groups) for m in ms}
         self._n_members = len(self._group_of)
-        self._not_last = {m for ms in self.groups for m in ms[:-1]}  # freed later in the forward
         self._grouped = {g for g, ms in enumerate(self.groups) if len(ms) > 1}
         names = self.info.unit_names if self.info is not None else []
         self._member_names = list(names) if len(names) == self._n_members else [str(m) for m in range(self._n_members)]
@@ -323,15 +325,23 @@ class Engine:
         """The engine's unit that holds the model's unit `m`."""
         return self._group_of[m]
 
-    def _keep_after_forward(self, m: int) -> bool:
-        """Whether the group of unit `m` stays gathered after `m`'s forward: another member follows."""
-        return m in self._not_last
-
-    def _free_kept(self) -> None:
-        """Frees groups kept gathered for members that did not follow (the forward is over)."""
+    def _free_kept(self, but: int | None = None) -> None:
+        """Frees the groups kept gathered after their members' forwards, once another group's
+        forward starts (`but`) or the forward is over: a group is gathered once per forward in
+        whatever order its members run (Note [unit groups])."""
         if self.reshard_after_forward and self._grouped:
-            for u in [u for u in self._live if u in self._grouped and u in self._ran and not self._busy(u)]:
+            for u in [u for u in self._live if u in self._grouped and u != but and u in self._ran and not self._busy(u)]:
                 self._free(u)
+            if but is None:
+                self._release_idle_slots()
+
+    def _release_idle_slots(self) -> None:
+        """After the last unit's forward, nothing is gathered until the first unit's backward,
+        while the loss and its gradient take their largest activations: give the slots back (the
+        backward allocates them again)."""
+        if self.slot_of and self._order_known and not self._live:
+            for a in self._slot_arenas:
+                a.release()
 
     # -- the plan (Note [unit plan]) ------------------------------------------------------------
     def _bind(self, slot_of: dict[int, int]) -> None:
@@ -741,6 +751,7 @@ class Engine:
             self._ensure(u)
             return (self._cast(args), self._cast(kwargs)) if self.cast_dtype is not None else None
         self._ran_members.add(m)
+        self._free_kept(but=u)
         if u not in self._ran:
             self._ran.add(u)
             self._seen.append(u)
@@ -790,14 +801,10 @@ class Engine:
                     "begins. Return tensors, or tuples, lists, dicts, dataclasses of them, or register the type "
                     "with torch.utils._pytree.register_pytree_node"
                 )
-        if self.reshard_after_forward and not self._keep_after_forward(m):
+        if self.reshard_after_forward and u not in self._grouped:
             self._free(u)
-            if self.slot_of and self._order_known and self._next_of(u) is None and not self._live:
-                # The last unit's forward is done: until the first unit backward, the slots hold
-                # only freed parameters, while the loss and its gradient take their largest
-                # activations. Give the memory back; the backward allocates the slots again.
-                for a in self._slot_arenas:
-                    a.release()
+            if self._next_of(u) is None:
+                self._release_idle_slots()
         return output
 
     def _own_memory(self, u: int, output: Any, tensors: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
