@@ -323,7 +323,7 @@ class GradientCore:
         if info is not None and self.mp.param_dtype is not None:
             for name, mod in info.module.named_modules():
                 stats = getattr(mod, "running_mean", None)
-                if isinstance(mod, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)) and stats is not None and stats.dtype != self.mp.param_dtype:
+                if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) and stats is not None and stats.dtype != self.mp.param_dtype:
                     raise NotImplementedError(
                         f"{name!r} is a {type(mod).__name__} whose running statistics are {stats.dtype} while its unit "
                         f"computes in {self.mp.param_dtype}, which BatchNorm refuses. Pass "

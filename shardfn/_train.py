@@ -21,6 +21,7 @@ from ._core import _rng_state, _set_rng_state, model_info, trained_leaves  # noq
 from ._state import TrainState
 from ._tree import tree_flatten_with_paths
 from .optim import apply_updates
+from .optim._base import in_place
 
 __all__ = ["TrainState", "MixedPrecision", "TrainStep", "train_step", "STRATEGIES"]
 
@@ -157,7 +158,7 @@ class TrainStep:
         trainable = self.core.trainable(params)
         idx = [self.core.trained_index[k] for k in skip]  # positions in the tree, frozen leaves counted
         kept = _keep(trainable, opt_state, idx) if skip else None
-        step_ = getattr(self.opt, "step_", None)  # a user's (init, update) pair has none
+        step_ = in_place(self.opt, "step_")  # none for a user's (init, update), or one rebuilt with another update
         if step_ is not None:
             opt_state = step_(self.core.grads, opt_state, trainable)
         else:

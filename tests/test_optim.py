@@ -8,6 +8,7 @@ import optree
 import pytest
 import torch
 
+import shardfn as sf
 import shardfn.optim as O
 from shardfn.optim._norm import global_norm
 
@@ -427,3 +428,24 @@ def test_clip_by_global_norm_on_float64():
     updates, _ = opt.update(grads, opt.init(params), params)
     norm = math.sqrt(sum(float((u.double() ** 2).sum()) for u in updates.values()))
     assert abs(norm - 1.0) < 1e-5 and all(u.dtype == torch.float64 for u in updates.values())
+
+
+def rank_replaced_update() -> dict:
+    """A transformation rebuilt with another `update` (`opt._replace(update=...)`): the train step
+    runs that update, not the in-place step of the one it replaced."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    apply, params = sf.functionalize(model)
+    frozen_lr = sf.optim.sgd(0.1)._replace(update=sf.optim.sgd(0.0).update)
+    step = sf.train_step(lambda p, b: apply(p, b).pow(2).sum(), frozen_lr, sf.mesh(dp=-1))
+    state = step.init(params)
+    before = [x.full_tensor().clone() for x in optree.tree_leaves(state.params)]
+    state, _ = step(state, torch.randn(5, 4))
+    after = [x.full_tensor() for x in optree.tree_leaves(state.params)]
+    return {"unchanged": all(torch.equal(a, b) for a, b in zip(before, after)),
+            "own": sf.optim.sgd(0.1).step_ is not None}
+
+
+def test_a_replaced_update_is_the_one_that_runs(pools):
+    for out in pools(1).run(rank_replaced_update):
+        assert out["unchanged"] and out["own"], out

@@ -8,7 +8,7 @@ import torch
 from torch.optim.adam import adam as adam_functional
 from torch.optim.sgd import sgd as sgd_functional
 
-from ._base import GradientTransformation, OptState, Params, generic_step
+from ._base import GradientTransformation, InPlace, OptState, Params, generic_step
 from ._combine import Mask, chain, masked, resolve_mask
 from ._local import flatten, flatten_as, locals_
 from ._transforms import (
@@ -135,7 +135,7 @@ def _adam_family(
             state[-1].count.add_(1)
         return state
 
-    return opt._replace(step_=step_)
+    return opt._replace(step_=InPlace(step_, opt.update))
 
 
 def adam(
@@ -288,4 +288,4 @@ def sgd(
             state[-1].count.add_(1)
         return state
 
-    return opt._replace(step_=step_)
+    return opt._replace(step_=InPlace(step_, opt.update))

@@ -59,9 +59,29 @@ class EmptyState(NamedTuple):
     """The state of a stateless transformation."""
 
 
+class InPlace:
+    """An in-place form (``update_`` or ``step_``) of one ``update``: it is used in place of
+    `t.update` only while it is `t`'s own (`in_place`), so a transformation rebuilt with another
+    ``update`` (``opt._replace(update=...)``) never runs the old one's in-place step."""
+
+    __slots__ = ("fn", "of")
+
+    def __init__(self, fn: Callable, of: Callable):
+        self.fn, self.of = fn, of
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def in_place(t: Any, name: str) -> Optional[Callable]:
+    """`t`'s in-place form `name` ("update_" or "step_") if it was made for `t.update`, else None."""
+    f = getattr(t, name, None)
+    return f if isinstance(f, InPlace) and f.of is getattr(t, "update", None) else None
+
+
 def donating(t: GradientTransformation) -> Callable:
     """The update of `t` that may overwrite its updates and state: ``update_``, or ``update``."""
-    return getattr(t, "update_", None) or t.update
+    return in_place(t, "update_") or t.update
 
 
 def add_updates_(params: Params, updates: Updates) -> None:
@@ -94,7 +114,8 @@ def transformation(
     """
     pure = torch.no_grad()(update)
     donate = torch.no_grad()(update_) if update_ is not None else pure
-    return GradientTransformation(init, pure, donate, step_ if step_ is not None else generic_step(donate))
+    step_ = step_ if step_ is not None else generic_step(donate)
+    return GradientTransformation(init, pure, InPlace(donate, pure), InPlace(step_, pure))
 
 
 @torch.no_grad()
