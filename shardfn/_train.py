@@ -17,7 +17,6 @@ from torch.distributed.tensor import DTensor
 
 from . import _donate, _watch
 from ._core import STRATEGIES, GradientCore, MixedPrecision
-from ._core import _rng_state, _set_rng_state, model_info, trained_leaves  # noqa: F401 - also imported from here
 from ._state import TrainState
 from ._tree import tree_flatten_with_paths
 from .optim import apply_updates
