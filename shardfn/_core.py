@@ -147,7 +147,7 @@ class GradientCore:
         if strategy == "hybrid_shard":
             if mesh.ndim != 2:
                 raise ValueError(
-                    f"strategy='hybrid_shard' needs a 2-D mesh (replicate, shard), e.g. sf.mesh(replicate=2, shard=-1); got axes {names}"
+                    f"strategy='hybrid_shard' needs a 2-D mesh (replicate, shard), e.g. sf.mesh(replicate=-1, shard=-1) (shard within each node, replicate across nodes); got axes {names}"
                 )
             self.shard_axis, self.replicate_axis = names[1], names[0]
         else:

@@ -123,10 +123,17 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, timeou
 
 
 def _in_job() -> bool:
-    """Whether this process is already one rank of a multi-rank job (torchrun, a launched rank)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return True
-    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """Whether this process is already one rank of a multi-rank job (torchrun, a launched rank).
+
+    A partial torchrun environment is a `ValueError` (`_mesh.job_env`): launching fresh ranks from
+    it would hide a job that was meant to run across nodes.
+    """
+    from ._mesh import job_env
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    job = job_env()
+    return job is not None and job[1] > 1
 
 
 def _run_in_job(fn: Callable, args: tuple, kwargs: dict) -> list:

@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import math
 import os
+import socket
 import sys
 import weakref
 from typing import Any
@@ -17,14 +18,62 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from . import _collectives as C
 from . import _watch
 
-__all__ = ["mesh", "ensure_process_group", "mesh_group"]
+__all__ = ["mesh", "ensure_process_group", "mesh_group", "job_env"]
+
+# What `init_process_group`'s env:// rendezvous reads; torchrun sets all four on every rank.
+RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def job_env() -> "tuple[int, int, int | None] | None":
+    """The job this process's environment describes: `(rank, world size, ranks per node or None)`,
+    or None when it describes none (none of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is set).
+
+    Raises:
+        ValueError: some of those variables are set and others not, or one does not parse (a
+            script run with `python` where `torchrun` was meant, or a hand-made environment): a
+            process group started from it would wait for ranks that never come, or each process
+            would train alone. Raised before any process group starts.
+    """
+    env = os.environ
+    have = [k for k in RENDEZVOUS_ENV if k in env]
+    if not have:
+        return None
+    missing = [k for k in RENDEZVOUS_ENV if k not in env]
+    if missing:
+        raise ValueError(
+            f"the environment describes part of a distributed job: {', '.join(f'{k}={env[k]!r}' for k in have)} "
+            f"{'is' if len(have) == 1 else 'are'} set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+            "not. Start the script with torchrun (which sets all of "
+            f"{', '.join(RENDEZVOUS_ENV)} on every rank), set the missing ones, or unset {', '.join(have)} to run "
+            "as one process"
+        )
+
+    def integer(name: str, low: int, high: int | None = None) -> int:
+        try:
+            v = int(env[name])
+        except ValueError:
+            v = None
+        if v is None or v < low or (high is not None and v > high):
+            bound = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
+            raise ValueError(f"{name}={env[name]!r} in the environment: it must be {bound}. Start the script with "
+                             "torchrun, which sets it")
+        return v
+
+    world = integer("WORLD_SIZE", 1)
+    rank = integer("RANK", 0, world - 1)
+    integer("MASTER_PORT", 1, 65535)
+    local = integer("LOCAL_WORLD_SIZE", 1, world) if "LOCAL_WORLD_SIZE" in env else None
+    if local is not None and "LOCAL_RANK" in env:
+        integer("LOCAL_RANK", 0, local - 1)
+    return rank, world, local
 
 
 def ensure_process_group() -> None:
     """Starts the default process group if none is running.
 
-    Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) it joins the job: NCCL when CUDA is available,
-    else gloo. With no distributed environment at all it starts a one-rank group in memory (NCCL
+    Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, on one node or several) it
+    joins the job: NCCL when CUDA is available, else gloo; some of those set and others not is a
+    `ValueError` (`job_env`), raised before anything starts. With no distributed environment at all it starts a one-rank group in memory (NCCL
     for CUDA tensors and gloo for CPU ones when CUDA is available, else gloo), so that a script or
     notebook runs unchanged on one process.
 
@@ -34,11 +83,12 @@ def ensure_process_group() -> None:
     """
     if dist.is_initialized():
         return
+    job = job_env()
     backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = _watch.collective_timeout()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if job is not None:
         dist.init_process_group(backend, timeout=timeout)
         _watch.PG_TIMEOUT_S = timeout.total_seconds()
         _watch.start()
@@ -67,38 +117,140 @@ def _destroy_at_exit(group: Any) -> None:
 def mesh(**axes: int) -> DeviceMesh:
     """Builds a named device mesh over all ranks.
 
-    Axis sizes are given by name, in mesh order (major first); one size may be -1, meaning "the rest".
-    The mesh is on CUDA (NCCL) when GPUs are present, else on CPU (gloo).
+    Axis sizes are given by name, in mesh order (major first). One size may be -1, meaning "the
+    rest". Two sizes may be -1 for a mesh laid out by node (Note [node layout]): the second -1 axis
+    and the axes after it span the ranks of one node, the axes before it span the nodes; so
+    `sf.mesh(replicate=-1, shard=-1)` shards within each node and replicates across nodes, the
+    layout for `strategy="hybrid_shard"` on several nodes. The mesh is on CUDA (NCCL) when GPUs are
+    present, else on CPU (gloo).
 
     Args:
-        **axes: axis name -> size, e.g. `dp=-1`, or `replicate=2, shard=-1` for hybrid sharding.
+        **axes: axis name -> size, e.g. `dp=-1`, or `replicate=-1, shard=-1` for hybrid sharding.
 
     Returns:
         A `torch.distributed.device_mesh.DeviceMesh` with those axis names.
 
+    Raises:
+        ValueError: sizes that do not fit the job's world size (or its ranks per node), or a partial
+            torchrun environment; raised before the process group starts when it is not running yet.
+
     Example:
         >>> mesh = sf.mesh(dp=-1)
+        >>> mesh = sf.mesh(replicate=-1, shard=-1)   # shard within each node, replicate across nodes
         >>> mesh = sf.mesh(replicate=2, shard=-1)
     """
     if not axes:
         raise ValueError("sf.mesh needs at least one axis, e.g. sf.mesh(dp=-1)")
-    ensure_process_group()
-    world = dist.get_world_size()
-    sizes = list(axes.values())
+    call = "sf.mesh(" + ", ".join(f"{n}={s!r}" for n, s in axes.items()) + ")"
     for name, s in axes.items():
-        if not isinstance(s, int) or (s < 1 and s != -1):
-            raise ValueError(f"mesh axis {name!r} has size {s!r}: sizes are positive ints, or -1 for the rest")
-    if sizes.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got {axes}")
-    known = math.prod(s for s in sizes if s != -1)
-    if -1 in sizes:
-        if world % known:
-            raise ValueError(f"mesh {axes}: {world} ranks are not divisible by {known}")
-        sizes[sizes.index(-1)] = world // known
-    if math.prod(sizes) != world:
-        raise ValueError(f"mesh {axes} has {math.prod(sizes)} ranks but the job has {world}; use -1 for one axis")
+        if isinstance(s, bool) or not isinstance(s, int) or (s < 1 and s != -1):
+            raise ValueError(f"{call}: axis {name!r} has size {s!r}: sizes are positive ints, or -1 for the rest")
+    sizes = list(axes.values())
+    rest = [i for i, s in enumerate(sizes) if s == -1]
+    if len(rest) > 2:
+        raise ValueError(f"{call}: at most two axes may be -1 (one: the rest of the ranks; two: the nodes, then the "
+                         "ranks of a node)")
+    # Everything that can be checked before the process group starts is (a job that does not fit
+    # the mesh fails at once, not after the rendezvous).
+    if dist.is_initialized():
+        world, local = dist.get_world_size(), None
+    else:
+        job = job_env()
+        world, local = (1, 1) if job is None else (job[1], job[2])
+    if len(rest) == 2:
+        _check_node_sizes(call, list(axes), sizes, rest, world, local)
+        ensure_process_group()
+        nodes = _nodes(call)
+        sizes = _node_sizes(call, list(axes), sizes, rest, nodes)
+        layout = torch.tensor([r for node in nodes for r in node]).reshape(sizes)
+    else:
+        known = math.prod(s for s in sizes if s != -1)
+        if rest:
+            if world % known:
+                raise ValueError(
+                    f"{call}: the axes of fixed size take {known} ranks, which do not divide the job's {world}: "
+                    f"start the job with a multiple of {known} ranks, or change the fixed sizes"
+                )
+            sizes[rest[0]] = world // known
+        elif known != world:
+            raise ValueError(
+                f"{call} has {known} ranks but the job has {world}: give sizes whose product is {world}, "
+                "or -1 for one axis (the rest of the ranks)"
+            )
+        ensure_process_group()
+        layout = None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device, tuple(sizes), mesh_dim_names=tuple(axes))
+    if layout is None or torch.equal(layout.flatten(), torch.arange(layout.numel())):
+        return init_device_mesh(device, tuple(sizes), mesh_dim_names=tuple(axes))
+    return DeviceMesh(device, layout, mesh_dim_names=tuple(axes))
+
+
+# Note [node layout]
+# ~~~~~~~~~~~~~~~~~~
+# On several nodes, collectives within a node run over its fast links (NVLink, shared memory) and
+# collectives across nodes over the network, several times slower. Hybrid sharding puts the
+# frequent, large traffic (every unit's all-gather and reduce-scatter) on the shard axis and only
+# one gradient all-reduce per step on the replicate axis, so the shard axis should be the ranks of
+# one node and the replicate axis should span the nodes: FSDP's HYBRID_SHARD does this by default,
+# and torchtitan builds `init_device_mesh(("dp_replicate", "dp_shard"))` with dp_shard the GPUs
+# of a node. `sf.mesh(replicate=-1, shard=-1)` asks for it without the sizes: the second -1 axis,
+# with the axes after it, spans one node's ranks; the axes before it span the nodes.
+#
+# Which ranks share a node is asked, not assumed: each rank says which node it is on (torchrun's
+# GROUP_RANK, the node's rank in the rendezvous; the host name where it is not set, as under
+# mpirun) in one object all-gather when the mesh is built. Nodes are ordered by their lowest rank
+# and each node's ranks in order; torchrun numbers ranks node by node, so this is the plain
+# `init_device_mesh` layout there, and any other numbering still gets one node per shard group.
+# Every node must hold the same number of ranks (torchrun's --nproc-per-node); LOCAL_WORLD_SIZE
+# lets sizes that cannot fit be refused before the process group starts, the gathered layout
+# refuses what remains (nodes of different sizes) the same way on every rank.
+
+
+def _check_node_sizes(call: str, names: list[str], sizes: list[int], rest: list[int], world: int, local: int | None) -> None:
+    """What can be checked of a node-laid-out mesh before the process group starts."""
+    if local is None:
+        return
+    inner = math.prod(sizes[rest[1] + 1:])
+    outer = math.prod(s for s in sizes[:rest[1]] if s != -1)
+    fix = "give the sizes explicitly (one of them may be -1)"
+    if world % local:
+        raise ValueError(f"{call}: axis {names[rest[1]]!r} spans the ranks of one node ({local}, LOCAL_WORLD_SIZE), but "
+                         f"the job's {world} ranks (WORLD_SIZE) are not a whole number of nodes: start every node with "
+                         "the same --nproc-per-node, or give the sizes explicitly")
+    if local % inner:
+        raise ValueError(f"{call}: the axes after {names[rest[1]]!r} take {inner} ranks, which do not divide the {local} "
+                         f"ranks of a node (LOCAL_WORLD_SIZE): make them divide it, or {fix}")
+    if (world // local) % outer:
+        raise ValueError(f"{call}: the axes of fixed size before {names[rest[1]]!r} take {outer} nodes, which do not "
+                         f"divide the job's {world // local} nodes ({world} ranks, {local} per node): start a multiple "
+                         f"of {outer} nodes, or {fix}")
+
+
+def _nodes(call: str) -> list[list[int]]:
+    """The ranks of each node, nodes in order of their lowest rank (Note [node layout])."""
+    node = os.environ.get("GROUP_RANK")
+    key = ("node", node) if node is not None else ("host", socket.gethostname())
+    keys = C.all_gather_object(key, f"{call} (finding the ranks of each node)")
+    groups: dict = {}
+    for r, k in enumerate(keys):
+        groups.setdefault(k, []).append(r)
+    return sorted(groups.values())
+
+
+def _node_sizes(call: str, names: list[str], sizes: list[int], rest: list[int], nodes: list[list[int]]) -> list[int]:
+    """The sizes of a node-laid-out mesh, from the ranks of each node (the same on every rank)."""
+    counts = sorted({len(n) for n in nodes})
+    if len(counts) > 1:
+        raise ValueError(f"{call}: the nodes hold different numbers of ranks ({', '.join(str(len(n)) for n in nodes)}); a "
+                         "mesh laid out by node needs the same number on each: start every node with the same "
+                         "--nproc-per-node, or give the sizes explicitly")
+    local, n = counts[0], len(nodes)
+    _check_node_sizes(call, names, sizes, rest, local * n, local)
+    sizes = list(sizes)
+    sizes[rest[1]] = local // math.prod(sizes[rest[1] + 1:])
+    sizes[rest[0]] = 1
+    sizes[rest[0]] = n // math.prod(sizes[:rest[1]])
+    return sizes
 
 
 # Note [mesh groups]

@@ -1,0 +1,234 @@
+"""Several nodes: the torchrun recipe run as two agents on localhost, the node layout of
+`sf.mesh(replicate=-1, shard=-1)` (Note [node layout] in `shardfn/_mesh.py`), and the errors for a
+job that does not fit the mesh or an environment that describes part of a job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardfn as sf
+from reference import OPT, Reference, global_batch, local_batch, make_loss_fn, make_model, rel_err, units_of
+from shardfn import _launch
+
+HERE = Path(__file__).parent
+NODES, PER_NODE = 2, 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Ends the agents started here and their workers, by pid: SIGTERM (an agent stops its
+    workers), then SIGKILL for whatever is left."""
+    import psutil
+
+    mine = []
+    for p in procs:
+        try:
+            mine += [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    for proc in mine:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(mine, timeout=5)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs:
+        p.wait(timeout=10)
+
+
+def test_two_torchrun_nodes_train_as_one_process_on_the_global_batch(tmp_path):
+    """The README's recipe, both "nodes" on localhost: `torchrun --nnodes 2 --nproc-per-node 2` with
+    c10d rendezvous, started twice. hybrid_shard on sf.mesh(replicate=-1, shard=-1) shards within
+    each node and replicates across them; it and full_shard over all four ranks match one process
+    training on the concatenated batch; sf.launch returns every rank's result; sf.describe works."""
+    out = tmp_path / "results.pt"
+    env = dict(os.environ, SHARDFN_TIMEOUT="20", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{_free_port()}", "--rdzv-id", uuid.uuid4().hex,
+           "--rdzv-conf", "join_timeout=60", str(HERE / "multinode_script.py"), str(out)]
+    logs = [tmp_path / f"node{n}.log" for n in range(NODES)]
+    procs = []
+    try:
+        for log in logs:
+            with open(log, "w") as f:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path))
+        deadline = time.monotonic() + 120  # start-up is most of it; a hang fails here, not at the suite's timeout
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _stop(procs)
+        pytest.fail("the two torchrun agents did not finish in 120 s:\n" + "\n".join(log.read_text()[-3000:] for log in logs))
+    text = "\n".join(f"--- node {n}:\n{log.read_text()[-3000:]}" for n, log in enumerate(logs))
+    assert [p.returncode for p in procs] == [0, 0], text
+
+    results = torch.load(out, weights_only=False)
+    world = NODES * PER_NODE
+    assert [r["env"]["RANK"] for r in results] == [str(r) for r in range(world)], text  # sf.launch: every rank, in order
+    node_of = {int(r["env"]["RANK"]): r["env"]["GROUP_RANK"] for r in results}
+    assert sorted(set(node_of.values())) == ["0", "1"], node_of  # two agents, two "nodes"
+    for rank, r in enumerate(results):
+        # Shard within the node, replicate across the nodes (Note [node layout]).
+        assert r["groups"]["shard"] == [q for q in range(world) if node_of[q] == node_of[rank]], (rank, r["groups"])
+        assert [node_of[q] for q in r["groups"]["replicate"]] == ["0", "1"], (rank, r["groups"])
+        assert r["layout"] == [[0, 1], [2, 3]], r["layout"]
+        assert r["hybrid_shard"]["describe"].startswith(f"mesh replicate=2 x shard=2, rank {rank}\n"), r["hybrid_shard"]["describe"]
+        assert r["full_shard"]["describe"].startswith(f"mesh dp=4, rank {rank}\n"), r["full_shard"]["describe"]
+
+    # The single-process reference: the unsharded model, torch's AdamW, the concatenated batch.
+    from multinode_script import STEPS
+
+    ref = Reference(make_model("gpt"), "gpt")
+    ref_losses = [ref.step(global_batch("gpt", i, world))[0] for i in range(STEPS)]
+    want = ref.state_dict()
+    for strategy in ("hybrid_shard", "full_shard"):
+        for r in results:
+            errs = [abs(a - b) / abs(b) for a, b in zip(r[strategy]["losses"], ref_losses)]
+            assert len(errs) == STEPS and max(errs) < 1e-5, (strategy, r[strategy]["losses"], ref_losses)
+        got = results[0][strategy]["params"]
+        err = max(rel_err(got[n], want[n]) for n in want)
+        assert err < 1e-5, (strategy, err)
+
+
+# ---- the node layout, on one machine's ranks ------------------------------------------------------
+
+
+def rank_node_layouts() -> dict:
+    """sf.mesh(replicate=-1, shard=-1) under the node numbers torchrun would give (GROUP_RANK), and
+    a hybrid step on a layout whose nodes are not contiguous blocks of ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    old = os.environ.pop("GROUP_RANK", None)
+    out: dict = {}
+    try:
+        m = sf.mesh(replicate=-1, shard=-1)  # no GROUP_RANK: one host, one node
+        out["one host"] = m.mesh.tolist()
+        for name, node in [("blocks", rank // 2), ("strided", rank % 2), ("uneven", int(rank == 3))]:
+            os.environ["GROUP_RANK"] = str(node)
+            try:
+                m = sf.mesh(replicate=-1, shard=-1)
+            except ValueError as e:
+                out[name] = str(e)
+                continue
+            out[name] = (m.mesh.tolist(), dist.get_process_group_ranks(m.get_group("shard")))
+        os.environ["GROUP_RANK"] = str(rank // 2)
+        out["pp"] = sf.mesh(pp=2, replicate=-1, shard=-1).mesh.tolist()
+
+        # hybrid_shard on the strided layout: shards over {0, 2} and {1, 3}, equal to the reference.
+        os.environ["GROUP_RANK"] = str(rank % 2)
+        mesh = sf.mesh(replicate=-1, shard=-1)
+        model = make_model("mlp")
+        ref = Reference(model, "mlp")
+        apply, params = sf.functionalize(model, units=units_of("mlp"))
+        step = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), mesh, strategy="hybrid_shard")
+        state = step.init(params)
+        errs = []
+        for i in range(2):
+            batch = global_batch("mlp", i, world)
+            state, metrics = step(state, local_batch(batch, rank, world))
+            errs.append(abs(metrics["loss"].item() - ref.step(batch)[0]))
+        full = sf.to_state_dict(sf.gather(state.params), apply)
+        errs += [rel_err(full[n], t) for n, t in ref.state_dict().items()]
+        out["strided step"] = max(errs)
+    finally:
+        os.environ.pop("GROUP_RANK", None)
+        if old is not None:
+            os.environ["GROUP_RANK"] = old
+    return out
+
+
+def test_a_mesh_laid_out_by_node_shards_within_each_node(pools):
+    res = pools(4).run(rank_node_layouts)
+    for rank, r in enumerate(res):
+        assert r["one host"] == [[0, 1, 2, 3]], r
+        assert r["blocks"] == ([[0, 1], [2, 3]], [0, 1] if rank < 2 else [2, 3]), r
+        assert r["strided"] == ([[0, 2], [1, 3]], [0, 2] if rank % 2 == 0 else [1, 3]), r
+        assert "the nodes hold different numbers of ranks (3, 1)" in r["uneven"] and "--nproc-per-node" in r["uneven"], r
+        assert r["pp"] == [[[0, 1]], [[2, 3]]], r
+        assert r["strided step"] < 1e-5, r
+
+
+# ---- errors before anything starts ---------------------------------------------------------------
+
+
+@pytest.fixture
+def no_group(monkeypatch):
+    """A process without a process group, where starting one fails the test: every error below must
+    come before that."""
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+
+    def never(*a, **k):
+        raise AssertionError("a process group was started")
+
+    monkeypatch.setattr(dist, "init_process_group", never)
+    monkeypatch.setattr(_launch, "_spawn", never)
+    return monkeypatch
+
+
+JOB = dict(RANK="0", WORLD_SIZE="4", MASTER_ADDR="node0", MASTER_PORT="29500")
+
+
+@pytest.mark.parametrize("env, says", [
+    (dict(RANK="1"), "RANK='1' is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not"),
+    (dict(RANK="0", WORLD_SIZE="4"), "RANK='0', WORLD_SIZE='4' are set but MASTER_ADDR, MASTER_PORT are not"),
+    (dict(MASTER_ADDR="node0", MASTER_PORT="29500"), "are set but RANK, WORLD_SIZE are not"),
+    (dict(JOB, RANK="4"), "RANK='4' in the environment: it must be an int in [0, 3]"),
+    (dict(JOB, WORLD_SIZE="four"), "WORLD_SIZE='four' in the environment: it must be an int >= 1"),
+    (dict(JOB, MASTER_PORT="0"), "MASTER_PORT='0'"),
+    (dict(JOB, LOCAL_WORLD_SIZE="8"), "LOCAL_WORLD_SIZE='8' in the environment: it must be an int in [1, 4]"),
+])
+def test_a_partial_torchrun_environment_is_refused_before_anything_starts(no_group, env, says):
+    for k, v in env.items():
+        no_group.setenv(k, v)
+    for call in (lambda: sf.mesh(dp=-1), lambda: sf.launch(print)):
+        with pytest.raises(ValueError) as info:
+            call()
+        assert says in str(info.value), info.value
+        assert "torchrun" in str(info.value), info.value
+
+
+@pytest.mark.parametrize("world, local, axes, says", [
+    (6, 2, dict(replicate=4, shard=-1), "sf.mesh(replicate=4, shard=-1): the axes of fixed size take 4 ranks, which do "
+                                        "not divide the job's 6: start the job with a multiple of 4 ranks"),
+    (6, 2, dict(replicate=2, shard=2), "sf.mesh(replicate=2, shard=2) has 4 ranks but the job has 6: give sizes whose "
+                                       "product is 6"),
+    (6, 4, dict(replicate=-1, shard=-1), "axis 'shard' spans the ranks of one node (4, LOCAL_WORLD_SIZE), but the job's "
+                                         "6 ranks (WORLD_SIZE) are not a whole number of nodes"),
+    (8, 4, dict(replicate=-1, shard=-1, tp=3), "the axes after 'shard' take 3 ranks, which do not divide the 4 ranks of a node"),
+    (8, 4, dict(pp=3, replicate=-1, shard=-1), "take 3 nodes, which do not divide the job's 2 nodes (8 ranks, 4 per node)"),
+    (8, 4, dict(a=-1, b=-1, c=-1), "at most two axes may be -1"),
+    (8, 4, dict(dp=0), "axis 'dp' has size 0"),
+])
+def test_a_job_that_does_not_fit_the_mesh_is_refused_before_anything_starts(no_group, world, local, axes, says):
+    for k, v in dict(JOB, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local)).items():
+        no_group.setenv(k, v)
+    with pytest.raises(ValueError) as info:
+        sf.mesh(**axes)
+    assert says in str(info.value), info.value
+
+
+def test_one_process_gets_a_one_rank_node_mesh():
+    m = sf.mesh(replicate=-1, shard=-1)
+    assert m.mesh.tolist() == [[0]] and m.mesh_dim_names == ("replicate", "shard")
