@@ -272,7 +272,8 @@ def train_step(
         specs: a tree of `P` like `params` (default: `sf.specs(params, mesh)`).
         strategy: "full_shard", "shard_grad_op" (no re-gather in backward), "no_shard" (DDP), or
             "hybrid_shard" (on `sf.mesh(replicate=R, shard=S)`: shard within the shard axis,
-            all-reduce gradients across the replicate axis).
+            all-reduce gradients across the replicate axis; `sf.mesh(replicate=-1, shard=-1)`
+            shards within each node and replicates across nodes).
         mixed_precision: dtypes for compute, reduction and buffers, or None.
         remat: recompute unit activations in backward: True for every unit, or a regex (or list)
             over unit names.
