@@ -35,7 +35,7 @@ def test_mesh_one_rank_without_environment(mesh):
     assert mesh.size() == 1 and mesh.mesh_dim_names == ("dp",)
     assert sf.mesh(replicate=1, shard=-1).mesh_dim_names == ("replicate", "shard")
     with pytest.raises(ValueError, match="-1"):
-        sf.mesh(a=-1, b=-1)
+        sf.mesh(a=-1, b=-1, c=-1)  # two: the nodes, then the ranks of a node (Note [node layout])
     with pytest.raises(ValueError, match="ranks"):
         sf.mesh(dp=2)
 
