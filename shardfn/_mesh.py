@@ -188,13 +188,14 @@ def mesh(**axes: int) -> DeviceMesh:
 # Note [node layout]
 # ~~~~~~~~~~~~~~~~~~
 # On several nodes, collectives within a node run over its fast links (NVLink, shared memory) and
-# collectives across nodes over the network, several times slower. Hybrid sharding puts the
+# collectives across nodes over the network, which is slower. Hybrid sharding puts the
 # frequent, large traffic (every unit's all-gather and reduce-scatter) on the shard axis and only
 # one gradient all-reduce per step on the replicate axis, so the shard axis should be the ranks of
-# one node and the replicate axis should span the nodes: FSDP's HYBRID_SHARD does this by default,
-# and torchtitan builds `init_device_mesh(("dp_replicate", "dp_shard"))` with dp_shard the GPUs
-# of a node. `sf.mesh(replicate=-1, shard=-1)` asks for it without the sizes: the second -1 axis,
-# with the axes after it, spans one node's ranks; the axes before it span the nodes.
+# one node and the replicate axis should span the nodes. FSDP's HYBRID_SHARD makes these groups
+# by default (shard groups of a node's device count); FSDP2 and torchtitan take an
+# `init_device_mesh(..., ("dp_replicate", "dp_shard"))` whose sizes the user sets. Here
+# `sf.mesh(replicate=-1, shard=-1)` asks for the node layout without the sizes: the second -1
+# axis, with the axes after it, spans one node's ranks; the axes before it span the nodes.
 #
 # Which ranks share a node is asked, not assumed: each rank says which node it is on (torchrun's
 # GROUP_RANK, the node's rank in the rendezvous; the host name where it is not set, as under
