@@ -26,7 +26,9 @@ RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 def job_env() -> "tuple[int, int, int | None] | None":
     """The job this process's environment describes: `(rank, world size, ranks per node or None)`,
-    or None when it describes none (none of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is set).
+    or None when it describes none (neither RANK nor WORLD_SIZE is set: MASTER_ADDR and MASTER_PORT
+    alone, which some shells and cluster templates export, say where a job would meet, not that
+    this process is one rank of one; a single process then runs on its own one-rank group).
 
     Raises:
         ValueError: some of those variables are set and others not, or one does not parse (a
@@ -36,7 +38,7 @@ def job_env() -> "tuple[int, int, int | None] | None":
     """
     env = os.environ
     have = [k for k in RENDEZVOUS_ENV if k in env]
-    if not have:
+    if "RANK" not in env and "WORLD_SIZE" not in env:
         return None
     missing = [k for k in RENDEZVOUS_ENV if k not in env]
     if missing:

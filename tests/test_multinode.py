@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import shardfn as sf
 from reference import OPT, Reference, global_batch, local_batch, make_loss_fn, make_model, rel_err, units_of
-from shardfn import _launch
+from shardfn import _launch, _mesh
 
 HERE = Path(__file__).parent
 NODES, PER_NODE = 2, 2
@@ -193,7 +193,7 @@ JOB = dict(RANK="0", WORLD_SIZE="4", MASTER_ADDR="node0", MASTER_PORT="29500")
 @pytest.mark.parametrize("env, says", [
     (dict(RANK="1"), "RANK='1' is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not"),
     (dict(RANK="0", WORLD_SIZE="4"), "RANK='0', WORLD_SIZE='4' are set but MASTER_ADDR, MASTER_PORT are not"),
-    (dict(MASTER_ADDR="node0", MASTER_PORT="29500"), "are set but RANK, WORLD_SIZE are not"),
+    (dict(WORLD_SIZE="4", MASTER_ADDR="node0", MASTER_PORT="29500"), "are set but RANK is not"),
     (dict(JOB, RANK="4"), "RANK='4' in the environment: it must be an int in [0, 3]"),
     (dict(JOB, WORLD_SIZE="four"), "WORLD_SIZE='four' in the environment: it must be an int >= 1"),
     (dict(JOB, MASTER_PORT="0"), "MASTER_PORT='0'"),
@@ -227,6 +227,14 @@ def test_a_job_that_does_not_fit_the_mesh_is_refused_before_anything_starts(no_g
     with pytest.raises(ValueError) as info:
         sf.mesh(**axes)
     assert says in str(info.value), info.value
+
+
+def test_master_address_alone_is_one_process(no_group):
+    # Some shells and cluster templates export MASTER_ADDR/MASTER_PORT: without RANK and WORLD_SIZE
+    # they describe no job, and the process is a job of its own.
+    no_group.setenv("MASTER_ADDR", "node0")
+    no_group.setenv("MASTER_PORT", "29500")
+    assert _mesh.job_env() is None
 
 
 def test_one_process_gets_a_one_rank_node_mesh():
