@@ -128,7 +128,7 @@ def layout_mesh():
 
 
 def rank_layouts() -> dict:
-    from torch.func import jacrev, jvp, vjp, vmap
+    from torch.func import grad, jacrev, jvp, vjp, vmap
 
     from shardfn._spec import local_slices
 
@@ -170,7 +170,13 @@ def rank_layouts() -> dict:
         if x.grad.placements != dts[p].placements:
             out["bad"].append(f"grad placements {p}")
         check(f"grad {p}", x.grad.to_local(), (factor * flat[p])[local_slices(spec_of[p], mesh, x.shape)], exact=False)
-    # vjp (same cotangent on every rank: the cotangent itself), jvp, jacrev, vmap.
+    # torch.func.grad (same data on every rank: the unsharded gradient), vjp (same cotangent on
+    # every rank: the cotangent itself), jvp, jacrev, vmap.
+    gs = grad(lambda t: sum((a * b).sum() for a, b in zip(optree.tree_leaves(sf.gather(t)), optree.tree_leaves(params))))(sharded)
+    for p, x in zip(paths, optree.tree_leaves(gs)):
+        if x.placements != dts[p].placements:
+            out["bad"].append(f"func.grad placements {p}")
+        check(f"func.grad {p}", x.full_tensor(), flat[p], exact=False)
     _, pull = vjp(sf.gather, sharded)
     (cot,) = pull(params)
     for p, x in zip(paths, optree.tree_leaves(cot)):
