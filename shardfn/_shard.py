@@ -31,8 +31,10 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
     """Shards a full parameter tree over `mesh`: a tree of DTensors holding only local shards.
 
     Every rank must hold the same full values (e.g. the same seed); each keeps its own shards, so no
-    communication happens. Dims that the axis size does not divide are split as `torch.chunk`
-    does, and a rank may hold an empty shard.
+    communication happens. Every layout a spec can say is honored: a dim over several axes is split
+    nested, the first axis the major one (Note [layouts of a spec] in `shardfn/_spec.py`); dims
+    that the axes' sizes do not divide are split as `torch.chunk` does, and a rank may hold an
+    empty shard. A tree of DTensors is redistributed to the specs' layouts.
 
     Args:
         params: the full parameter tree.

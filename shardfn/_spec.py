@@ -33,6 +33,8 @@ class P(tuple):
         P('dp', None)
     """
 
+    __slots__ = ()
+
     def __new__(cls, *entries: Any) -> "P":
         norm = []
         seen: set[str] = set()

@@ -28,6 +28,8 @@ def test_p_is_an_immutable_hashable_validated_leaf():
     assert sf.P(("a", "b"), None).axes == ("a", "b")
     with pytest.raises(TypeError):
         p[0] = "x"  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        p.extra = 1  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="appears twice"):
         sf.P("dp", "dp")
     with pytest.raises(ValueError, match="entry 0"):
