@@ -24,9 +24,11 @@ _Entry = "str | tuple[str, ...] | None"
 class P(tuple):
     """A partition spec, as in JAX: one entry per tensor dim naming the mesh axis it is split over.
 
-    Each entry is a mesh axis name, a tuple of axis names (the dim is split over all of them, the
-    first major), or `None` (not split). Trailing dims without an entry are not split; `P()` is
-    fully replicated. `P` is immutable and hashable.
+    Each entry is a mesh axis name, a tuple of axis names (the dim is split over all of them,
+    nested, the first the major one, in any order: Note [layouts of a spec]), or `None` (not
+    split). Trailing dims without an entry are not split; `P()` is fully replicated. Sizes the axes
+    do not divide are split as `torch.chunk` does. `P` is immutable and hashable; a mesh axis named
+    twice is a `ValueError`.
 
     Example:
         >>> P("dp", None)
@@ -48,11 +50,15 @@ class P(tuple):
                 e = e[0] if len(e) == 1 else e
             else:
                 raise ValueError(
-                    f"P entry {i} is {e!r}: each entry must be a mesh axis name, a tuple of names, or None"
+                    f"P entry {i} is {e!r}: each entry must be a mesh axis name, a tuple of names, or None, "
+                    "e.g. P('dp', None) or P(('dp', 'tp'))"
                 )
             for a in axes:
                 if a in seen:
-                    raise ValueError(f"mesh axis {a!r} appears twice in P{tuple(entries)!r}: a mesh axis splits one dim")
+                    raise ValueError(
+                        f"mesh axis {a!r} appears twice in P{tuple(entries)!r}: a mesh axis splits at most one dim. Name it "
+                        "once; to split one dim over several axes give them as one tuple entry, e.g. P(('dp', 'tp'), None)"
+                    )
                 seen.add(a)
             norm.append(e)
         return super().__new__(cls, norm)

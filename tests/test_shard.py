@@ -197,10 +197,12 @@ def rank_layouts() -> dict:
     with torch.no_grad():
         out["apply"] = rel_err(apply(sharded, x), twin(x))
 
-    # A sharded tree resharded into another layout (sf.shard of DTensors: DTensor's redistribute).
-    flipped = sf.shard(sharded, sf.specs(params, mesh, rules=LAYOUTS[mesh.ndim][::-1]), mesh)
-    for p, x in zip(paths, optree.tree_leaves(flipped)):
-        check(f"reshard {p}", x.full_tensor(), flat[p])
+    # A sharded tree resharded to P("dp") and back (sf.shard of DTensors: DTensor's redistribute).
+    plain = sf.shard(sharded, sf.specs(params, mesh), mesh)
+    back = sf.shard(plain, specs, mesh)
+    for p, x, y in zip(paths, optree.tree_leaves(plain), optree.tree_leaves(back)):
+        check(f"reshard {p}", x.to_local(), flat[p][local_slices(sf.P("dp"), mesh, x.shape)])
+        check(f"reshard back {p}", y.to_local(), dts[p].to_local())
 
     # Meta-device init straight into every layout.
     torch.manual_seed(0)
