@@ -96,7 +96,8 @@ def _mesh_axes(mesh: DeviceMesh) -> tuple[str, ...]:
 
 
 def check_spec(path: str, leaf: Any, spec: Any, mesh: DeviceMesh) -> None:
-    """Raises a ValueError naming the leaf path, shape, spec and mesh axes if `spec` cannot apply."""
+    """Raises a ValueError naming the leaf path, shape, spec and mesh axes, with the fix, if `spec`
+    cannot apply; NotImplementedError where DTensor cannot lay this shape out as the spec says."""
     axes = _mesh_axes(mesh)
     shape = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None
 
