@@ -145,13 +145,13 @@ def test_placements_for_every_spec_match_the_nested_split():
     assert placements_for(sf.P(None, "tp"), mesh) == (Replicate(), Shard(1))
     with pytest.raises(TypeError, match="shape="):
         placements_for(sf.P(("tp", "dp")), mesh)
-    # Every spec of one dim over two or three axes, sizes 1-3 (2-3 for three axes), 0..10 rows: where
+    # Every spec of one dim over one or two axes (sizes 1-3) or three (sizes 2-3), 0..10 rows: where
     # placements_for answers, DTensor's own split of every rank is the spec's nested split.
     answered = refused = 0
     for axes, choices in ((("dp", "tp"), (1, 2, 3)), (("a", "b", "c"), (2, 3))):
         for sizes in itertools.product(choices, repeat=len(axes)):
             m = _virtual_mesh(**dict(zip(axes, sizes)))
-            for k in range(1, len(axes) + 1):
+            for k in range(1 if len(axes) == 2 else 3, len(axes) + 1):
                 for order in itertools.permutations(axes, k):
                     for n in range(11):
                         spec = sf.P(order)
