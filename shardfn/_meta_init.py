@@ -37,6 +37,8 @@ counter; changes through `.data` cannot be seen, so the docs say to do everythin
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -45,15 +47,17 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _collectives as C
 
-__all__ = ["meta_device", "materialize", "has_meta", "capture"]
+__all__ = ["meta_device", "materialize", "has_meta", "capture", "EMPTY", "check_init", "empty_shard", "empty_buffers"]
 
 aten = torch.ops.aten
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 # Operations that write all of their first argument without reading it (Note [meta init]).
 _OVERWRITE = {
@@ -151,10 +155,24 @@ def _covers(r: _Ref, nbytes: int) -> bool:
     return True
 
 
+def _where() -> str:
+    """The construction code running now: the innermost frame outside torch and shardfn, and the
+    module whose method it is (for refusals)."""
+    f = sys._getframe(1)
+    while f is not None and (f.f_code.co_filename.startswith(_TORCH_DIR) or f.f_code.co_filename.startswith(_OWN_DIR)
+                             or f.f_code.co_filename.startswith("<")):
+        f = f.f_back
+    if f is None:
+        return ""
+    owner = f.f_locals.get("self")
+    who = f"{type(owner).__name__}.{f.f_code.co_name}" if isinstance(owner, nn.Module) else f.f_code.co_name
+    return f" in {who} ({f.f_code.co_filename}:{f.f_lineno})"
+
+
 def _refuse(what: str) -> NotImplementedError:
     return NotImplementedError(
-        f"sf.meta_device() cannot record this construction exactly: {what}. Build the module eagerly, or move "
-        "this out of the module's construction (Note [meta init] in shardfn/_meta_init.py)"
+        f"sf.meta_device() cannot record this construction exactly{_where()}: {what}. Build the module eagerly, "
+        "or move this out of the module's construction (Note [meta init] in shardfn/_meta_init.py)"
     )
 
 
@@ -204,7 +222,8 @@ class _Recorder(TorchDispatchMode):
             if not isinstance(x, torch.Tensor):
                 return x
             if not isinstance(x, FakeTensor) and not x.is_meta:
-                return _Const(x.detach().clone())
+                with unset_fake_temporarily():  # a real copy, not a fake one (the fake mode is below this one)
+                    return _Const(x.detach().clone())
             r = rec.ref(x)
             if id(x) not in written_ids:
                 reads.add(r.s)
@@ -235,6 +254,34 @@ class _Recorder(TorchDispatchMode):
             return out  # a view (or a query): references already say where its values are
         rec.ops.append(_Op(func, targs, tkwargs, outs, reads, writes, full, random, torch.get_default_dtype()))
         return out
+
+
+# Initializers recorded as one operation each and replayed by calling them for real (Note [meta
+# init]): they branch on the values they draw, which fake tensors do not have. Each writes every
+# element of its first argument without reading it; patched where torch.nn.init looks them up, so
+# calls through any alias of the public function (transformers keeps its own) are seen.
+_WHOLE = {"_no_grad_trunc_normal_": "nn.init.trunc_normal_"}
+
+
+def _record_whole(rec: _Record, fn: Callable, name: str, tensor: torch.Tensor, args: tuple, kwargs: dict) -> None:
+    """Appends `fn(tensor, *args, **kwargs)` to the recording as one random operation."""
+    if kwargs.get("generator") is not None:
+        raise _refuse(f"{name} draws from an explicit generator= (only the default CPU generator is replayed)")
+    if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args, kwargs))):
+        raise _refuse(f"{name} is given a tensor argument besides the tensor it fills")
+    r = rec.ref(tensor)
+    full = {r.s} if _covers(r, rec.storages[r.s].nbytes()) else set()
+    rec.ops.append(_Op(fn, (r, *args), dict(kwargs), [], set(), {r.s}, full, True, torch.get_default_dtype()))
+
+
+def _whole_op(rec: _Record, fn: Callable, name: str) -> Callable:
+    def run(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _active() is not rec or not isinstance(tensor, FakeTensor):
+            return fn(tensor, *args, **kwargs)
+        _record_whole(rec, fn, name, tensor, args, kwargs)
+        return tensor
+
+    return run
 
 
 @contextlib.contextmanager
@@ -295,6 +342,10 @@ def meta_device() -> Iterator[None]:
 
     torch.utils.swap_tensors = swap_tensors
     patched.append((torch.utils, "swap_tensors", swap))
+    for attr, public in _WHOLE.items():
+        fn = getattr(torch.nn.init, attr)
+        patched.append((torch.nn.init, attr, fn))
+        setattr(torch.nn.init, attr, _whole_op(rec, fn, public))
     _state.record = rec
     try:
         with fake, _Recorder(rec):
@@ -385,6 +436,43 @@ def capture(module: nn.Module, params: dict[str, torch.Tensor]) -> Capture | Non
     return Capture(rec, refs)
 
 
+EMPTY = "empty"  # `init=`: meta leaves become uninitialized shards (values do not matter)
+
+
+def check_init(init: Any, where: str) -> bool:
+    """Whether `init` asks for uninitialized shards (`init="empty"`); refuses other strings."""
+    if isinstance(init, str):
+        if init != EMPTY:
+            raise ValueError(f"{where} takes init={EMPTY!r} (uninitialized shards, for estimates) or the meta-device "
+                             f"module; got {init!r}")
+        return True
+    return False
+
+
+def empty_shard(leaf: torch.Tensor, mesh: Any, placements: Any) -> Any:
+    """A DTensor over an uninitialized local shard of the meta tensor `leaf` (`init="empty"`):
+    only this rank's shard is allocated."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    d = distribute_tensor(leaf.detach(), mesh, placements, src_data_rank=None)  # meta: shapes only
+    local = torch.empty_like(d.to_local(), device=mesh.device_type)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=d.shape, stride=d.stride())
+
+
+def empty_buffers(module: nn.Module | None, device: Any) -> None:
+    """Makes `module`'s meta buffers real and uninitialized on `device` (`init="empty"`); a buffer
+    shared by several modules stays one tensor."""
+    if module is None:
+        return
+    made: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for k, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                if id(b) not in made:
+                    made[id(b)] = torch.empty_like(b, device=device)
+                m._buffers[k] = made[id(b)]
+
+
 def _rng_state(rec: _Record) -> torch.Tensor:
     state = rec.rng
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -458,7 +546,9 @@ def materialize(info: Any, wanted: set[str], emit: Callable[[str, torch.Tensor],
         raise ValueError(
             f"cannot give the meta-device {type(module).__name__} the values an eager build would have: {why}. "
             "Build it under `with sf.meta_device(): model = Model(...)` (the construction is recorded and replayed "
-            "exactly; Note [meta init] in shardfn/_meta_init.py)"
+            "exactly; Note [meta init] in shardfn/_meta_init.py), or, where values do not matter (memory estimates, "
+            "simulation), pass init=\"empty\" (step.init(params, init=\"empty\"), sf.shard(..., init=\"empty\")) "
+            "for uninitialized shards"
         )
     rec = cap.record
     if _active() is not None:
