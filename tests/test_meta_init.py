@@ -3,17 +3,21 @@
 `sf.shard(..., init=model)` and `step.init(params)` give exactly the values (parameters and
 buffers) of the same model built eagerly in one process with the same seed, at world sizes 1, 2
 and 3, for models whose construction does more than `reset_parameters()`: a plain torch model with
-a tied head, Hugging Face Llama, GPT-2 and T5, a nanoGPT-style model that re-initializes itself
-with `self.apply(self._init_weights)`, a random draw in `__init__` that is no parameter, a cast to
-bfloat16 at the end of construction. What cannot be replayed is refused before any value is given.
-Memory: on a model whose whole size exceeds what the check allows, each rank's peak RSS growth
-stays within its shards plus one unit plus a margin.
+a tied head, Hugging Face Llama, GPT-2, T5, ViT, DINOv2 and CLIP, a nanoGPT-style model that
+re-initializes itself with `self.apply(self._init_weights)`, a random draw in `__init__` that is no
+parameter, a cast to bfloat16 at the end of construction, tensors made from data (`torch.tensor`,
+numpy, `.data[...] =`, `sparse_`) and `trunc_normal_` (replayed whole). What cannot be replayed is
+refused before any value is given, naming the construction code. A plain meta-device model is
+accepted where values do not matter (`init="empty"`: uninitialized shards laid out as a real
+model's). Memory: on a model whose whole size exceeds what the check allows, each rank's peak RSS
+growth stays within its shards plus one unit plus a margin.
 """
 
 from __future__ import annotations
 
 import gc
 
+import numpy as np
 import optree
 import pytest
 import torch
@@ -43,7 +47,37 @@ class Net(nn.Module):
         return self.head(h)
 
 
+class FromData(nn.Module):
+    """Tensors made from data and initializers that branch on what they draw: a buffer and a
+    parameter from Python numbers (CLIP's logit_scale), a slice set through `.data`, `sparse_`, a
+    copy from numpy, `trunc_normal_` in both of its ways of drawing (whole, a view, overwritten)."""
+
+    def __init__(self, d: int = 5):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor([0.5, -1.0, 2.0, 0.25, 3.0]))
+        self.scale = nn.Parameter(torch.tensor(2.66))
+        self.pos = nn.Parameter(torch.empty(4, d))
+        nn.init.trunc_normal_(self.pos, std=0.02)  # rejection from normal draws
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
+        self.blocks[0].weight.data[:, 0] = 1.0
+        nn.init.sparse_(self.blocks[1].weight, 0.5)
+        with torch.no_grad():
+            self.blocks[1].bias.copy_(torch.from_numpy(np.arange(d, dtype=np.float32)))
+        nn.init.trunc_normal_(self.blocks[2].weight[:, :2], mean=0.0, std=1.0, a=0.0, b=0.1)  # uniform draws
+        nn.init.trunc_normal_(self.blocks[2].bias)  # overwritten: only its draws matter
+        self.blocks[2].bias.data.fill_(0.125)
+        self.head = nn.Linear(d, 2)  # after them: the generator advanced as in the eager build
+
+    def forward(self, x):
+        h = (x + self.pos.sum(0) - self.mean) * self.scale
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
 def build(kind: str) -> nn.Module:
+    if kind == "data":
+        return FromData()
     if kind == "net":
         return Net()
     if kind == "net-bf16":
@@ -63,10 +97,23 @@ def build(kind: str) -> nn.Module:
                                               bos_token_id=0, eos_token_id=0))
     if kind == "t5":
         return T.T5ForConditionalGeneration(T.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2))
+    if kind == "vit":  # trunc_normal_
+        return T.ViTForImageClassification(T.ViTConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+                                                       intermediate_size=12, image_size=4, patch_size=2, num_labels=3))
+    if kind == "dinov2":  # trunc_normal_, layer scale
+        return T.Dinov2Model(T.Dinov2Config(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2,
+                                            image_size=4, patch_size=2))
+    if kind == "clip":  # logit_scale from a Python number, position ids
+        tiny = dict(hidden_size=8, intermediate_size=12, num_hidden_layers=1, num_attention_heads=2, projection_dim=4)
+        return T.CLIPModel(T.CLIPConfig(
+            text_config=dict(vocab_size=20, max_position_embeddings=6, bos_token_id=0, eos_token_id=1, pad_token_id=1, **tiny),
+            vision_config=dict(image_size=4, patch_size=2, **tiny), projection_dim=4))
     raise ValueError(kind)
 
 
-UNITS = {"net": r"blocks\.\d+", "net-bf16": r"blocks\.\d+", "gpt": r"blocks\.\d+", "llama": r"model\.layers\.\d+",
+UNITS = {"data": r"blocks\.\d+", "vit": r"vit\.layers\.\d+", "dinov2": r"encoder\.layer\.\d+",
+         "clip": r"(text|vision)_model\.encoder\.layers\.\d+",
+         "net": r"blocks\.\d+", "net-bf16": r"blocks\.\d+", "gpt": r"blocks\.\d+", "llama": r"model\.layers\.\d+",
          "gpt2": r"transformer\.h\.\d+", "t5": r"(en|de)coder\.block\.\d+"}
 
 
@@ -92,12 +139,39 @@ def rank_equal_to_eager() -> dict:
         state = step.init(params)
         out[kind, "init"] = _differ(model, sf.to_state_dict(sf.gather(state.params)), want)
         out[kind, "buffers"] = all(not b.is_meta for b in model.buffers())
+    out["empty"] = rank_empty(mesh)
     return out
+
+
+def _layout(tree) -> list:
+    return [(tuple(x.shape), x.placements, tuple(x.to_local().shape), x.to_local().device.type) for x in optree.tree_leaves(tree)]
+
+
+def rank_empty(mesh) -> bool:
+    """Where values do not matter, a plain meta-device model gives uninitialized shards laid out as
+    a real model's would be, and real buffers."""
+    want_apply, want = sf.functionalize(Net(), units=r"blocks\.\d+")
+    want_shard = _layout(sf.shard(want, sf.specs(want, mesh), mesh))
+    want_init = _layout(sf.train_step(lambda p, b: p, sf.optim.sgd(0.1), mesh, apply=want_apply).init(want).params)
+    got = []
+    for what in ("shard", "init"):
+        with torch.device("meta"):
+            model = Net()
+            model.register_buffer("mask", torch.ones(3))
+        apply, params = sf.functionalize(model, units=r"blocks\.\d+")
+        if what == "shard":
+            got.append(_layout(sf.shard(params, sf.specs(params, mesh), mesh, init="empty")) == want_shard)
+        else:
+            step = sf.train_step(lambda p, b: p, sf.optim.sgd(0.1), mesh, apply=apply)
+            got.append(_layout(step.init(params, init="empty").params) == want_init)
+        got.append(not model.mask.is_meta and model.mask.shape == (3,))
+    return all(got)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_equal_to_eager_build(pools, world):
     for r in pools(world).run(rank_equal_to_eager):
+        assert r.pop("empty")
         assert all(v == [] for k, v in r.items() if k[1] != "buffers"), r
         assert all(v for k, v in r.items() if k[1] == "buffers")
 
@@ -118,14 +192,23 @@ def _init(model: nn.Module) -> None:
 
 
 def test_plain_meta_is_refused():
-    """A module built under plain torch.device("meta") has no record of what its construction did."""
+    """A module built under plain torch.device("meta") has no record of what its construction did:
+    refused unless the caller says values do not matter (init="empty")."""
     with torch.device("meta"):
         net = Net()
-    _, params = sf.functionalize(net)
-    with pytest.raises(ValueError, match="with sf.meta_device"):
-        sf.shard(params, sf.specs(params, sf.mesh(dp=-1)), sf.mesh(dp=-1), init=net)
+    apply, params = sf.functionalize(net)
+    mesh = sf.mesh(dp=-1)
+    with pytest.raises(ValueError, match=r"with sf.meta_device.*init=\"empty\""):
+        sf.shard(params, sf.specs(params, mesh), mesh, init=net)
     with pytest.raises(ValueError, match="init=model"):
-        sf.shard(params, sf.specs(params, sf.mesh(dp=-1)), sf.mesh(dp=-1))
+        sf.shard(params, sf.specs(params, mesh), mesh)
+    step = sf.train_step(lambda p, b: p, sf.optim.sgd(0.1), mesh, apply=apply)
+    with pytest.raises(ValueError, match=r"plain torch.device\(\"meta\"\).*init=\"empty\""):
+        step.init(params)
+    with pytest.raises(ValueError, match="init='empty'"):
+        sf.shard(params, sf.specs(params, mesh), mesh, init="zeros")
+    with pytest.raises(ValueError, match="init='empty'"):
+        step.init(params, init="zeros")
 
 
 class ReadsValue(nn.Module):
@@ -149,11 +232,23 @@ class Uninitialized(nn.Module):
         self.w = nn.Parameter(torch.empty(3))
 
 
+class OwnGenerator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(3))
+        nn.init.trunc_normal_(self.w, generator=torch.Generator().manual_seed(0))
+
+
 def test_what_cannot_be_replayed_is_refused():
-    with pytest.raises(NotImplementedError, match="reads a tensor's value"), sf.meta_device():
+    """Refused while recording, naming the construction code and the operation."""
+    with pytest.raises(NotImplementedError, match=r"in ReadsValue.__init__ \(.*test_meta_init.py:\d+\): "
+                                                  r"aten._local_scalar_dense.default reads a tensor's value"), sf.meta_device():
         ReadsValue()
-    with pytest.raises(NotImplementedError, match="random generator's state"), sf.meta_device():
+    with pytest.raises(NotImplementedError, match=r"in Seeds.__init__ .*random generator's state"), sf.meta_device():
         Seeds()
+    with pytest.raises(NotImplementedError, match=r"in OwnGenerator.__init__ .*nn.init.trunc_normal_ draws from an "
+                                                  r"explicit generator="), sf.meta_device():
+        OwnGenerator()
     with sf.meta_device():
         m = Uninitialized()
     with pytest.raises(NotImplementedError, match=r"\['w'\] would hold uninitialized memory"):
@@ -185,6 +280,8 @@ def rank_memory() -> dict:
     torch.manual_seed(0)
     with sf.meta_device():
         model = nn.Sequential(*[nn.Linear(D, D) for _ in range(LAYERS)])
+        for layer in model:
+            nn.init.trunc_normal_(layer.weight, std=0.02)  # replayed whole, for real
     apply, params = sf.functionalize(model, units=r"\d+")
     with sf.meta_device():  # warm-up: the first DTensor calls of a process cost ~30 MB once
         small = nn.Sequential(nn.Linear(8, 8))
@@ -199,7 +296,10 @@ def rank_memory() -> dict:
     local = sum(x.to_local().numel() * 4 for x in optree.tree_leaves(sharded))
     # A check of the values: the first layer's shard equals an eager build's rows.
     torch.manual_seed(0)
-    first = nn.Linear(D, D).weight
+    eager = nn.Sequential(*[nn.Linear(D, D) for _ in range(LAYERS)])
+    for layer in eager:
+        nn.init.trunc_normal_(layer.weight, std=0.02)
+    first = eager[0].weight
     rows = sharded["0"]["weight"].to_local()
     r = dist.get_rank()
     ok = torch.equal(rows, first.detach().chunk(world)[r])
