@@ -47,7 +47,13 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -116,6 +122,8 @@ class _Record:
     alias: list[Any] = field(default_factory=list)  # the meta storages standing for fake ones after the block
     open: bool = True
     problem: str | None = None  # why this recording cannot be replayed
+    values: dict[int, tuple[Any, int]] = field(default_factory=dict)  # storage -> (its value read, len(ops) then)
+    random_reads: bool = False  # the construction read a value that depends on random draws
 
     def ref(self, t: torch.Tensor) -> _Ref:
         st = t.untyped_storage()
@@ -164,9 +172,15 @@ def _where() -> str:
         f = f.f_back
     if f is None:
         return ""
-    owner = f.f_locals.get("self")
-    who = f"{type(owner).__name__}.{f.f_code.co_name}" if isinstance(owner, nn.Module) else f.f_code.co_name
-    return f" in {who} ({f.f_code.co_filename}:{f.f_lineno})"
+    at = f"{f.f_code.co_filename}:{f.f_lineno}"
+    who = f.f_code.co_name
+    while f is not None:  # the module whose method runs it (a comprehension's frame has no self)
+        owner = f.f_locals.get("self")
+        if isinstance(owner, nn.Module):
+            who = f"{type(owner).__name__}.{f.f_code.co_name}"
+            break
+        f = f.f_back
+    return f" in {who} ({at})"
 
 
 def _refuse(what: str) -> NotImplementedError:
@@ -188,9 +202,6 @@ class _Recorder(TorchDispatchMode):
         rec = self.record
         flat_in = pytree.tree_leaves((args, kwargs))
         meta_in = any(isinstance(x, FakeTensor) or (isinstance(x, torch.Tensor) and x.is_meta) for x in flat_in)
-        if func in _READS_VALUE and meta_in:
-            raise _refuse(f"{func} reads a tensor's value into Python (a meta tensor has none; an eager build "
-                          "would branch on it)")
         if kwargs.get("generator") is not None:
             raise _refuse(f"{func} draws from an explicit generator= (only the default CPU generator is replayed)")
         random = torch.Tag.nondeterministic_seeded in func.tags
@@ -208,7 +219,16 @@ class _Recorder(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     written.append((t, (i == 0 and name in _OVERWRITE) or a.name == "out"))
         written_ids = {id(t) for t, _ in written if _}
-        out = func(*args, **kwargs)
+        if func in _READS_VALUE and meta_in:  # the construction branches on a value: computed for real
+            real_args, real_kwargs = pytree.tree_map(
+                lambda x: _evaluate(rec, x, func) if isinstance(x, torch.Tensor) and (isinstance(x, FakeTensor) or x.is_meta) else x,
+                (args, kwargs))
+            with unset_fake_temporarily():
+                return func(*real_args, **real_kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            raise _refuse(f"{func} makes a tensor whose size depends on values") from e
         flat_out = pytree.tree_leaves(out)
         if func in _METADATA_ONLY or not any(isinstance(x, torch.Tensor) for x in flat_out) and not random:
             return out
@@ -353,6 +373,7 @@ def meta_device() -> Iterator[None]:
     finally:
         _state.record = None
         rec.open = False
+        rec.values.clear()  # values read while recording: the replay computes its own
         for mod, name, fn in patched:
             setattr(mod, name, fn)
         for h in hooks:
@@ -477,6 +498,12 @@ def _rng_state(rec: _Record) -> torch.Tensor:
     state = rec.rng
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         state = C.broadcast_object(state, "meta-device init")
+        if rec.random_reads and not torch.equal(state, rec.rng):
+            raise ValueError(
+                f"rank {dist.get_rank()} began its sf.meta_device() block with another CPU generator state than rank 0, "
+                "and the construction read a drawn value (`.item()`, `if t.any()`): its recording may branch otherwise "
+                "than rank 0's. Seed every rank alike (torch.manual_seed(seed) on each) before the block"
+            )
     return state
 
 
@@ -497,6 +524,9 @@ def _plan(rec: _Record, targets: set[int]) -> tuple[list[tuple[int, str]], list[
         elif op.random:
             kind[i] = "rng"
             needed |= op.reads - op.writes
+    # Draws after the last random operation that runs leave the generator in a state nothing reads.
+    last_random = max((i for i, k in kind.items() if k == "run" and rec.ops[i].random), default=-1)
+    kind = {i: k for i, k in kind.items() if k == "run" or i < last_random}
     foreign = needed - rec.created
     if foreign:
         raise ValueError(
@@ -521,6 +551,95 @@ def _plan(rec: _Record, targets: set[int]) -> tuple[list[tuple[int, str]], list[
                 last_key[s] = key
     keyed.sort(key=lambda x: x[0])
     return [(i, k) for _, i, k in keyed], garbage
+
+
+def _view(storage: Any, r: _Ref) -> torch.Tensor:
+    return torch.empty(0, dtype=r.dtype).set_(storage, r.offset, r.size, r.stride)
+
+
+def _extent(r: _Ref) -> int:
+    if any(n == 0 for n in r.size):
+        return 0
+    return (r.offset + sum((n - 1) * st for n, st in zip(r.size, r.stride)) + 1) * r.dtype.itemsize
+
+
+def _execute(rec: _Record, order: list[tuple[int, str]], rng: torch.Tensor, done: Callable[[int, Any], None]) -> None:
+    """Runs the planned operations (`_plan`) from generator state `rng`, on real CPU storages;
+    `done(s, storage)` when storage `s` is used for the last time, then drops it."""
+    last: dict[int, int] = {}
+    for pos, (i, k) in enumerate(order):
+        op = rec.ops[i]
+        for s in op.reads | (op.writes if k == "run" else set()):
+            last[s] = pos
+    real: dict[int, Any] = {}
+    gen = torch.default_generator  # not torch.random's functions: they are refused inside the block
+    saved = gen.get_state()
+    default = torch.get_default_dtype()
+    try:
+        with torch.no_grad():
+            gen.set_state(rng)
+            for pos, (i, k) in enumerate(order):
+                op = rec.ops[i]
+                torch.set_default_dtype(op.dtype)
+
+                def arg(x: Any) -> Any:
+                    if isinstance(x, _Const):
+                        return x.value.clone()  # an operation may return it or write it
+                    if isinstance(x, _Ref):
+                        if k == "rng" and x.s in op.writes:
+                            return _view(torch.UntypedStorage(_extent(x)), x)  # scratch: only the draws matter
+                        if x.s not in real:
+                            real[x.s] = torch.UntypedStorage(rec.storages[x.s].nbytes())
+                        return _view(real[x.s], x)
+                    return _to_cpu(x)
+
+                args, kwargs = pytree.tree_map(arg, (op.args, op.kwargs))
+                out = op.func(*args, **kwargs)
+                if k == "run":
+                    for r, t in zip(op.outs, pytree.tree_leaves(out)):
+                        if r is None or r.s in real:
+                            continue
+                        if (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype) == (r.size, r.stride, r.offset, r.dtype) \
+                                and t.untyped_storage().nbytes() == rec.storages[r.s].nbytes():
+                            real[r.s] = t.untyped_storage()
+                        else:  # laid out otherwise than the meta kernel said: copy into the recorded layout
+                            real[r.s] = torch.UntypedStorage(rec.storages[r.s].nbytes())
+                            _view(real[r.s], r).copy_(t)
+                del out, args, kwargs
+                for s in [s for s in op.reads | op.writes if last.get(s) == pos]:
+                    done(s, real[s])
+                    real.pop(s, None)
+    finally:
+        gen.set_state(saved)
+        torch.set_default_dtype(default)
+
+
+def _evaluate(rec: _Record, x: torch.Tensor, func: Any) -> torch.Tensor:
+    """The real value of the recorded tensor `x` now, for an operation that reads it into Python
+    (Note [meta init]): what the recording so far computes for its storage, kept until an
+    operation writes the storage again."""
+    r = rec.ref(x)
+    cached = rec.values.get(r.s)
+    if cached is None or any(r.s in op.writes for op in rec.ops[cached[1]:]):
+        try:
+            order, garbage = _plan(rec, {r.s})
+        except ValueError as e:
+            raise _refuse(f"{func} reads the value of a tensor made outside the block, never recorded") from e
+        if garbage:
+            raise _refuse(f"{func} reads uninitialized memory (torch.empty that no recorded operation set)")
+        if any(k == "run" and rec.ops[i].random for i, k in order):
+            rec.random_reads = True
+        got: dict[int, Any] = {}
+
+        def done(s: int, storage: Any) -> None:
+            if s == r.s:
+                got[s] = storage
+
+        with unset_fake_temporarily():
+            _execute(rec, order, rec.rng, done)
+        cached = rec.values[r.s] = (got[r.s], len(rec.ops))
+    with unset_fake_temporarily():
+        return _view(cached[0], r)
 
 
 def _to_cpu(x: Any) -> Any:
@@ -585,65 +704,17 @@ def materialize(info: Any, wanted: set[str], emit: Callable[[str, torch.Tensor],
             "recorded operation sets): an eager build gives garbage there, which cannot be reproduced. Initialize "
             "it in the construction (Note [meta init] in shardfn/_meta_init.py)"
         )
-    last: dict[int, int] = {}
-    for pos, (i, k) in enumerate(order):
-        op = rec.ops[i]
-        used = op.reads | (op.writes if k == "run" else set())
-        for s in used:
-            last[s] = pos
-    real: dict[int, Any] = {}
     made: dict[tuple, torch.Tensor] = {}
 
-    def view(storage: Any, r: _Ref) -> torch.Tensor:
-        return torch.empty(0, dtype=r.dtype).set_(storage, r.offset, r.size, r.stride)
+    def done(s: int, storage: Any) -> None:
+        for what, who, r in by_storage.get(s, []):
+            if what == "param":
+                emit(who, _view(storage, r))
+            else:
+                key = (s, r)
+                if key not in made:
+                    made[key] = _view(storage, r).clone().to(buffer_device)
+                m, local, _ = who
+                m._buffers[local] = made[key]
 
-    def extent(r: _Ref) -> int:
-        if any(n == 0 for n in r.size):
-            return 0
-        return (r.offset + sum((n - 1) * st for n, st in zip(r.size, r.stride)) + 1) * r.dtype.itemsize
-
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.random.set_rng_state(_rng_state(rec))
-        default = torch.get_default_dtype()
-        try:
-            for pos, (i, k) in enumerate(order):
-                op = rec.ops[i]
-                torch.set_default_dtype(op.dtype)
-
-                def arg(x: Any) -> Any:
-                    if isinstance(x, _Const):
-                        return x.value.clone()  # an operation may return it or write it
-                    if isinstance(x, _Ref):
-                        if k == "rng" and x.s in op.writes:
-                            return view(torch.UntypedStorage(extent(x)), x)  # scratch: only the draws matter
-                        if x.s not in real:
-                            real[x.s] = torch.UntypedStorage(rec.storages[x.s].nbytes())
-                        return view(real[x.s], x)
-                    return _to_cpu(x)
-
-                args, kwargs = pytree.tree_map(arg, (op.args, op.kwargs))
-                out = op.func(*args, **kwargs)
-                if k == "run":
-                    for r, t in zip(op.outs, pytree.tree_leaves(out)):
-                        if r is None or r.s in real:
-                            continue
-                        if (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype) == (r.size, r.stride, r.offset, r.dtype) \
-                                and t.untyped_storage().nbytes() == rec.storages[r.s].nbytes():
-                            real[r.s] = t.untyped_storage()
-                        else:  # laid out otherwise than the meta kernel said: copy into the recorded layout
-                            real[r.s] = torch.UntypedStorage(rec.storages[r.s].nbytes())
-                            view(real[r.s], r).copy_(t)
-                del out, args, kwargs
-                for s in [s for s in op.reads | op.writes if last.get(s) == pos]:
-                    for what, who, r in by_storage.get(s, []):
-                        if what == "param":
-                            emit(who, view(real[s], r))
-                        else:
-                            key = (s, r)
-                            if key not in made:
-                                made[key] = view(real[s], r).clone().to(buffer_device)
-                            m, local, _ = who
-                            m._buffers[local] = made[key]
-                    real.pop(s, None)
-        finally:
-            torch.set_default_dtype(default)
+    _execute(rec, order, _rng_state(rec), done)
