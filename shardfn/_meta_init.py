@@ -12,26 +12,39 @@ Recording. Inside the block tensors are fake CPU tensors (`FakeTensorMode`), not
 because construction code branches on the device (some initializers return early on meta): the
 block must run exactly the Python an eager build runs. A dispatch mode above it (`_Recorder`)
 stores each ATen operation, tensors replaced by references to their storage (index, size, stride,
-offset, dtype: views and ties alias as they did) and outside tensors by their values. Whatever
-cannot be replayed exactly is refused while recording: reading a value into Python, touching the
-generator's state or passing `generator=`, other devices, `resize_`. At the end of the block the
-module's tensors become meta tensors mapped to the recording's storages, their version counters
-noted.
+offset, dtype: views and ties alias as they did) and outside tensors (data: `torch.tensor([...])`,
+numpy) by real copies of their values. Initializers that branch on what they draw
+(`trunc_normal_` redraws rejected samples) are recorded as one operation each, patched where
+`torch.nn.init` looks them up, and replayed by calling them for real: the same generator state
+gives the same draws. A value read into Python (`.item()`, `.tolist()`, `if t.any()`: drop-path
+rates, a branch on a drawn value) is computed for real: the recording so far is planned and run
+for that storage alone, as the replay will, from the block's generator state, and the construction
+goes on with the value an eager build sees. Such a read ties the recording to the generator
+state: a rank that began the block in another state than rank 0's is refused at replay. Whatever
+cannot be replayed exactly is refused while recording, naming the construction code (the innermost
+frame outside torch, and the module whose method runs it) and the operation: touching the
+generator's state or passing `generator=`, other devices, `resize_`, sizes that depend on values
+(`nonzero`). At the end of the block the module's tensors become meta tensors mapped to the
+recording's storages, their version counters noted.
 
 Replay (`materialize`) runs on every rank from the recorded generator state, after deciding what
 to run. Going backwards from the wanted parameters and buffers, an operation runs if it writes a
 storage whose value matters (and what it reads then matters); a write of a whole storage ends its
 earlier history. A random operation whose result does not matter still draws, into a scratch
-tensor of the same size, stride and dtype, so the generator advances as in the eager build. Views
-and operations that neither matter nor draw are skipped. Storages live from their first running
+tensor of the same size, stride and dtype, so the generator advances as in the eager build (draws
+after the last random operation that matters are skipped). Views and operations that neither
+matter nor draw are skipped. Storages live from their first running
 operation to their last, and a parameter's shard is kept when its value is final; side-effect-free
 reads (casts) run right after what they read is final. Memory is this rank's shards plus the
 operations in flight; time is every rank drawing the whole model's random numbers.
 
 Refused, because the value cannot be known: a module built under plain `torch.device("meta")` (no
-recording), values from before the block or from uninitialized `torch.empty` memory, and changes
-after the block (a replaced parameter is not recorded; an in-place change shows in its version
-counter; changes through `.data` cannot be seen, so the docs say to do everything in the block).
+recording), meta values from before the block or from uninitialized `torch.empty` memory, and
+changes after the block (a replaced parameter is not recorded; an in-place change shows in its
+version counter; changes through `.data` cannot be seen, so the docs say to do everything in the
+block). Where values do not matter (memory estimates, a simulated rank), `init="empty"` accepts
+any meta tree, recorded or not: each rank allocates its uninitialized shards and the module's meta
+buffers, nothing is replayed or communicated.
 """
 
 from __future__ import annotations
