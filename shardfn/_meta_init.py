@@ -13,30 +13,37 @@ because construction code branches on the device (some initializers return early
 block must run exactly the Python an eager build runs. A dispatch mode above it (`_Recorder`)
 stores each ATen operation, tensors replaced by references to their storage (index, size, stride,
 offset, dtype: views and ties alias as they did) and outside tensors (data: `torch.tensor([...])`,
-numpy) by real copies of their values. Initializers that branch on what they draw
-(`trunc_normal_` redraws rejected samples) are recorded as one operation each, patched where
-`torch.nn.init` looks them up, and replayed by calling them for real: the same generator state
-gives the same draws. A value read into Python (`.item()`, `.tolist()`, `if t.any()`: drop-path
-rates, a branch on a drawn value) is computed for real: the recording so far is planned and run
-for that storage alone, as the replay will, from the block's generator state, and the construction
-goes on with the value an eager build sees. Such a read ties the recording to the generator
-state: a rank that began the block in another state than rank 0's is refused at replay. Whatever
-cannot be replayed exactly is refused while recording, naming the construction code (the innermost
-frame outside torch, and the module whose method runs it) and the operation: touching the
-generator's state or passing `generator=`, other devices, `resize_`, sizes that depend on values
-(`nonzero`). At the end of the block the module's tensors become meta tensors mapped to the
-recording's storages, their version counters noted.
+numpy) by real copies of their values. At the end of the block the module's tensors become meta
+tensors mapped to the recording's storages, their version counters noted.
+
+What ATen alone would not record exactly:
+- Initializers that branch on what they draw (`trunc_normal_` redraws rejected samples) are
+  recorded as one operation each, patched where `torch.nn.init` looks them up, and replayed by
+  calling them for real: the same generator state gives the same draws.
+- A value read into Python (`.item()`, `.tolist()`, `if t.any()`: drop-path rates, a branch on a
+  drawn value) is computed for real: the recording so far is planned and run for that storage
+  alone, as the replay will, from the block's generator state, and the construction goes on with
+  the value an eager build sees. Such a read ties the recording to the generator state: a rank
+  that began the block in another state than rank 0's is refused at replay.
+- A deep copy (`nn.Transformer`'s layer clones) is a recorded copy of each storage's bytes, one per
+  storage as in eager (views of one storage stay views of one copy). The copied modules keep the
+  recording (its deep copy is itself); the block's end walks the recorded modules' submodules,
+  which a deep copy does not register.
+Whatever cannot be replayed exactly is refused while recording, naming the construction code (the
+innermost frame outside torch, and the module whose method runs it) and the operation: touching
+the generator's state or passing `generator=`, other devices, `resize_`, sizes that depend on
+values (`nonzero`).
 
 Replay (`materialize`) runs on every rank from the recorded generator state, after deciding what
 to run. Going backwards from the wanted parameters and buffers, an operation runs if it writes a
 storage whose value matters (and what it reads then matters); a write of a whole storage ends its
 earlier history. A random operation whose result does not matter still draws, into a scratch
-tensor of the same size, stride and dtype, so the generator advances as in the eager build (draws
-after the last random operation that matters are skipped). Views and operations that neither
-matter nor draw are skipped. Storages live from their first running
-operation to their last, and a parameter's shard is kept when its value is final; side-effect-free
-reads (casts) run right after what they read is final. Memory is this rank's shards plus the
-operations in flight; time is every rank drawing the whole model's random numbers.
+tensor of the same size, stride and dtype, so the generator advances as in the eager build; draws
+after the last random operation that matters are skipped. Views and operations that neither
+matter nor draw are skipped. Storages live from their first running operation to their last, and
+a parameter's shard is kept when its value is final; side-effect-free reads (casts) run right
+after what they read is final. Memory is this rank's shards plus the operations in flight; time
+is every rank drawing the whole model's random numbers.
 
 Refused, because the value cannot be known: a module built under plain `torch.device("meta")` (no
 recording), meta values from before the block or from uninitialized `torch.empty` memory, and
@@ -50,6 +57,7 @@ buffers, nothing is replayed or communicated.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 import threading
@@ -137,6 +145,9 @@ class _Record:
     problem: str | None = None  # why this recording cannot be replayed
     values: dict[int, tuple[Any, int]] = field(default_factory=dict)  # storage -> (its value read, len(ops) then)
     random_reads: bool = False  # the construction read a value that depends on random draws
+
+    def __deepcopy__(self, memo: dict) -> "_Record":
+        return self  # a module deep-copied in the block (nn.Transformer's clones) keeps its recording
 
     def ref(self, t: torch.Tensor) -> _Ref:
         st = t.untyped_storage()
@@ -317,6 +328,31 @@ def _whole_op(rec: _Record, fn: Callable, name: str) -> Callable:
     return run
 
 
+def _deepcopy_fake(rec: _Record, original: Callable) -> Callable:
+    """`Tensor.__deepcopy__` inside the block: a recorded tensor's copy is a recorded copy of its
+    storage's bytes (one per storage, as an eager deep copy shares one new storage between views)."""
+
+    def deepcopy(self: torch.Tensor, memo: dict) -> torch.Tensor:
+        if _active() is not rec or not isinstance(self, FakeTensor):
+            return original(self, memo)
+        if id(self) in memo:
+            return memo[id(self)]
+        st = self.untyped_storage()
+        key = ("shardfn storage", st._cdata)
+        if key not in memo:
+            with torch.no_grad():
+                memo[key] = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).clone().untyped_storage()
+        new = torch.empty(0, dtype=self.dtype).set_(memo[key], self.storage_offset(), self.size(), self.stride())
+        new.requires_grad_(self.requires_grad)
+        for k, v in self.__dict__.items():  # the user's attributes (_is_param, ...), not the fake tensor's own
+            if k not in new.__dict__:
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        memo[id(self)] = new
+        return new
+
+    return deepcopy
+
+
 @contextlib.contextmanager
 def meta_device() -> Iterator[None]:
     """Builds modules on the meta device, recording their construction so it can be replayed exactly.
@@ -375,6 +411,8 @@ def meta_device() -> Iterator[None]:
 
     torch.utils.swap_tensors = swap_tensors
     patched.append((torch.utils, "swap_tensors", swap))
+    patched.append((torch.Tensor, "__deepcopy__", torch.Tensor.__deepcopy__))
+    torch.Tensor.__deepcopy__ = _deepcopy_fake(rec, torch.Tensor.__deepcopy__)
     for attr, public in _WHOLE.items():
         fn = getattr(torch.nn.init, attr)
         patched.append((torch.nn.init, attr, fn))
@@ -416,10 +454,13 @@ def _to_meta(rec: _Record, tagged: list[tuple[nn.Module, str]]) -> None:
         return m
 
     seen: set[int] = set()
-    for m, _ in tagged:
+    stack = [m for m, _ in tagged]  # and their submodules: a deep copy registers nothing
+    while stack:
+        m = stack.pop()
         if id(m) in seen:
             continue
         seen.add(id(m))
+        stack.extend(c for c in m._modules.values() if c is not None)
         for d in (m._parameters, m._buffers, m.__dict__):
             for k, v in list(d.items()):
                 if isinstance(v, FakeTensor):
@@ -526,20 +567,19 @@ def _plan(rec: _Record, targets: set[int]) -> tuple[list[tuple[int, str]], list[
     needed = set(targets)
     kind: dict[int, str] = {}
     garbage: list[int] = []
+    drawing = False  # a later random operation runs: draws before it must happen
     for i in range(len(rec.ops) - 1, -1, -1):
         op = rec.ops[i]
         if op.writes & needed:
             kind[i] = "run"
+            drawing = drawing or op.random
             if op.func in _UNINITIALIZED:
                 garbage.extend(op.writes & needed)
             needed -= op.full
             needed |= op.reads
-        elif op.random:
+        elif op.random and drawing:  # (draws after the last random operation that runs are skipped)
             kind[i] = "rng"
             needed |= op.reads - op.writes
-    # Draws after the last random operation that runs leave the generator in a state nothing reads.
-    last_random = max((i for i, k in kind.items() if k == "run" and rec.ops[i].random), default=-1)
-    kind = {i: k for i, k in kind.items() if k == "run" or i < last_random}
     foreign = needed - rec.created
     if foreign:
         raise ValueError(

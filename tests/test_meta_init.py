@@ -15,6 +15,7 @@ growth stays within its shards plus one unit plus a margin.
 
 from __future__ import annotations
 
+import copy
 import gc
 import re
 
@@ -52,7 +53,7 @@ class FromData(nn.Module):
     """Tensors made from data and initializers that branch on what they draw: a buffer and a
     parameter from Python numbers (CLIP's logit_scale), a slice set through `.data`, `sparse_`, a
     copy from numpy, `trunc_normal_` in both of its ways of drawing (whole, a view, overwritten);
-    values read into Python (drop-path rates, a branch on a drawn value)."""
+    values read into Python (drop-path rates, a branch on a drawn value); deep copies."""
 
     def __init__(self, d: int = 5):
         super().__init__()
@@ -70,6 +71,13 @@ class FromData(nn.Module):
         nn.init.trunc_normal_(self.blocks[2].bias)  # overwritten: only its draws matter
         self.blocks[2].bias.data.fill_(0.125)
         nn.init.constant_(self.blocks[0].bias, rates[1])
+        self.twin = copy.deepcopy(self.blocks[0])  # nn.Transformer's clones
+        self.stats = nn.Module()
+        base = torch.randn(6)
+        self.stats.register_buffer("a", base[:4])
+        self.stats.register_buffer("b", base[2:])
+        self.stats_copy = copy.deepcopy(self.stats)
+        self.stats_copy.a.mul_(10)  # its b changes too: one copy of the storage, as in an eager deep copy
         self.head = nn.Linear(d, 2)  # after them: the generator advanced as in the eager build
         if self.pos.sum() > 0:
             self.head.bias.data.mul_(2)
@@ -78,7 +86,7 @@ class FromData(nn.Module):
         h = (x + self.pos.sum(0) - self.mean) * self.scale
         for b in self.blocks:
             h = h + b(h)
-        return self.head(h)
+        return self.head(h + self.twin(h) + self.stats_copy.b[0])
 
 
 def build(kind: str) -> nn.Module:
