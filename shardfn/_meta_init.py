@@ -411,6 +411,16 @@ def meta_device() -> Iterator[None]:
 
     torch.utils.swap_tensors = swap_tensors
     patched.append((torch.utils, "swap_tensors", swap))
+    numpy = torch.Tensor.numpy
+
+    def to_numpy(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _active() is rec and isinstance(self, FakeTensor):
+            raise _refuse(".numpy() of a recorded tensor (the array would share its memory, which a recording "
+                          "has not): read values with .tolist() or .item()")
+        return numpy(self, *args, **kwargs)
+
+    patched.append((torch.Tensor, "numpy", numpy))
+    torch.Tensor.numpy = to_numpy
     patched.append((torch.Tensor, "__deepcopy__", torch.Tensor.__deepcopy__))
     torch.Tensor.__deepcopy__ = _deepcopy_fake(rec, torch.Tensor.__deepcopy__)
     for attr, public in _WHOLE.items():

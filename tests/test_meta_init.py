@@ -280,6 +280,8 @@ def test_what_cannot_be_replayed_is_refused():
                                                   r"aten.nonzero.default makes a tensor whose size depends on values"), \
             sf.meta_device():
         SizeFromValues()
+    with pytest.raises(NotImplementedError, match=r"\.numpy\(\) of a recorded tensor"), sf.meta_device():
+        nn.Linear(2, 2).weight.detach().numpy()
     with pytest.raises(NotImplementedError, match=r"in Seeds.__init__ .*random generator's state"), sf.meta_device():
         Seeds()
     with pytest.raises(NotImplementedError, match=r"in OwnGenerator.__init__ .*nn.init.trunc_normal_ draws from an "
