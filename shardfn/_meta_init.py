@@ -75,6 +75,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     unset_fake_temporarily,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -537,8 +538,6 @@ def check_init(init: Any, where: str) -> bool:
 def empty_shard(leaf: torch.Tensor, mesh: Any, placements: Any) -> Any:
     """A DTensor over an uninitialized local shard of the meta tensor `leaf` (`init="empty"`):
     only this rank's shard is allocated."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     d = distribute_tensor(leaf.detach(), mesh, placements, src_data_rank=None)  # meta: shapes only
     local = torch.empty_like(d.to_local(), device=mesh.device_type)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=d.shape, stride=d.stride())
