@@ -41,9 +41,11 @@ earlier history. A random operation whose result does not matter still draws, in
 tensor of the same size, stride and dtype, so the generator advances as in the eager build; draws
 after the last random operation that matters are skipped. Views and operations that neither
 matter nor draw are skipped. Storages live from their first running operation to their last, and
-a parameter's shard is kept when its value is final; side-effect-free reads (casts) run right
-after what they read is final. Memory is this rank's shards plus the operations in flight; time
-is every rank drawing the whole model's random numbers.
+a parameter's shard is kept when its value is final. An operation that draws nothing runs as early
+as the storages it touches allow (after their last writes, and after the last reads of those it
+writes): a cast, or a change to part of a weight made after every layer is built, runs right after
+what it touches is ready, not where the construction ran it. Memory is this rank's shards plus
+the operations in flight; time is every rank drawing the whole model's random numbers.
 
 Refused, because the value cannot be known: a module built under plain `torch.device("meta")` (no
 recording), meta values from before the block or from uninitialized `torch.empty` memory, and
@@ -595,22 +597,39 @@ def _plan(rec: _Record, targets: set[int]) -> tuple[list[tuple[int, str]], list[
             "the meta-device module's values depend on a meta tensor made outside its sf.meta_device() block "
             "(its values were never recorded): create every tensor the module uses inside the block"
         )
-    # A side-effect-free operation that reads storages runs right after their last write (a cast
-    # at the end of __init__ would otherwise keep every source alive until then).
-    last_key: dict[int, tuple] = {}
+    # An operation that draws nothing runs as early as what it touches allows: after the last write
+    # of each storage it reads or writes, and after the last read of each it writes. A cast at the
+    # end of __init__, or a change to part of a weight after every layer is built, would otherwise
+    # keep earlier storages alive until then. One that makes new storages from nothing (a constant)
+    # runs right before its first user. Draws keep their order (the generator's).
+    last_write: dict[int, tuple] = {}
+    last_read: dict[int, tuple] = {}
+    pending: dict[int, int] = {}  # storage -> the operation from nothing that makes it, not placed yet
     keyed: list[tuple[tuple, int, str]] = []
     for i in sorted(kind):
         op = rec.ops[i]
-        pure = kind[i] == "run" and not op.random and op.reads and op.writes == {r.s for r in op.outs if r is not None} \
-            and all(r.s not in last_key for r in op.outs if r is not None)
-        if pure:
-            key = max((last_key.get(s, (-1,)) for s in op.reads)) + (i,)
-        else:
-            key = (i,)
-        keyed.append((key, i, kind[i]))
-        if kind[i] == "run":
+        run = kind[i] == "run"
+        fresh = not (op.writes & (last_write.keys() | last_read.keys() | pending.keys()))
+        if run and not op.random and not op.reads and fresh:
             for s in op.writes:
-                last_key[s] = key
+                pending[s] = i
+            continue
+        after = [last_write[s] for s in op.reads | op.writes if s in last_write]
+        after += [last_read[s] for s in op.writes if s in last_read]
+        key = max(after) + (i,) if run and not op.random and after else (i,)
+        for c in sorted({pending[s] for s in op.reads | op.writes if s in pending}):
+            made = key[:-1] + (c,) if len(key) > 1 else (c,)
+            keyed.append((made, c, "run"))
+            for s in rec.ops[c].writes:
+                pending.pop(s, None)
+                last_write[s] = made
+        keyed.append((key, i, kind[i]))
+        for s in (op.reads if run else op.reads - op.writes):
+            last_read[s] = max(last_read.get(s, key), key)
+        if run:
+            for s in op.writes:
+                last_write[s] = key
+    keyed.extend(((c,), c, "run") for c in sorted(set(pending.values())))
     keyed.sort(key=lambda x: x[0])
     return [(i, k) for _, i, k in keyed], garbage
 

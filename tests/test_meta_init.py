@@ -318,8 +318,10 @@ def rank_memory() -> dict:
     torch.manual_seed(0)
     with sf.meta_device():
         model = nn.Sequential(*[nn.Linear(D, D) for _ in range(LAYERS)])
-        for layer in model:
-            nn.init.trunc_normal_(layer.weight, std=0.02)  # replayed whole, for real
+        for layer in model:  # data and trunc_normal_ replay within their unit too
+            layer.weight.data[:, 0] = 1.0
+            layer.register_buffer("scale", torch.tensor([1.0, 2.0]))
+            nn.init.trunc_normal_(layer.bias, std=0.02)
     apply, params = sf.functionalize(model, units=r"\d+")
     with sf.meta_device():  # warm-up: the first DTensor calls of a process cost ~30 MB once
         small = nn.Sequential(nn.Linear(8, 8))
@@ -334,10 +336,8 @@ def rank_memory() -> dict:
     local = sum(x.to_local().numel() * 4 for x in optree.tree_leaves(sharded))
     # A check of the values: the first layer's shard equals an eager build's rows.
     torch.manual_seed(0)
-    eager = nn.Sequential(*[nn.Linear(D, D) for _ in range(LAYERS)])
-    for layer in eager:
-        nn.init.trunc_normal_(layer.weight, std=0.02)
-    first = eager[0].weight
+    first = nn.Linear(D, D).weight
+    first.data[:, 0] = 1.0
     rows = sharded["0"]["weight"].to_local()
     r = dist.get_rank()
     ok = torch.equal(rows, first.detach().chunk(world)[r])
@@ -361,6 +361,8 @@ def test_peak_memory_is_shards_plus_one_unit(monkeypatch):
     copied out), and a margin of 4 MiB for the allocator's and interpreter's own growth. With
     `MALLOC_MMAP_THRESHOLD_=65536` every freed unit leaves the RSS, so the high-water mark is
     what was held at once. Holding the whole model (32 MiB) would exceed the bound (16 + 4 + 4).
+    Each layer's weight is changed in part after every layer is built (as constructions that rescale
+    or patch weights at the end do): that change runs right after its layer is drawn.
     A warm-up call first pays the process's one-time cost of its first DTensor calls."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     with RankPool(2, timeout=120, pg_timeout=60) as pool:
