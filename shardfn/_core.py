@@ -293,7 +293,7 @@ class GradientCore:
         device = self.mesh.device_type
         # Meta leaves: the module's recorded construction, replayed (Note [meta init] in `_meta_init.py`).
         meta = {i for i, leaf in enumerate(leaves) if leaf.is_meta}
-        if check_init(init, "step.init"):  # values do not matter: the shards stay uninitialized
+        if check_init(init, "step.init", module=False):  # values do not matter: the shards stay uninitialized
             empty_buffers(info.module if info is not None else None, device)
         elif meta:
             if info is None:

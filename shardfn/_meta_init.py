@@ -527,13 +527,15 @@ def capture(module: nn.Module, params: dict[str, torch.Tensor]) -> Capture | Non
 EMPTY = "empty"  # `init=`: meta leaves become uninitialized shards (values do not matter)
 
 
-def check_init(init: Any, where: str) -> bool:
-    """Whether `init` asks for uninitialized shards (`init="empty"`); refuses other strings."""
-    if isinstance(init, str):
-        if init != EMPTY:
-            raise ValueError(f"{where} takes init={EMPTY!r} (uninitialized shards, for estimates) or the meta-device "
-                             f"module; got {init!r}")
-        return True
+def check_init(init: Any, where: str, module: bool = True) -> bool:
+    """Whether `init` asks for uninitialized shards (`init="empty"`); refuses other strings, and
+    anything else where `module` is False (step.init finds the module itself)."""
+    if init is None or isinstance(init, str) and init == EMPTY:
+        return init is not None
+    if isinstance(init, str) or not module:
+        other = " or the meta-device module" if module else " or nothing (the module is found from apply= or the params)"
+        raise ValueError(f"{where} takes init={EMPTY!r} (uninitialized shards, where values do not matter){other}; "
+                         f"got {init!r}")
     return False
 
 

@@ -17,7 +17,7 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._C._functorch import TransformType
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from ._meta_init import check_init, empty_buffers, empty_shard, materialize
-from ._models import ModelInfo, candidates, model_of
+from ._models import ModelInfo, model_of
 from ._spec import match_specs, placements_for
 
 __all__ = ["shard", "gather"]
@@ -63,8 +63,8 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
     if meta and check_init(init, "sf.shard"):  # values do not matter: uninitialized shards (Note [meta init])
         for i in meta:
             out[i] = empty_shard(leaves[i], mesh, placements_for(spec_list[i], mesh))
-        empty_buffers(next((m.module for m in candidates(paths, leaves) if m.returned_tree(paths, leaves)), None),
-                      mesh.device_type)
+        owner = model_of(flat=(paths, leaves), where=lambda m: m.returned_tree(paths, leaves))
+        empty_buffers(owner.module if owner is not None else None, mesh.device_type)
     elif meta:
         at = {paths[i]: i for i in meta}
         info = _init_model(init, paths, leaves, paths[min(meta)])

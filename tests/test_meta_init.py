@@ -237,6 +237,8 @@ def test_plain_meta_is_refused():
         sf.shard(params, sf.specs(params, mesh), mesh, init="zeros")
     with pytest.raises(ValueError, match="init='empty'"):
         step.init(params, init="zeros")
+    with pytest.raises(ValueError, match=r"init='empty'.* or nothing"):
+        step.init(params, init=net)
 
 
 class ReadsValue(nn.Module):
