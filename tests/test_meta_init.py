@@ -3,11 +3,13 @@
 `sf.shard(..., init=model)` and `step.init(params)` give exactly the values (parameters and
 buffers) of the same model built eagerly in one process with the same seed, at world sizes 1, 2
 and 3, for models whose construction does more than `reset_parameters()`: a plain torch model with
-a tied head, Hugging Face Llama, GPT-2, T5, ViT, DINOv2 and CLIP, a nanoGPT-style model that
-re-initializes itself with `self.apply(self._init_weights)`, a random draw in `__init__` that is no
-parameter, a cast to bfloat16 at the end of construction, tensors made from data (`torch.tensor`,
-numpy, `.data[...] =`, `sparse_`) and `trunc_normal_` (replayed whole). What cannot be replayed is
-refused before any value is given, naming the construction code. A plain meta-device model is
+a tied head, Hugging Face Llama, GPT-2, T5, ViT, DINOv2, CLIP and ConvNeXt, a nanoGPT-style model
+that re-initializes itself with `self.apply(self._init_weights)`, a random draw in `__init__` that
+is no parameter, a cast to bfloat16 at the end of construction, tensors made from data
+(`torch.tensor`, numpy, `.data[...] =`, `sparse_`), `trunc_normal_` (replayed whole), values read
+into Python (computed while recording) and deep copies. A rank seeded otherwise than rank 0 is
+refused where the construction read a drawn value. What cannot be replayed is refused while
+recording or before any value is given, naming the construction code. A plain meta-device model is
 accepted where values do not matter (`init="empty"`: uninitialized shards laid out as a real
 model's). Memory: on a model whose whole size exceeds what the check allows, each rank's peak RSS
 growth stays within its shards plus one unit plus a margin.
