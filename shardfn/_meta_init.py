@@ -247,9 +247,11 @@ class _Recorder(TorchDispatchMode):
                     written.append((t, (i == 0 and name in _OVERWRITE) or a.name == "out"))
         written_ids = {id(t) for t, _ in written if _}
         if func in _READS_VALUE and meta_in:  # the construction branches on a value: computed for real
-            real_args, real_kwargs = pytree.tree_map(
-                lambda x: _evaluate(rec, x, func) if isinstance(x, torch.Tensor) and (isinstance(x, FakeTensor) or x.is_meta) else x,
-                (args, kwargs))
+            def value(x: Any) -> Any:
+                recorded = isinstance(x, torch.Tensor) and (isinstance(x, FakeTensor) or x.is_meta)
+                return _evaluate(rec, x, func) if recorded else x
+
+            real_args, real_kwargs = pytree.tree_map(value, (args, kwargs))
             with unset_fake_temporarily():
                 return func(*real_args, **real_kwargs)
         try:
