@@ -24,7 +24,7 @@ from . import _donate, _runtime, _watch
 from ._buffers import ModuleBuffers
 from ._engine import GROUP_BYTES, Engine, Policy, StaleParameterError, group_name, plan_groups
 from ._flat import STALE, FlatUnit, LeafSpec
-from ._meta_init import materialize
+from ._meta_init import check_init, empty_buffers, materialize
 from ._mesh import mesh_group
 from ._models import model_of
 from ._tree import compile_patterns
@@ -176,13 +176,14 @@ class GradientCore:
         self.rank = mesh.get_local_rank(self.shard_axis)
         self.engine: Engine | None = None
 
-    def build(self, params: Any) -> Any:
+    def build(self, params: Any, init: str | None = None) -> Any:
         """Lays `params` out in this core's flat unit buffers: its specs become flat units, the
         engine that runs them, and DTensors over this rank's shards.
 
         Args:
             params: the full parameter tree (same values on every rank), a DTensor tree, or a tree
                 on the meta device (the module's initializers fill it).
+            init: `"empty"` leaves meta leaves uninitialized (values do not matter; Note [meta init]).
 
         Returns:
             The parameter tree of DTensors over the core's buffers (see `tree`).
@@ -192,7 +193,7 @@ class GradientCore:
         trained = trained_leaves(info, paths, self.frozen)
         units, where, dtype_of, direct_gather, groups = self._flat_units(info, paths, leaves, spec_list, trained)
         self.engine = self._make_engine(info, units, dtype_of, direct_gather, groups)
-        dt_params, dt_grads, flat_views = self._fill(info, paths, leaves, spec_list, units, where)
+        dt_params, dt_grads, flat_views = self._fill(info, paths, leaves, spec_list, units, where, init)
         self._prepare_buffers(info)
         self._norm_segments, self._norm_parts = self._norm_plan(units)
         self.treespec = treespec
@@ -285,13 +286,16 @@ class GradientCore:
             group=mesh_group(self.mesh) if self.world > 1 else None, groups=groups,
         )
 
-    def _fill(self, info: Any, paths: list[str], leaves: list, spec_list: list, units: dict, where: list):
+    def _fill(self, info: Any, paths: list[str], leaves: list, spec_list: list, units: dict, where: list,
+              init: str | None = None):
         """Fills the local shards (meta leaves by the module's initializers); returns the DTensors
         over them, those over the gradient shards, and the shards themselves."""
         device = self.mesh.device_type
         # Meta leaves: the module's recorded construction, replayed (Note [meta init] in `_meta_init.py`).
         meta = {i for i, leaf in enumerate(leaves) if leaf.is_meta}
-        if meta:
+        if check_init(init, "step.init", module=False):  # values do not matter: the shards stay uninitialized
+            empty_buffers(info.module if info is not None else None, device)
+        elif meta:
             if info is None:
                 raise ValueError(
                     f"leaf {paths[min(meta)]!r} is on the meta device and belongs to no functionalized module whose "

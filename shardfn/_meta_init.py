@@ -12,31 +12,56 @@ Recording. Inside the block tensors are fake CPU tensors (`FakeTensorMode`), not
 because construction code branches on the device (some initializers return early on meta): the
 block must run exactly the Python an eager build runs. A dispatch mode above it (`_Recorder`)
 stores each ATen operation, tensors replaced by references to their storage (index, size, stride,
-offset, dtype: views and ties alias as they did) and outside tensors by their values. Whatever
-cannot be replayed exactly is refused while recording: reading a value into Python, touching the
-generator's state or passing `generator=`, other devices, `resize_`. At the end of the block the
-module's tensors become meta tensors mapped to the recording's storages, their version counters
-noted.
+offset, dtype: views and ties alias as they did) and outside tensors (data: `torch.tensor([...])`,
+numpy) by real copies of their values. At the end of the block the module's tensors become meta
+tensors mapped to the recording's storages, their version counters noted.
+
+What ATen alone would not record exactly:
+- Initializers that branch on what they draw (`trunc_normal_` redraws rejected samples) are
+  recorded as one operation each, patched where `torch.nn.init` looks them up, and replayed by
+  calling them for real: the same generator state gives the same draws.
+- A value read into Python (`.item()`, `.tolist()`, `if t.any()`: drop-path rates, a branch on a
+  drawn value) is computed for real: the recording so far is planned and run for that storage
+  alone, as the replay will, from the block's generator state, and the construction goes on with
+  the value an eager build sees. Such a read ties the recording to the generator state: a rank
+  that began the block in another state than rank 0's is refused at replay.
+- A deep copy (`nn.Transformer`'s layer clones) is a recorded copy of each storage's bytes, one per
+  storage as in eager (views of one storage stay views of one copy). The copied modules keep the
+  recording (its deep copy is itself); the block's end walks the recorded modules' submodules,
+  which a deep copy does not register.
+Whatever cannot be replayed exactly is refused while recording, naming the construction code (the
+innermost frame outside torch, and the module whose method runs it) and the operation: touching
+the generator's state or passing `generator=`, other devices, `resize_`, sizes that depend on
+values (`nonzero`).
 
 Replay (`materialize`) runs on every rank from the recorded generator state, after deciding what
 to run. Going backwards from the wanted parameters and buffers, an operation runs if it writes a
 storage whose value matters (and what it reads then matters); a write of a whole storage ends its
 earlier history. A random operation whose result does not matter still draws, into a scratch
-tensor of the same size, stride and dtype, so the generator advances as in the eager build. Views
-and operations that neither matter nor draw are skipped. Storages live from their first running
-operation to their last, and a parameter's shard is kept when its value is final; side-effect-free
-reads (casts) run right after what they read is final. Memory is this rank's shards plus the
-operations in flight; time is every rank drawing the whole model's random numbers.
+tensor of the same size, stride and dtype, so the generator advances as in the eager build; draws
+after the last random operation that matters are skipped. Views and operations that neither
+matter nor draw are skipped. Storages live from their first running operation to their last, and
+a parameter's shard is kept when its value is final. An operation that draws nothing runs as early
+as the storages it touches allow (after their last writes, and after the last reads of those it
+writes): a cast, or a change to part of a weight made after every layer is built, runs right after
+what it touches is ready, not where the construction ran it. Memory is this rank's shards plus
+the operations in flight; time is every rank drawing the whole model's random numbers.
 
 Refused, because the value cannot be known: a module built under plain `torch.device("meta")` (no
-recording), values from before the block or from uninitialized `torch.empty` memory, and changes
-after the block (a replaced parameter is not recorded; an in-place change shows in its version
-counter; changes through `.data` cannot be seen, so the docs say to do everything in the block).
+recording), meta values from before the block or from uninitialized `torch.empty` memory, and
+changes after the block (a replaced parameter is not recorded; an in-place change shows in its
+version counter; changes through `.data` cannot be seen, so the docs say to do everything in the
+block). Where values do not matter (memory estimates, a simulated rank), `init="empty"` accepts
+any meta tree, recorded or not: each rank allocates its uninitialized shards and the module's meta
+buffers, nothing is replayed or communicated.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import os
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -45,15 +70,24 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _collectives as C
 
-__all__ = ["meta_device", "materialize", "has_meta", "capture"]
+__all__ = ["meta_device", "materialize", "has_meta", "capture", "EMPTY", "check_init", "empty_shard", "empty_buffers"]
 
 aten = torch.ops.aten
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 # Operations that write all of their first argument without reading it (Note [meta init]).
 _OVERWRITE = {
@@ -112,6 +146,11 @@ class _Record:
     alias: list[Any] = field(default_factory=list)  # the meta storages standing for fake ones after the block
     open: bool = True
     problem: str | None = None  # why this recording cannot be replayed
+    values: dict[int, tuple[Any, int]] = field(default_factory=dict)  # storage -> (its value read, len(ops) then)
+    random_reads: bool = False  # the construction read a value that depends on random draws
+
+    def __deepcopy__(self, memo: dict) -> "_Record":
+        return self  # a module deep-copied in the block (nn.Transformer's clones) keeps its recording
 
     def ref(self, t: torch.Tensor) -> _Ref:
         st = t.untyped_storage()
@@ -151,10 +190,30 @@ def _covers(r: _Ref, nbytes: int) -> bool:
     return True
 
 
+def _where() -> str:
+    """The construction code running now: the innermost frame outside torch and shardfn, and the
+    module whose method it is (for refusals)."""
+    f = sys._getframe(1)
+    while f is not None and (f.f_code.co_filename.startswith(_TORCH_DIR) or f.f_code.co_filename.startswith(_OWN_DIR)
+                             or f.f_code.co_filename.startswith("<")):
+        f = f.f_back
+    if f is None:
+        return ""
+    at = f"{f.f_code.co_filename}:{f.f_lineno}"
+    who = f.f_code.co_name
+    while f is not None:  # the module whose method runs it (a comprehension's frame has no self)
+        owner = f.f_locals.get("self")
+        if isinstance(owner, nn.Module):
+            who = f"{type(owner).__name__}.{f.f_code.co_name}"
+            break
+        f = f.f_back
+    return f" in {who} ({at})"
+
+
 def _refuse(what: str) -> NotImplementedError:
     return NotImplementedError(
-        f"sf.meta_device() cannot record this construction exactly: {what}. Build the module eagerly, or move "
-        "this out of the module's construction (Note [meta init] in shardfn/_meta_init.py)"
+        f"sf.meta_device() cannot record this construction exactly{_where()}: {what}. Build the module eagerly, "
+        "or move this out of the module's construction (Note [meta init] in shardfn/_meta_init.py)"
     )
 
 
@@ -170,9 +229,6 @@ class _Recorder(TorchDispatchMode):
         rec = self.record
         flat_in = pytree.tree_leaves((args, kwargs))
         meta_in = any(isinstance(x, FakeTensor) or (isinstance(x, torch.Tensor) and x.is_meta) for x in flat_in)
-        if func in _READS_VALUE and meta_in:
-            raise _refuse(f"{func} reads a tensor's value into Python (a meta tensor has none; an eager build "
-                          "would branch on it)")
         if kwargs.get("generator") is not None:
             raise _refuse(f"{func} draws from an explicit generator= (only the default CPU generator is replayed)")
         random = torch.Tag.nondeterministic_seeded in func.tags
@@ -190,7 +246,18 @@ class _Recorder(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     written.append((t, (i == 0 and name in _OVERWRITE) or a.name == "out"))
         written_ids = {id(t) for t, _ in written if _}
-        out = func(*args, **kwargs)
+        if func in _READS_VALUE and meta_in:  # the construction branches on a value: computed for real
+            def value(x: Any) -> Any:
+                recorded = isinstance(x, torch.Tensor) and (isinstance(x, FakeTensor) or x.is_meta)
+                return _evaluate(rec, x, func) if recorded else x
+
+            real_args, real_kwargs = pytree.tree_map(value, (args, kwargs))
+            with unset_fake_temporarily():
+                return func(*real_args, **real_kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            raise _refuse(f"{func} makes a tensor whose size depends on values") from e
         flat_out = pytree.tree_leaves(out)
         if func in _METADATA_ONLY or not any(isinstance(x, torch.Tensor) for x in flat_out) and not random:
             return out
@@ -204,7 +271,8 @@ class _Recorder(TorchDispatchMode):
             if not isinstance(x, torch.Tensor):
                 return x
             if not isinstance(x, FakeTensor) and not x.is_meta:
-                return _Const(x.detach().clone())
+                with unset_fake_temporarily():  # a real copy, not a fake one (the fake mode is below this one)
+                    return _Const(x.detach().clone())
             r = rec.ref(x)
             if id(x) not in written_ids:
                 reads.add(r.s)
@@ -235,6 +303,59 @@ class _Recorder(TorchDispatchMode):
             return out  # a view (or a query): references already say where its values are
         rec.ops.append(_Op(func, targs, tkwargs, outs, reads, writes, full, random, torch.get_default_dtype()))
         return out
+
+
+# Initializers recorded as one operation each and replayed by calling them for real (Note [meta
+# init]): they branch on the values they draw, which fake tensors do not have. Each writes every
+# element of its first argument without reading it; patched where torch.nn.init looks them up, so
+# calls through any alias of the public function (transformers keeps its own) are seen.
+_WHOLE = {"_no_grad_trunc_normal_": "nn.init.trunc_normal_"}
+
+
+def _record_whole(rec: _Record, fn: Callable, name: str, tensor: torch.Tensor, args: tuple, kwargs: dict) -> None:
+    """Appends `fn(tensor, *args, **kwargs)` to the recording as one random operation."""
+    if kwargs.get("generator") is not None:
+        raise _refuse(f"{name} draws from an explicit generator= (only the default CPU generator is replayed)")
+    if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args, kwargs))):
+        raise _refuse(f"{name} is given a tensor argument besides the tensor it fills")
+    r = rec.ref(tensor)
+    full = {r.s} if _covers(r, rec.storages[r.s].nbytes()) else set()
+    rec.ops.append(_Op(fn, (r, *args), dict(kwargs), [], set(), {r.s}, full, True, torch.get_default_dtype()))
+
+
+def _whole_op(rec: _Record, fn: Callable, name: str) -> Callable:
+    def run(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _active() is not rec or not isinstance(tensor, FakeTensor):
+            return fn(tensor, *args, **kwargs)
+        _record_whole(rec, fn, name, tensor, args, kwargs)
+        return tensor
+
+    return run
+
+
+def _deepcopy_fake(rec: _Record, original: Callable) -> Callable:
+    """`Tensor.__deepcopy__` inside the block: a recorded tensor's copy is a recorded copy of its
+    storage's bytes (one per storage, as an eager deep copy shares one new storage between views)."""
+
+    def deepcopy(self: torch.Tensor, memo: dict) -> torch.Tensor:
+        if _active() is not rec or not isinstance(self, FakeTensor):
+            return original(self, memo)
+        if id(self) in memo:
+            return memo[id(self)]
+        st = self.untyped_storage()
+        key = ("shardfn storage", st._cdata)
+        if key not in memo:
+            with torch.no_grad():
+                memo[key] = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).clone().untyped_storage()
+        new = torch.empty(0, dtype=self.dtype).set_(memo[key], self.storage_offset(), self.size(), self.stride())
+        new.requires_grad_(self.requires_grad)
+        for k, v in self.__dict__.items():  # the user's attributes (_is_param, ...), not the fake tensor's own
+            if k not in new.__dict__:
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        memo[id(self)] = new
+        return new
+
+    return deepcopy
 
 
 @contextlib.contextmanager
@@ -295,6 +416,22 @@ def meta_device() -> Iterator[None]:
 
     torch.utils.swap_tensors = swap_tensors
     patched.append((torch.utils, "swap_tensors", swap))
+    numpy = torch.Tensor.numpy
+
+    def to_numpy(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _active() is rec and isinstance(self, FakeTensor):
+            raise _refuse(".numpy() of a recorded tensor (the array would share its memory, which a recording "
+                          "has not): read values with .tolist() or .item()")
+        return numpy(self, *args, **kwargs)
+
+    patched.append((torch.Tensor, "numpy", numpy))
+    torch.Tensor.numpy = to_numpy
+    patched.append((torch.Tensor, "__deepcopy__", torch.Tensor.__deepcopy__))
+    torch.Tensor.__deepcopy__ = _deepcopy_fake(rec, torch.Tensor.__deepcopy__)
+    for attr, public in _WHOLE.items():
+        fn = getattr(torch.nn.init, attr)
+        patched.append((torch.nn.init, attr, fn))
+        setattr(torch.nn.init, attr, _whole_op(rec, fn, public))
     _state.record = rec
     try:
         with fake, _Recorder(rec):
@@ -302,6 +439,7 @@ def meta_device() -> Iterator[None]:
     finally:
         _state.record = None
         rec.open = False
+        rec.values.clear()  # values read while recording: the replay computes its own
         for mod, name, fn in patched:
             setattr(mod, name, fn)
         for h in hooks:
@@ -331,10 +469,13 @@ def _to_meta(rec: _Record, tagged: list[tuple[nn.Module, str]]) -> None:
         return m
 
     seen: set[int] = set()
-    for m, _ in tagged:
+    stack = [m for m, _ in tagged]  # and their submodules: a deep copy registers nothing
+    while stack:
+        m = stack.pop()
         if id(m) in seen:
             continue
         seen.add(id(m))
+        stack.extend(c for c in m._modules.values() if c is not None)
         for d in (m._parameters, m._buffers, m.__dict__):
             for k, v in list(d.items()):
                 if isinstance(v, FakeTensor):
@@ -385,10 +526,53 @@ def capture(module: nn.Module, params: dict[str, torch.Tensor]) -> Capture | Non
     return Capture(rec, refs)
 
 
+EMPTY = "empty"  # `init=`: meta leaves become uninitialized shards (values do not matter)
+
+
+def check_init(init: Any, where: str, module: bool = True) -> bool:
+    """Whether `init` asks for uninitialized shards (`init="empty"`); refuses other strings, and
+    anything else where `module` is False (step.init finds the module itself)."""
+    if init is None or isinstance(init, str) and init == EMPTY:
+        return init is not None
+    if isinstance(init, str) or not module:
+        other = " or the meta-device module" if module else " or nothing (the module is found from apply= or the params)"
+        raise ValueError(f"{where} takes init={EMPTY!r} (uninitialized shards, where values do not matter){other}; "
+                         f"got {init!r}")
+    return False
+
+
+def empty_shard(leaf: torch.Tensor, mesh: Any, placements: Any) -> Any:
+    """A DTensor over an uninitialized local shard of the meta tensor `leaf` (`init="empty"`):
+    only this rank's shard is allocated."""
+    d = distribute_tensor(leaf.detach(), mesh, placements, src_data_rank=None)  # meta: shapes only
+    local = torch.empty_like(d.to_local(), device=mesh.device_type)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=d.shape, stride=d.stride())
+
+
+def empty_buffers(module: nn.Module | None, device: Any) -> None:
+    """Makes `module`'s meta buffers real and uninitialized on `device` (`init="empty"`); a buffer
+    shared by several modules stays one tensor."""
+    if module is None:
+        return
+    made: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for k, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                if id(b) not in made:
+                    made[id(b)] = torch.empty_like(b, device=device)
+                m._buffers[k] = made[id(b)]
+
+
 def _rng_state(rec: _Record) -> torch.Tensor:
     state = rec.rng
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         state = C.broadcast_object(state, "meta-device init")
+        if rec.random_reads and not torch.equal(state, rec.rng):
+            raise ValueError(
+                f"rank {dist.get_rank()} began its sf.meta_device() block with another CPU generator state than rank 0, "
+                "and the construction read a drawn value (`.item()`, `if t.any()`): its recording may branch otherwise "
+                "than rank 0's. Seed every rank alike (torch.manual_seed(seed) on each) before the block"
+            )
     return state
 
 
@@ -398,15 +582,17 @@ def _plan(rec: _Record, targets: set[int]) -> tuple[list[tuple[int, str]], list[
     needed = set(targets)
     kind: dict[int, str] = {}
     garbage: list[int] = []
+    drawing = False  # a later random operation runs: draws before it must happen
     for i in range(len(rec.ops) - 1, -1, -1):
         op = rec.ops[i]
         if op.writes & needed:
             kind[i] = "run"
+            drawing = drawing or op.random
             if op.func in _UNINITIALIZED:
                 garbage.extend(op.writes & needed)
             needed -= op.full
             needed |= op.reads
-        elif op.random:
+        elif op.random and drawing:  # (draws after the last random operation that runs are skipped)
             kind[i] = "rng"
             needed |= op.reads - op.writes
     foreign = needed - rec.created
@@ -415,24 +601,130 @@ def _plan(rec: _Record, targets: set[int]) -> tuple[list[tuple[int, str]], list[
             "the meta-device module's values depend on a meta tensor made outside its sf.meta_device() block "
             "(its values were never recorded): create every tensor the module uses inside the block"
         )
-    # A side-effect-free operation that reads storages runs right after their last write (a cast
-    # at the end of __init__ would otherwise keep every source alive until then).
-    last_key: dict[int, tuple] = {}
+    # An operation that draws nothing runs as early as what it touches allows: after the last write
+    # of each storage it reads or writes, and after the last read of each it writes. A cast at the
+    # end of __init__, or a change to part of a weight after every layer is built, would otherwise
+    # keep earlier storages alive until then. One that makes new storages from nothing (a constant)
+    # runs right before its first user. Draws keep their order (the generator's).
+    last_write: dict[int, tuple] = {}
+    last_read: dict[int, tuple] = {}
+    pending: dict[int, int] = {}  # storage -> the operation from nothing that makes it, not placed yet
     keyed: list[tuple[tuple, int, str]] = []
     for i in sorted(kind):
         op = rec.ops[i]
-        pure = kind[i] == "run" and not op.random and op.reads and op.writes == {r.s for r in op.outs if r is not None} \
-            and all(r.s not in last_key for r in op.outs if r is not None)
-        if pure:
-            key = max((last_key.get(s, (-1,)) for s in op.reads)) + (i,)
-        else:
-            key = (i,)
-        keyed.append((key, i, kind[i]))
-        if kind[i] == "run":
+        run = kind[i] == "run"
+        fresh = not (op.writes & (last_write.keys() | last_read.keys() | pending.keys()))
+        if run and not op.random and not op.reads and fresh:
             for s in op.writes:
-                last_key[s] = key
+                pending[s] = i
+            continue
+        after = [last_write[s] for s in op.reads | op.writes if s in last_write]
+        after += [last_read[s] for s in op.writes if s in last_read]
+        key = max(after) + (i,) if run and not op.random and after else (i,)
+        for c in sorted({pending[s] for s in op.reads | op.writes if s in pending}):
+            made = key[:-1] + (c,) if len(key) > 1 else (c,)
+            keyed.append((made, c, "run"))
+            for s in rec.ops[c].writes:
+                pending.pop(s, None)
+                last_write[s] = made
+        keyed.append((key, i, kind[i]))
+        for s in (op.reads if run else op.reads - op.writes):
+            last_read[s] = max(last_read.get(s, key), key)
+        if run:
+            for s in op.writes:
+                last_write[s] = key
+    keyed.extend(((c,), c, "run") for c in sorted(set(pending.values())))
     keyed.sort(key=lambda x: x[0])
     return [(i, k) for _, i, k in keyed], garbage
+
+
+def _view(storage: Any, r: _Ref) -> torch.Tensor:
+    return torch.empty(0, dtype=r.dtype).set_(storage, r.offset, r.size, r.stride)
+
+
+def _extent(r: _Ref) -> int:
+    if any(n == 0 for n in r.size):
+        return 0
+    return (r.offset + sum((n - 1) * st for n, st in zip(r.size, r.stride)) + 1) * r.dtype.itemsize
+
+
+def _execute(rec: _Record, order: list[tuple[int, str]], rng: torch.Tensor, done: Callable[[int, Any], None]) -> None:
+    """Runs the planned operations (`_plan`) from generator state `rng`, on real CPU storages;
+    `done(s, storage)` when storage `s` is used for the last time, then drops it."""
+    last: dict[int, int] = {}
+    for pos, (i, k) in enumerate(order):
+        op = rec.ops[i]
+        for s in op.reads | (op.writes if k == "run" else set()):
+            last[s] = pos
+    real: dict[int, Any] = {}
+    gen = torch.default_generator  # not torch.random's functions: they are refused inside the block
+    saved = gen.get_state()
+    default = torch.get_default_dtype()
+    try:
+        with torch.no_grad():
+            gen.set_state(rng)
+            for pos, (i, k) in enumerate(order):
+                op = rec.ops[i]
+                torch.set_default_dtype(op.dtype)
+
+                def arg(x: Any) -> Any:
+                    if isinstance(x, _Const):
+                        return x.value.clone()  # an operation may return it or write it
+                    if isinstance(x, _Ref):
+                        if k == "rng" and x.s in op.writes:
+                            return _view(torch.UntypedStorage(_extent(x)), x)  # scratch: only the draws matter
+                        if x.s not in real:
+                            real[x.s] = torch.UntypedStorage(rec.storages[x.s].nbytes())
+                        return _view(real[x.s], x)
+                    return _to_cpu(x)
+
+                args, kwargs = pytree.tree_map(arg, (op.args, op.kwargs))
+                out = op.func(*args, **kwargs)
+                if k == "run":
+                    for r, t in zip(op.outs, pytree.tree_leaves(out)):
+                        if r is None or r.s in real:
+                            continue
+                        if (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype) == (r.size, r.stride, r.offset, r.dtype) \
+                                and t.untyped_storage().nbytes() == rec.storages[r.s].nbytes():
+                            real[r.s] = t.untyped_storage()
+                        else:  # laid out otherwise than the meta kernel said: copy into the recorded layout
+                            real[r.s] = torch.UntypedStorage(rec.storages[r.s].nbytes())
+                            _view(real[r.s], r).copy_(t)
+                del out, args, kwargs
+                for s in [s for s in op.reads | op.writes if last.get(s) == pos]:
+                    done(s, real[s])
+                    real.pop(s, None)
+    finally:
+        gen.set_state(saved)
+        torch.set_default_dtype(default)
+
+
+def _evaluate(rec: _Record, x: torch.Tensor, func: Any) -> torch.Tensor:
+    """The real value of the recorded tensor `x` now, for an operation that reads it into Python
+    (Note [meta init]): what the recording so far computes for its storage, kept until an
+    operation writes the storage again."""
+    r = rec.ref(x)
+    cached = rec.values.get(r.s)
+    if cached is None or any(r.s in op.writes for op in rec.ops[cached[1]:]):
+        try:
+            order, garbage = _plan(rec, {r.s})
+        except ValueError as e:
+            raise _refuse(f"{func} reads the value of a tensor made outside the block, never recorded") from e
+        if garbage:
+            raise _refuse(f"{func} reads uninitialized memory (torch.empty that no recorded operation set)")
+        if any(k == "run" and rec.ops[i].random for i, k in order):
+            rec.random_reads = True
+        got: dict[int, Any] = {}
+
+        def done(s: int, storage: Any) -> None:
+            if s == r.s:
+                got[s] = storage
+
+        with unset_fake_temporarily():
+            _execute(rec, order, rec.rng, done)
+        cached = rec.values[r.s] = (got[r.s], len(rec.ops))
+    with unset_fake_temporarily():
+        return _view(cached[0], r)
 
 
 def _to_cpu(x: Any) -> Any:
@@ -458,7 +750,9 @@ def materialize(info: Any, wanted: set[str], emit: Callable[[str, torch.Tensor],
         raise ValueError(
             f"cannot give the meta-device {type(module).__name__} the values an eager build would have: {why}. "
             "Build it under `with sf.meta_device(): model = Model(...)` (the construction is recorded and replayed "
-            "exactly; Note [meta init] in shardfn/_meta_init.py)"
+            "exactly; Note [meta init] in shardfn/_meta_init.py), or, where values do not matter (memory estimates, "
+            "simulation), pass init=\"empty\" (step.init(params, init=\"empty\"), sf.shard(..., init=\"empty\")) "
+            "for uninitialized shards"
         )
     rec = cap.record
     if _active() is not None:
@@ -495,65 +789,17 @@ def materialize(info: Any, wanted: set[str], emit: Callable[[str, torch.Tensor],
             "recorded operation sets): an eager build gives garbage there, which cannot be reproduced. Initialize "
             "it in the construction (Note [meta init] in shardfn/_meta_init.py)"
         )
-    last: dict[int, int] = {}
-    for pos, (i, k) in enumerate(order):
-        op = rec.ops[i]
-        used = op.reads | (op.writes if k == "run" else set())
-        for s in used:
-            last[s] = pos
-    real: dict[int, Any] = {}
     made: dict[tuple, torch.Tensor] = {}
 
-    def view(storage: Any, r: _Ref) -> torch.Tensor:
-        return torch.empty(0, dtype=r.dtype).set_(storage, r.offset, r.size, r.stride)
+    def done(s: int, storage: Any) -> None:
+        for what, who, r in by_storage.get(s, []):
+            if what == "param":
+                emit(who, _view(storage, r))
+            else:
+                key = (s, r)
+                if key not in made:
+                    made[key] = _view(storage, r).clone().to(buffer_device)
+                m, local, _ = who
+                m._buffers[local] = made[key]
 
-    def extent(r: _Ref) -> int:
-        if any(n == 0 for n in r.size):
-            return 0
-        return (r.offset + sum((n - 1) * st for n, st in zip(r.size, r.stride)) + 1) * r.dtype.itemsize
-
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.random.set_rng_state(_rng_state(rec))
-        default = torch.get_default_dtype()
-        try:
-            for pos, (i, k) in enumerate(order):
-                op = rec.ops[i]
-                torch.set_default_dtype(op.dtype)
-
-                def arg(x: Any) -> Any:
-                    if isinstance(x, _Const):
-                        return x.value.clone()  # an operation may return it or write it
-                    if isinstance(x, _Ref):
-                        if k == "rng" and x.s in op.writes:
-                            return view(torch.UntypedStorage(extent(x)), x)  # scratch: only the draws matter
-                        if x.s not in real:
-                            real[x.s] = torch.UntypedStorage(rec.storages[x.s].nbytes())
-                        return view(real[x.s], x)
-                    return _to_cpu(x)
-
-                args, kwargs = pytree.tree_map(arg, (op.args, op.kwargs))
-                out = op.func(*args, **kwargs)
-                if k == "run":
-                    for r, t in zip(op.outs, pytree.tree_leaves(out)):
-                        if r is None or r.s in real:
-                            continue
-                        if (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype) == (r.size, r.stride, r.offset, r.dtype) \
-                                and t.untyped_storage().nbytes() == rec.storages[r.s].nbytes():
-                            real[r.s] = t.untyped_storage()
-                        else:  # laid out otherwise than the meta kernel said: copy into the recorded layout
-                            real[r.s] = torch.UntypedStorage(rec.storages[r.s].nbytes())
-                            view(real[r.s], r).copy_(t)
-                del out, args, kwargs
-                for s in [s for s in op.reads | op.writes if last.get(s) == pos]:
-                    for what, who, r in by_storage.get(s, []):
-                        if what == "param":
-                            emit(who, view(real[s], r))
-                        else:
-                            key = (s, r)
-                            if key not in made:
-                                made[key] = view(real[s], r).clone().to(buffer_device)
-                            m, local, _ = who
-                            m._buffers[local] = made[key]
-                    real.pop(s, None)
-        finally:
-            torch.set_default_dtype(default)
+    _execute(rec, order, _rng_state(rec), done)

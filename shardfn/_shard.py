@@ -17,7 +17,7 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._C._functorch import TransformType
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
-from ._meta_init import materialize
+from ._meta_init import check_init, empty_buffers, empty_shard, materialize
 from ._models import ModelInfo, model_of
 from ._spec import local_slices, match_specs, placements_for, spec_of
 
@@ -45,6 +45,10 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
             time, giving exactly the values an eager build would have (Note [meta init] in
             `shardfn/_meta_init.py`); every rank then holds only its shards plus what is being
             initialized. This takes the recorded generator state from rank 0 (a collective).
+            `init="empty"`: where values do not matter (memory estimates, simulation), the meta
+            leaves become uninitialized local shards, whether the module was built under
+            `sf.meta_device()` or plain `torch.device("meta")` (the module's meta buffers become
+            uninitialized tensors on the mesh's device); nothing is replayed or communicated.
 
     Returns:
         A tree of `torch.distributed.tensor.DTensor`, the structure of `params`.
@@ -59,7 +63,12 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
     paths, leaves, spec_list, treespec = match_specs(params, specs, mesh)
     out: list[Any] = [None] * len(leaves)
     meta = {i for i, leaf in enumerate(leaves) if leaf.is_meta}
-    if meta:
+    if meta and check_init(init, "sf.shard"):  # values do not matter: uninitialized shards (Note [meta init])
+        for i in meta:
+            out[i] = empty_shard(leaves[i], mesh, placements_for(spec_list[i], mesh, leaves[i].shape))
+        owner = model_of(flat=(paths, leaves), where=lambda m: m.returned_tree(paths, leaves))
+        empty_buffers(owner.module if owner is not None else None, mesh.device_type)
+    elif meta:
         at = {paths[i]: i for i in meta}
         info = _init_model(init, paths, leaves, paths[min(meta)])
 
@@ -91,7 +100,8 @@ def _init_model(init: Any, paths: list[str], leaves: list[Any], first: str) -> A
     if init is None:
         raise ValueError(
             f"leaf {first!r} is on the meta device: pass the module it was built with, "
-            "sf.shard(params, specs, mesh, init=model), to initialize it with the module's own initializers"
+            "sf.shard(params, specs, mesh, init=model), to initialize it with the module's own initializers "
+            "(or init=\"empty\" for uninitialized shards where values do not matter)"
         )
     if isinstance(getattr(init, "info", None), ModelInfo):  # the module's sf.functionalize function
         return init.info

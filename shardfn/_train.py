@@ -55,18 +55,21 @@ class TrainStep:
     _units = property(lambda self: self.core.units)
     _off_schedule = property(lambda self: self.core.off_schedule)
 
-    def init(self, params: Any) -> TrainState:
+    def init(self, params: Any, init: str | None = None) -> TrainState:
         """Shards `params` into this step's flat buffers and initializes the optimizer.
 
         Args:
             params: the full parameter tree (same values on every rank), a DTensor tree, or a
                 tree on the meta device (the module's initializers fill it).
+            init: `"empty"` where values do not matter (memory estimates, simulation): meta leaves
+                and the module's meta buffers stay uninitialized, whether the module was built
+                under `sf.meta_device()` or plain `torch.device("meta")`; nothing is replayed.
 
         Returns:
             `TrainState(params=<DTensor tree>, opt_state=..., step=0)`; frozen leaves get no
             optimizer state.
         """
-        params = self.core.build(params)
+        params = self.core.build(params, init)
         return TrainState(params=params, opt_state=self.opt.init(self.core.trainable(params)), step=0)
 
     # -- the step -------------------------------------------------------------------------------
