@@ -5,7 +5,7 @@ specs over a device mesh (`P`, `specs`, `shard`), and `train_step` runs the FSDP
 an ordinary `loss_fn(params, batch)`.
 """
 
-from . import optim
+from . import optim, rules
 from ._checkpoint import LoadReport, SaveHandle, latest, load, load_extras, save
 from ._describe import describe
 from ._donate import DonatedError, copy
@@ -59,6 +59,7 @@ __all__ = [
     "optim",
     "per_sample_grad_norms",
     "per_sample_grads",
+    "rules",
     "save",
     "shard",
     "specs",
