@@ -119,6 +119,43 @@ def local_shape(shape: torch.Size, tp_dim: int | None, rank: int, size: int) -> 
     return local_part(torch.empty(shape, device="meta"), tp_dim, rank, size).shape
 
 
+_REGISTERED = False
+
+
+def _register_strategies() -> None:
+    """Sharding strategies DTensor lacks, for ops models call: CPU's fused attention (heads or
+    batch split, or all replicated), through torch's public `register_sharding`."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    _REGISTERED = True
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten = torch.ops.aten
+    ops = [getattr(aten, n).default for n in ("_scaled_dot_product_flash_attention_for_cpu",) if hasattr(aten, n)]
+    bwd = [getattr(aten, n).default for n in ("_scaled_dot_product_flash_attention_for_cpu_backward",) if hasattr(aten, n)]
+    if not ops or not bwd:
+        return
+
+    @register_sharding(ops[0])
+    def _sdpa(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        R = Replicate()
+        mask = [] if attn_mask is None else [R]
+        out = [([R, R], [R, R, R, None, None, *mask])]
+        if attn_mask is None:
+            out += [([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), None, None]) for d in (0, 1)]
+        return out
+
+    @register_sharding(bwd[0])
+    def _sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
+        R = Replicate()
+        mask = [] if attn_mask is None else [R]
+        strategies = [([R, R, R], [R, R, R, R, R, R, None, None, *mask])]
+        if attn_mask is None:
+            strategies += [([Shard(d)] * 3, [Shard(d)] * 6 + [None, None]) for d in (0, 1)]
+        return strategies
+
+
 def _partial(x: Any) -> bool:
     return isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)
 
@@ -135,6 +172,7 @@ class TensorParallel:
     """
 
     def __init__(self, mesh: DeviceMesh, tp: str, tp_dims: list[int | None], shapes: list[torch.Size], reduce_dtype: torch.dtype | None):
+        _register_strategies()
         self.mesh = mesh[tp]
         self.size = self.mesh.size()
         self.rank = self.mesh.get_local_rank()
