@@ -4,6 +4,7 @@ collectives the specs imply (Note [tensor parallel forward] in shardfn/_tp.py)."
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -107,9 +108,9 @@ def rank_train(name: str, axes: dict, cases: list[dict], steps: int = 3, rules: 
             if tp is not None:
                 tp.stats.clear()
             state, _ = step(state, ids)
+        last = dict(calls=dict(C.STATS.calls), bytes=dict(C.STATS.bytes_sent), tp=dict(tp.stats) if tp else {})
         full = sf.to_state_dict(sf.gather(state.params), apply)
-        err = max((_rel(full[n], ref[n]), n) for n in ref)
-        out.append(dict(err=err, calls=dict(C.STATS.calls), bytes=dict(C.STATS.bytes_sent), tp=dict(tp.stats) if tp else {}))
+        out.append(dict(err=max((_rel(full[n], ref[n]), n) for n in ref), **last))
     return out
 
 
@@ -166,3 +167,56 @@ def test_degenerate_meshes_train_as_the_reference(pools):
     for axes in (dict(dp=1, tp=2), dict(dp=2, tp=1)):
         for name in ("llama", "gpt2", "gpt"):
             _check(pool.run(rank_train, name, axes, [dict()])[0], f"{name} on {axes}")
+
+
+def rank_comm_counts(name: str, axes: dict) -> dict:
+    """One step under CommDebugMode: DTensor's own collectives (functional ones), in the forward
+    and in the whole step."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = sf.mesh(**axes)
+    dp_axis, dp = next(iter(axes)), mesh.size(0)
+    apply, params = sf.functionalize(_model(name), units=UNITS[name])
+    specs = sf.specs(params, mesh, rules=RULES[name], default=sf.P(dp_axis))
+    forward = {}
+
+    def loss_fn(p, ids):
+        loss = _loss_fn(name, apply)(p, ids)
+        forward.update(_functional(comm.get_comm_counts()))
+        return loss
+
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.0), mesh, specs=specs)
+    state = step.init(params)
+    ids = _batch(0, PER_RANK * dp).chunk(dp)[mesh.get_local_rank(dp_axis)]
+    with warnings.catch_warnings():
+        # CommDebugMode's module tracker hooks modules whose outputs are ModelOutputs.
+        warnings.filterwarnings("ignore", message=r"(Full backward hook|For backward hooks)", category=UserWarning)
+        with CommDebugMode() as comm:
+            step(state, ids)
+    return dict(forward=forward, step=_functional(comm.get_comm_counts()), tp=dict(step.core.tp.stats))
+
+
+def _functional(counts: dict) -> dict[str, int]:
+    """{collective: count} for DTensor's functional collectives (the engine's go through c10d)."""
+    out = {}
+    for k, v in counts.items():
+        m = re.search(r"c10d_functional[.:]+(\w+)", str(k))
+        if m and v:
+            out[m.group(1)] = out.get(m.group(1), 0) + v
+    return out
+
+
+def test_collectives_per_step(pools):
+    """Tensor parallel issues one all-reduce per column -> row pair in the forward and one in the
+    backward (no gather of an activation or a weight), and FSDP's gathers and reduce-scatters over
+    dp move about 1/tp of the bytes they move without tensor parallel."""
+    got = pools(4).run(rank_comm_counts, "llama", dict(dp=2, tp=2))[0]
+    # 2 layers x 2 pairs + the embedding's masked sum; the vocabulary-parallel cross-entropy's 3
+    # small all-reduces (max, sum of exponentials, target logit).
+    assert got["tp"] == {"forward": 5, "backward": 5}, got
+    assert got["forward"] == {"all_reduce": 5 + 3}, got
+    assert got["step"] == {"all_reduce": 5 + 3 + 5}, got
+    with_tp = pools(4).run(rank_train, "llama", dict(dp=2, tp=2), [dict()], 1)[0][0]["bytes"]
+    without = pools(2).run(rank_train, "llama", dict(dp=2, tp=1), [dict()], 1)[0][0]["bytes"]
+    for op in ("all_gather", "reduce_scatter"):
+        assert 0.45 < with_tp[op] / without[op] < 0.55, (op, with_tp, without)
