@@ -42,7 +42,8 @@ cross-entropy of them (`F.cross_entropy`, what Hugging Face's losses call) runs 
 (three small all-reduces, as `loss_parallel` does) without gathering them.
 
 Mixed precision: `reduce_dtype` holds for the tp all-reduces too: a partial sum is cast to it before
-its all-reduce and back after, in the forward and in the backward.
+its all-reduce and back after, in the forward and in the backward. (The embedding's masked sum adds
+zeros to one value, exact in any dtype: it is reduced in the compute dtype.)
 
 Fallbacks. An op DTensor cannot compute on the shards as they come makes it gather a sharded
 operand whole (an all-gather): the first step of each train step watches for that, and warns once
@@ -64,7 +65,7 @@ from typing import Any, Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -210,7 +211,10 @@ class TensorParallel:
         """A partial sum as Replicate: one all-reduce over tp, in `reduce_dtype` if set."""
         self.stats[direction] += 1
         dtype = x.dtype
-        if self.reduce_dtype is not None and self.reduce_dtype != dtype:
+        # A masked sum (the vocabulary-parallel embedding's) adds zeros to one value: exact in any
+        # dtype, and DTensor cannot cast it before reducing; plain partial sums go in reduce_dtype.
+        plain = all(type(p) is Partial or not p.is_partial() for p in x.placements)
+        if self.reduce_dtype is not None and self.reduce_dtype != dtype and plain:
             x = x.to(self.reduce_dtype)
         x = x.redistribute(placements=[Replicate()] * x.device_mesh.ndim)
         return x.to(dtype) if x.dtype != dtype else x

@@ -220,3 +220,45 @@ def test_collectives_per_step(pools):
     without = pools(2).run(rank_train, "llama", dict(dp=2, tp=1), [dict()], 1)[0][0]["bytes"]
     for op in ("all_gather", "reduce_scatter"):
         assert 0.45 < with_tp[op] / without[op] < 0.55, (op, with_tp, without)
+
+
+def rank_mixed_precision(name: str, axes: dict) -> dict:
+    """bf16 compute with fp32 reductions: the dtypes tensor parallel's all-reduces run in, and the
+    distance of 3 bf16 steps from the fp32 reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: dict[str, int] = {}
+
+    class Dtypes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "c10d_functional.all_reduce" in str(func) or "_c10d_functional.all_reduce" in str(func):
+                seen[str(args[0].dtype)] = seen.get(str(args[0].dtype), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    mesh = sf.mesh(**axes)
+    dp_axis, dp = next(iter(axes)), mesh.size(0)
+    apply, params = sf.functionalize(_model(name), units=UNITS[name])
+    specs = sf.specs(params, mesh, rules=RULES[name], default=sf.P(dp_axis))
+    mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    step = sf.train_step(_loss_fn(name, apply), sf.optim.adamw(LR, eps=EPS, weight_decay=WD), mesh, specs=specs, mixed_precision=mp)
+    state = step.init(params)
+    for s in range(3):
+        ids = _batch(s, PER_RANK * dp).chunk(dp)[mesh.get_local_rank(dp_axis)]
+        with Dtypes():
+            state, _ = step(state, ids)
+    full = sf.to_state_dict(sf.gather(state.params), apply)
+    ref = _reference(name, 3, dp)
+    err = _rel(torch.cat([full[n].reshape(-1) for n in ref]), torch.cat([ref[n].reshape(-1) for n in ref]))
+    return dict(dtypes=seen, err=err)
+
+
+def test_value_and_grad_and_mixed_precision_on_a_2d_tree(pools):
+    """sf.value_and_grad on a (dp, tp) tree gives the global batch's loss and gradients; with
+    MixedPrecision(bf16, reduce fp32) the tp all-reduces run in fp32 (forward and backward)."""
+    pool = pools(4)
+    got = pool.run(rank_value_and_grad, "llama", dict(dp=2, tp=2))[0]
+    assert got["loss"] < 1e-5 and got["err"][0] < TOL, got
+    mp = pool.run(rank_mixed_precision, "llama", dict(dp=2, tp=2))[0]
+    # Per step: the embedding's masked sum (adds zeros: exact in bf16), the rest in fp32.
+    assert mp["dtypes"]["torch.bfloat16"] == 3 and mp["dtypes"]["torch.float32"] >= 3 * 9, mp
+    assert mp["err"] < 1e-2, mp  # bf16 rounding; the fp32 runs above are exact
