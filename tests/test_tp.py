@@ -262,3 +262,36 @@ def test_value_and_grad_and_mixed_precision_on_a_2d_tree(pools):
     # Per step: the embedding's masked sum (adds zeros: exact in bf16), the rest in fp32.
     assert mp["dtypes"]["torch.bfloat16"] == 3 and mp["dtypes"]["torch.float32"] >= 3 * 9, mp
     assert mp["err"] < 1e-2, mp  # bf16 rounding; the fp32 runs above are exact
+
+
+def rank_fallback_and_refusals() -> dict:
+    """GPT-2 with c_attn split on its packed q|k|v outputs: exact, and the gather DTensor falls back
+    to is reported once, naming the op and the module. And what is not supported yet is refused."""
+    from shardfn._tp import FallbackWarning
+
+    packed = [(r".*\.attn\.c_attn\.weight", sf.P(None, "tp")), (r".*\.attn\.c_attn\.bias", sf.P("tp")), *sf.rules.GPT2]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FallbackWarning)
+        err = rank_train("gpt2", dict(dp=1, tp=2), [dict()], steps=2, rules=packed)[0]["err"]
+    reports = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    refused = []
+    mesh = sf.mesh(dp=1, tp=2)
+    apply, params = sf.functionalize(_model("gpt"), units=UNITS["gpt"])
+    for options, specs in (
+        (dict(strategy="no_shard"), None),
+        (dict(offload="cpu"), None),
+        (dict(), sf.specs(params, mesh, rules=[(r".*fc\.weight", sf.P(None, "dp"))])),
+    ):
+        try:
+            sf.train_step(_loss_fn("gpt", apply), sf.optim.sgd(0.1), mesh, specs=specs, **options).init(params)
+        except NotImplementedError as e:
+            refused.append(str(e))
+    return dict(err=err, reports=reports, refused=refused)
+
+
+def test_fallback_gathers_are_reported_and_unsupported_options_refused(pools):
+    got = pools(2).run(rank_fallback_and_refusals)[0]
+    assert got["err"][0] < TOL, got
+    assert got["reports"] and all("c_attn" in r or "attn" in r for r in got["reports"]), got["reports"]
+    assert len(got["reports"]) == len(set(got["reports"])), got["reports"]  # each once
+    assert len(got["refused"]) == 3, got["refused"]
