@@ -131,7 +131,7 @@ def rank_value_and_grad(name: str, axes: dict) -> dict:
 
     tree = sf.train_step(loss_fn, sf.optim.sgd(0.0), mesh, specs=specs).init(params).params
     ids = _batch(0, PER_RANK * dp)
-    loss, grads = sf.value_and_grad(loss_fn)(tree, ids.chunk(dp)[dp_rank])
+    loss, grads = sf.value_and_grad(loss_fn, apply=apply)(tree, ids.chunk(dp)[dp_rank])
     want = _loss(name, ref(ids) if name == "gpt" else ref(input_ids=ids, labels=ids, use_cache=False), ids)
     want.backward()
     full = sf.to_state_dict(sf.gather(grads), apply)
