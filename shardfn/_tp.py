@@ -324,9 +324,6 @@ def _loss_parallel() -> Iterator[None]:
 
 
 # -- the fallback watch --------------------------------------------------------------------------
-_GATHERS = {"all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_tensor"}
-
-
 class _GatherWatch(TorchDispatchMode):
     """Sees the all-gathers DTensor issues to compute an op, and which op and module asked."""
 
@@ -351,8 +348,8 @@ class _GatherWatch(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             self.op = func
             return NotImplemented
-        name = getattr(func, "_opname", "") or str(func)
-        if name in _GATHERS or "all_gather" in str(func):
+        name = str(func)
+        if "c10d_functional" in name and "all_gather" in name:  # DTensor's; the engine's go through c10d
             parents = [p for p in self.modules.parents if p != "Global"]
             self.tp.report(str(self.op), max(parents, key=len) if parents else "")
         return func(*args, **(kwargs or {}))

@@ -59,15 +59,21 @@ def _loss(name: str, out, ids: torch.Tensor) -> torch.Tensor:
     return out.loss
 
 
-def _reference(name: str, steps: int, data_world: int) -> dict[str, torch.Tensor]:
+def _reference(name: str, steps: int, data_world: int, max_grad_norm: float | None = None,
+               frozen: str | None = None) -> dict[str, torch.Tensor]:
     """The parameters after `steps` steps of torch's AdamW on the global batch, in one process."""
     model = _model(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WD)
+    for n, p in model.named_parameters():
+        p.requires_grad_(not (frozen and re.fullmatch(frozen, n)))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=LR, eps=EPS, weight_decay=WD)
     for s in range(steps):
         ids = _batch(s, PER_RANK * data_world)
         opt.zero_grad()
         out = model(ids) if name == "gpt" else model(input_ids=ids, labels=ids, use_cache=False)
         _loss(name, out, ids).backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
         opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -93,9 +99,13 @@ def rank_train(name: str, axes: dict, cases: list[dict], steps: int = 3, rules: 
     mesh = sf.mesh(**axes)
     dp_axis, dp = next(iter(axes)), mesh.size(0)
     dp_rank = mesh.get_local_rank(dp_axis)
-    ref = _reference(name, steps, dp)
+    refs = {}
     out = []
     for options in cases:
+        key = (options.get("max_grad_norm"), options.get("frozen"))
+        if key not in refs:
+            refs[key] = _reference(name, steps, dp, *key)
+        ref = refs[key]
         apply, params = sf.functionalize(_model(name), units=UNITS[name])
         rule_list = rules if rules is not None else RULES[name] if "tp" in axes else []
         specs = sf.specs(params, mesh, rules=rule_list, default=sf.P(dp_axis))
@@ -145,15 +155,18 @@ def _check(results: list, what: str) -> None:
 
 
 def test_2d_mesh_trains_as_the_reference(pools):
-    """On (dp=2, tp=2): Llama, GPT-2 and GPT under full_shard and shard_grad_op, with remat and with
-    accumulation, equal the single-process reference after 3 steps."""
+    """On (dp=2, tp=2): Llama, GPT-2 and GPT under full_shard and shard_grad_op, with remat, with
+    accumulation, with clipping and frozen leaves, equal the single-process reference after 3 steps."""
     pool = pools(4)
     axes = dict(dp=2, tp=2)
     llama = pool.run(rank_train, "llama", axes, [dict(), dict(strategy="shard_grad_op", accumulation_steps=2)])
     _check(llama[0], "llama")
     gpt2 = pool.run(rank_train, "gpt2", axes, [dict(remat=True)])
     _check(gpt2[0], "gpt2")
-    gpt = pool.run(rank_train, "gpt", axes, [dict(strategy="shard_grad_op", remat=True, accumulation_steps=2)])
+    gpt = pool.run(rank_train, "gpt", axes, [
+        dict(strategy="shard_grad_op", remat=True, accumulation_steps=2),
+        dict(max_grad_norm=0.05, frozen=r"blocks\.0\..*"),  # the norm is over tp shards and dp shards
+    ])
     _check(gpt[0], "gpt")
     # Per column -> row pair one tp all-reduce in the forward and one in the backward, and the
     # vocabulary-parallel embedding's; in the backward the head's input gradient: Llama 2 layers x 2
