@@ -18,8 +18,10 @@ of dp rank r is the same for both; tp ranks get their dp rank's batch), AdamW (l
 Per implementation: step time (a dist.barrier() before each step, the max over ranks, the median over
 the timed steps of all rounds; rounds alternate the implementations), the peak growth of resident
 memory over the timed steps (VmHWM after - VmHWM at a reset), the collectives of one step and the
-bytes each rank hands them (input bytes, counted by a dispatch mode that sees every c10d and
-functional collective: the same ruler for both), and the losses side by side (they must agree).
+size of the tensors they move (the whole gathered or reduced tensor; counted by a dispatch mode that
+sees every c10d and functional collective; shardfn's engine sends point to point on gloo, which that mode does not see, so
+its own counters are shown as "engine ..."; they count bytes sent, ring-style), and the losses side
+by side (the first must agree; the optimizers differ in rounding after that).
 Figures are noisy on a shared 2-core machine: the counts and bytes matter more.
 """
 
@@ -72,7 +74,10 @@ class _Comms:
                     key = name.split("::")[-1].split(".")[-2 if name.count(".") > 1 else -1]
                     flat = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
                     counts[key] = counts.get(key, 0) + 1
-                    nbytes[key] = nbytes.get(key, 0) + (flat[0].numel() * flat[0].element_size() if flat else 0)
+                    # c10d's all-gather and reduce-scatter take (output, input): count the larger
+                    # (the whole gathered or the whole reduced tensor); all-reduce its one tensor.
+                    size = max((t.numel() * t.element_size() for t in flat[:2]), default=0)
+                    nbytes[key] = nbytes.get(key, 0) + size
                 return func(*args, **(kwargs or {}))
 
         self.mode, self.counts, self.bytes = Mode(), counts, nbytes
@@ -125,7 +130,9 @@ def _build(impl: str, a):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
         opt.step()
-        return loss.full_tensor().detach() if hasattr(loss, "full_tensor") else loss.detach()
+        out = (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach().clone()
+        torch.distributed.all_reduce(out)  # the mean over dp ranks, as shardfn reports it
+        return out / torch.distributed.get_world_size()
 
     return step
 
@@ -139,13 +146,17 @@ def rank_setup(impl: str, a) -> dict:
 
     mesh_rank = dist.get_rank()
     dp_rank = mesh_rank // a.tp
+    from shardfn import _collectives as C
+
     step = _STEPS[impl] = _build(impl, a)
-    for s in range(a.warmup):
-        step(_batch(s, a, dp_rank))
+    first = [float(step(_batch(s, a, dp_rank))) for s in range(a.warmup)]
     comms = _Comms()
+    C.STATS.reset()
     with comms.mode:
         loss = step(_batch(a.warmup, a, dp_rank))
-    return dict(counts=comms.counts, bytes=comms.bytes, loss=float(loss))
+    # shardfn's engine sends point to point on gloo, past the dispatch mode: its own counters.
+    engine = {k: (C.STATS.calls[k], C.STATS.bytes_sent[k]) for k in C.STATS.calls} if impl == "shardfn" else {}
+    return dict(counts=comms.counts, bytes=comms.bytes, engine=engine, losses=[*first, float(loss)])
 
 
 def rank_time(impl: str, a, first: int) -> dict:
@@ -204,13 +215,16 @@ def main() -> None:
     for impl in impls:
         steps = [max(ts) for run in runs[impl] for ts in zip(*(rk["times"] for rk in run))]
         peak = max(rk["peak_kb"] for run in runs[impl] for rk in run) / 1024
-        c, b = setup[impl][0]["counts"], setup[impl][0]["bytes"]
+        c, b = dict(setup[impl][0]["counts"]), dict(setup[impl][0]["bytes"])
+        for k, (n, nbytes) in setup[impl][0]["engine"].items():
+            c[f"engine {k}"], b[f"engine {k}"] = n, nbytes
         calls = ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
         sent = ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in sorted(b.items()))
         print(f"| {impl} | {1000 * statistics.median(steps):.1f} | {peak:.1f} | {calls} | {sent} |")
-    print("\nlosses (rank 0, timed steps of round 0):")
+    print("\nlosses (rank 0: warm-up and counted steps, then the timed steps of round 0):")
     for impl in impls:
-        print(f"  {impl:10s}", " ".join(f"{x:.6f}" for x in runs[impl][0][0]["losses"]))
+        print(f"  {impl:10s}", " ".join(f"{x:.6f}" for x in setup[impl][0]["losses"]), "|",
+              " ".join(f"{x:.6f}" for x in runs[impl][0][0]["losses"]))
 
 
 if __name__ == "__main__":
