@@ -69,6 +69,7 @@ from . import _collectives as C
 from . import _donate
 from ._files import fsync_dir, fsync_file, replace_synced, temporary_name, write_atomically
 from ._models import model_of, persistent_buffers as _persistent_buffers
+from ._spec import placements_for, spec_of
 from ._tree import tree_flatten_with_paths
 import torch
 import torch.distributed as dist
@@ -120,12 +121,21 @@ def _describe_tensor(key: str, x: torch.Tensor) -> dict:
         raise ValueError(f"state entry {key!r} is on the meta device: it holds no values to save; materialize it first")
     if isinstance(x, DTensor):
         for p in x.placements:
-            if not isinstance(p, (Shard, Replicate)):
+            if not isinstance(p, (Shard, Replicate)) and not _one_box(x):
                 raise NotImplementedError(
-                    f"state entry {key!r} is a DTensor with placements {x.placements}: only Shard and Replicate "
+                    f"state entry {key!r} is a DTensor with placements {x.placements}: only the layouts of a partition spec "
                     "can be saved and resharded; redistribute it first (e.g. x.redistribute(mesh, [Replicate()]))"
                 )
     return {"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
+
+
+def _one_box(x: DTensor) -> bool:
+    """Whether each rank holds one box of `x` laid out as a partition spec says (Note [layouts of
+    a spec] in `shardfn/_spec.py`): what torch.distributed.checkpoint can write and reshard."""
+    try:
+        return placements_for(spec_of(x.placements, x.device_mesh, x.dim()), x.device_mesh, x.shape) == tuple(x.placements)
+    except (NotImplementedError, ValueError):
+        return False
 
 
 def _classify(keys: list[str], leaves: list[Any]) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict[str, Any]]:

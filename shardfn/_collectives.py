@@ -21,6 +21,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import _watch
 
@@ -396,7 +397,7 @@ def _shards(placements, mesh) -> int:
     """Into how many pieces `placements` cut a tensor over `mesh`."""
     n = 1
     for dim, p in enumerate(placements):
-        if p.is_shard():
+        if p.is_shard() or isinstance(p, _StridedShard):  # is_shard() is False for it
             n *= mesh.size(dim)
     return n
 

@@ -33,7 +33,7 @@ from ._param import OffSchedule
 from ._remat import install as install_remat
 from ._remat import select_units
 from ._shard import gather
-from ._tp import TensorParallel, local_part, local_shape, split_specs, state_placements
+from ._tp import TensorParallel, local_part, local_shape, split_specs, state_spec
 from ._spec import P, match_specs, placements_for, specs as make_specs
 from .optim._norm import local_sumsq
 
@@ -342,7 +342,8 @@ class GradientCore:
                 units[u].fill(j, self._tp_local(i, C.full_tensor(leaf, "the train step's init") if isinstance(leaf, DTensor) else leaf))
             local, grad, shape = units[u].shard(j)
             if self.tp_axis is not None:
-                placements, shape = state_placements(self._tp_dims[i], self._fsdp[i], self.tp_size, leaf.dim()), leaf.shape
+                own = state_spec(self._tp_dims[i], self._fsdp[i], leaf.dim(), self.shard_axis, self.tp_axis)
+                placements, shape = placements_for(own, self.mesh, leaf.shape), leaf.shape
             else:
                 placements = placements_for(spec, self.mesh)
             flat_views.append(local)  # the step's own; users get aliases (Note [donated state])

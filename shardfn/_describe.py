@@ -2,9 +2,11 @@
 
 The whole-tree analogue of JAX's `visualize_array_sharding`: one row per leaf with its dotted path,
 global shape, partition spec, this rank's local shape, the bytes this rank holds and the padding
-its shard has to the even chunk size (`Shard(0)` splits rows in chunks of ceil(n / W); a rank may
-hold fewer rows, or none). For a `TrainState`, totals per rank for the parameters and the
-optimizer state follow. It prints as text and renders as an HTML table in a notebook.
+its shard has to the largest shard of the leaf (a dim split as `torch.chunk` does gives the last
+ranks fewer rows, or none; collectives move shards padded to the largest). Totals per rank
+follow, for the parameters and, for a `TrainState`, the optimizer state: each is the bytes of this
+rank's shards padded to their leaves' largest, so the same on every rank and, for sharded leaves,
+the padded whole divided by the number of shards. It prints as text and renders as an HTML table in a notebook.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._spec import P
+from ._spec import P, axis_names, shard_slices, spec_of
 from ._state import TrainState
 from ._tree import tree_flatten_with_paths
 
@@ -36,28 +38,22 @@ class Row:
 
 
 def _spec_of(x: DTensor) -> P:
-    names = x.device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(x.device_mesh.ndim))
-    dims: list[list[str]] = [[] for _ in range(x.dim())]
-    for axis, placement in zip(names, x.placements):
-        if placement.is_shard():
-            dims[placement.dim].append(axis)
-    entries = [None if not a else a[0] if len(a) == 1 else tuple(a) for a in dims]
-    while entries and entries[-1] is None:
-        entries.pop()
-    return P(*entries)
+    """The partition spec of DTensor `x` (axes named `dim0`, `dim1`, ... on a mesh without names)."""
+    return spec_of(x.placements, x.device_mesh, x.dim())
 
 
 def _row(path: str, x: Any) -> Row:
     if isinstance(x, DTensor):
         local = x._local_tensor
-        pad = 0
-        for dim, placement in enumerate(x.placements):
-            if placement.is_shard():
-                d = placement.dim
-                chunk = -(-x.shape[d] // x.device_mesh.size(dim))
-                row = math.prod(n for i, n in enumerate(local.shape) if i != d)  # elements per row
-                pad += (chunk - local.shape[d]) * row * local.element_size()
-        return Row(path, tuple(x.shape), repr(_spec_of(x)), tuple(local.shape), local.numel() * local.element_size(), pad)
+        spec = _spec_of(x)
+        mesh = x.device_mesh
+        # The largest shard is the first along every axis (torch.chunk's first chunk is the
+        # longest): the even size every shard pads to.
+        names = axis_names(mesh)
+        largest = shard_slices(spec, x.shape, dict(zip(names, mesh.shape)), dict.fromkeys(names, 0))
+        padded = math.prod(b.stop - b.start for b in largest)
+        pad = (padded - local.numel()) * local.element_size()
+        return Row(path, tuple(x.shape), repr(spec), tuple(local.shape), local.numel() * local.element_size(), pad)
     return Row(path, tuple(x.shape), "(not sharded)", tuple(x.shape), x.numel() * x.element_size(), 0)
 
 
@@ -75,7 +71,8 @@ class Description:
 
     Attributes:
         rows: one per parameter leaf.
-        totals: {"params": bytes, "optimizer state": bytes, ...} on this rank.
+        totals: {"params": bytes, "optimizer state": bytes} on this rank, padding included: the bytes
+            of this rank's shards padded to their leaves' largest shard.
     """
 
     HEADER = ("leaf", "global shape", "spec", "local shape", "bytes on this rank", "padding")
@@ -94,7 +91,7 @@ class Description:
             lines.append("  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
             if k == 0:
                 lines.append("  ".join("-" * w for w in widths))
-        lines += [f"total {name} on this rank: {_mb(n)}" for name, n in self.totals.items()]
+        lines += [f"total {name} on this rank, padding included: {_mb(n)}" for name, n in self.totals.items()]
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -102,7 +99,7 @@ class Description:
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in self.HEADER)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in c) + "</tr>" for c in self._cells())
-        totals = "".join(f"<li>total {html.escape(k)} on this rank: {_mb(n)}</li>" for k, n in self.totals.items())
+        totals = "".join(f"<li>total {html.escape(k)} on this rank, padding included: {_mb(n)}</li>" for k, n in self.totals.items())
         return f"<p>{html.escape(self.mesh)}</p><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table><ul>{totals}</ul>"
 
 
@@ -124,9 +121,9 @@ def describe(tree_or_state: Any) -> Description:
     else:
         params, extra = tree_or_state, {}
     rows = [_row(p, x) for p, x in _tensor_leaves(params)]
-    totals = {"params": sum(r.nbytes for r in rows)}
+    totals = {"params": sum(r.nbytes + r.padding for r in rows)}
     for name, tree in extra.items():
-        totals[name] = sum(_row(p, x).nbytes for p, x in _tensor_leaves(tree))
+        totals[name] = sum(r.nbytes + r.padding for r in (_row(p, x) for p, x in _tensor_leaves(tree)))
     meshes = {x.device_mesh for x in optree.tree_leaves(params) if isinstance(x, DTensor)}
     if meshes:
         m = next(iter(meshes))

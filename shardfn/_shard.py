@@ -16,9 +16,10 @@ from ._functorch import batched, install_mixing_check, note_gathered, refuse_tra
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._C._functorch import TransformType
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 from ._meta_init import materialize
 from ._models import ModelInfo, model_of
-from ._spec import match_specs, placements_for
+from ._spec import local_slices, match_specs, placements_for, spec_of
 
 __all__ = ["shard", "gather"]
 
@@ -30,8 +31,10 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
     """Shards a full parameter tree over `mesh`: a tree of DTensors holding only local shards.
 
     Every rank must hold the same full values (e.g. the same seed); each keeps its own shards, so no
-    communication happens. Dims that the axis size does not divide are split as `torch.chunk`
-    does, and a rank may hold an empty shard.
+    communication happens. Every layout a spec can say is honored: a dim over several axes is split
+    nested, the first axis the major one (Note [layouts of a spec] in `shardfn/_spec.py`); dims
+    that the axes' sizes do not divide are split as `torch.chunk` does, and a rank may hold an
+    empty shard. A tree of DTensors is redistributed to the specs' layouts.
 
     Args:
         params: the full parameter tree.
@@ -62,7 +65,7 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
 
         def emit(path: str, full: torch.Tensor) -> None:
             i = at[path]
-            placements = placements_for(spec_list[i], mesh)
+            placements = placements_for(spec_list[i], mesh, full.shape)
             d = distribute_tensor(full.to(mesh.device_type), mesh, placements, src_data_rank=None)
             local = d.to_local().clone()  # not a view: the full value is dropped
             out[i] = DTensor.from_local(local, mesh, placements, run_check=False, shape=d.shape, stride=d.stride())
@@ -74,7 +77,7 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
         for i, (leaf, spec) in enumerate(zip(leaves, spec_list)):
             if i in meta:
                 continue
-            placements = placements_for(spec, mesh)
+            placements = placements_for(spec, mesh, leaf.shape)
             if isinstance(leaf, DTensor):
                 out[i] = C.redistribute(leaf, mesh, placements, "sf.shard")
                 continue
@@ -127,14 +130,10 @@ def _reduce_to_placements(grad: torch.Tensor, mesh: DeviceMesh, placements, shap
             C.all_reduce_blocking(total, mesh_group(mesh, d), "the gradient of sf.gather")
     if mesh.size() > 1:
         total.div_(mesh.size())
-    # This rank's part, split as DTensor's Shard does (torch.chunk; trailing ranks may get less or
-    # nothing), by hand: distribute_tensor cannot run inside torch.func transforms.
-    for d, p in enumerate(placements):
-        if isinstance(p, Shard):
-            n, k = mesh.size(d), mesh.get_local_rank(d)
-            chunks = list(torch.chunk(total, n, dim=p.dim))
-            total = chunks[k] if k < len(chunks) else total.narrow(p.dim, 0, 0)
-    return total.contiguous()
+    # This rank's part, as the placements lay it out (Note [layouts of a spec] in `_spec.py`), by
+    # hand: distribute_tensor cannot run inside torch.func transforms.
+    box = local_slices(spec_of(placements, mesh, total.dim()), mesh, total.shape)
+    return total[box].contiguous()
 
 
 _JACFWD_REFUSED = (
@@ -268,7 +267,7 @@ class _ReduceScatter(torch.autograd.Function):
         n = batched.shape[-1]
         with torch._C._DisableFuncTorch():
             local = _reduce_to_placements(batched, mesh, placements, (*shape, n)).movedim(-1, 0).contiguous()
-        out_placements = tuple(Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements)
+        out_placements = tuple(_shifted(p) for p in placements)
         full_shape = torch.Size((n, *shape))
         out_spec = DTensorSpec(mesh, out_placements, TensorMeta(full_shape, torch.empty(0).new_empty(full_shape, device="meta").stride(), local.dtype))
         return _donate.wrap(local, out_spec), 0
@@ -278,6 +277,13 @@ class _ReduceScatter(torch.autograd.Function):
         if batched(tangent):
             raise NotImplementedError(_JACFWD_REFUSED)
         return _ReduceScatter.apply(tangent, ctx.meta)
+
+
+def _shifted(p: Any) -> Any:
+    """Placement `p` of a tensor that gained a leading dim."""
+    if isinstance(p, _StridedShard):
+        return _StridedShard(p.dim + 1, split_factor=p.split_factor)
+    return Shard(p.dim + 1) if isinstance(p, Shard) else p
 
 
 def _holds_dtensor(x: Any) -> bool:

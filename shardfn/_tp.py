@@ -13,9 +13,9 @@ Layout. The flat engine (Note [flat unit layout] in `_flat.py`) knows nothing of
 gathered unit by unit over `dp` and reduce-scattered over `dp` (the mean over the dp ranks, Note
 [the mean over ranks]; ranks that differ only in their tp coordinate get the same batch and compute
 the same loss). The state's DTensors live on the whole 2-D mesh with the placements of both splits
-(`P(None, "tp")` FSDP'd on dim 0 is `[Shard(0), Shard(1)]`; `P("tp", None)` FSDP'd inside each tp
-shard is `[_StridedShard(0, tp), Shard(0)]`, rows split over tp first), so that gather, save and
-describe see the true layout.
+(`P(None, "tp")` FSDP'd on dim 0 is `P("dp", "tp")`; `P("tp", None)` FSDP'd inside each tp shard is
+`P(("tp", "dp"), None)`, rows split over tp first: Note [layouts of a spec] in `_spec.py`), so that
+gather, save and describe see the true layout.
 
 Forward. When a unit is gathered, the module computes on DTensors over the `tp` sub-mesh built on
 the gathered shards (`DTensor.from_local`, no copy, no check): Shard(d) for tp-split leaves,
@@ -65,14 +65,13 @@ from typing import Any, Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._spec import P
 
-__all__ = ["TensorParallel", "split_specs", "state_placements", "local_part", "FallbackWarning"]
+__all__ = ["TensorParallel", "split_specs", "state_spec", "local_part", "FallbackWarning"]
 
 
 class FallbackWarning(UserWarning):
@@ -95,15 +94,17 @@ def split_specs(path: str, shape: torch.Size, spec: P, dp: str, tp: str) -> int 
     return tp_dim
 
 
-def state_placements(tp_dim: int | None, fsdp: bool, tp_size: int, ndim: int) -> tuple[Placement, Placement]:
-    """Placements on the (dp, tp) mesh of a leaf split on `tp_dim` over tp and FSDP'd on dim 0 within
-    its tp shard (Note [tensor parallel forward])."""
-    on_tp: Placement = Shard(tp_dim) if tp_dim is not None else Replicate()
-    if not fsdp:
-        return Replicate(), on_tp
-    if tp_dim == 0 and tp_size > 1:
-        return _StridedShard(0, split_factor=tp_size), on_tp
-    return Shard(0), on_tp
+def state_spec(tp_dim: int | None, fsdp: bool, ndim: int, dp: str, tp: str) -> P:
+    """The spec of a leaf split on `tp_dim` over tp and FSDP'd over dp on dim 0 within its tp shard
+    (Note [tensor parallel forward]): `P(("tp", "dp"), None)`, `P("dp", "tp")`, `P("dp")`, ..."""
+    entries: list = [None] * ndim
+    if tp_dim is not None:
+        entries[tp_dim] = tp
+    if fsdp:
+        entries[0] = (tp, dp) if tp_dim == 0 else dp
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def local_part(full: torch.Tensor, tp_dim: int | None, rank: int, size: int) -> torch.Tensor:

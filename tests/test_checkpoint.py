@@ -533,3 +533,79 @@ def test_buffers_resume_exactly(pools, tmp_path):
         assert out["resumed"]["1.num_batches_tracked"] == 6
         assert out["report"] == ([], [])
         assert "ValueError" in out["several"] and "apply=apply" in out["several"], out["several"]
+
+
+# -- every layout, across meshes: (dp=2, tp=2) <-> (dp=4,), (dp=1, tp=2), one rank -------------------
+LAYOUT_SHAPES = {"col": (5, 3), "row": (3, 7), "strided": (7, 3), "two": (5, 7), "norm": (7,)}
+
+
+def layout_specs(mesh) -> dict:
+    if "tp" in mesh.mesh_dim_names:
+        return {"col": sf.P("tp", None), "row": sf.P(None, "tp"), "strided": sf.P(("tp", "dp"), None), "two": sf.P("dp", "tp"), "norm": sf.P()}
+    return {"col": sf.P("dp"), "row": sf.P(None, "dp"), "strided": sf.P(("dp",), None), "two": sf.P(None, "dp"), "norm": sf.P()}
+
+
+def layout_values(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(*s, generator=g) for k, s in LAYOUT_SHAPES.items()}
+
+
+def layout_state(mesh, fill: float | None = None) -> dict:
+    """Parameters and AdamW-like moments of the same layouts, a step count and a plain value."""
+    specs = layout_specs(mesh)
+
+    def tree(seed):
+        values = layout_values(seed)
+        if fill is not None:
+            values = {k: torch.full_like(v, fill) for k, v in values.items()}
+        return sf.shard(values, specs, mesh)
+
+    return {"params": tree(1), "opt": {"mu": tree(2), "nu": tree(3), "count": torch.tensor(0 if fill is not None else 5)}, "epoch": 0 if fill is not None else 2}
+
+
+def layout_mesh(axes: str):
+    return {"2x2": lambda: sf.mesh(dp=2, tp=2), "4": lambda: sf.mesh(dp=4), "1x2": lambda: sf.mesh(dp=1, tp=2), "1": lambda: sf.mesh(dp=1)}[axes]()
+
+
+def rank_layouts_across_meshes(axes: str, load: list[str], save: str | None) -> list:
+    """Loads each checkpoint of `load` at mesh `axes` (bit-equal full values, each rank holding its
+    spec's rows), then saves the state at that mesh to `save`."""
+    from shardfn._spec import local_slices
+
+    mesh = layout_mesh(axes)
+    out = []
+    for path in load:
+        like = layout_state(mesh, fill=0.0)
+        got = sf.load(path, like=like)
+        specs = layout_specs(mesh)
+        rows_ok = all(
+            torch.equal(x.to_local(), x.full_tensor()[local_slices(specs[k], mesh, x.shape)])
+            for tree in (got["params"], got["opt"]["mu"], got["opt"]["nu"]) for k, x in tree.items()
+        )
+        out.append((full(got), rows_ok, [str(x.placements) for x in got["params"].values()]))
+    if save is not None:
+        sf.save(layout_state(mesh), save)
+    return out
+
+
+def test_every_layout_loads_exactly_across_meshes(pools, tmp_path):
+    want = {f"{tree}.{k}": v for tree, seed in (("params", 1), ("opt.mu", 2), ("opt.nu", 3)) for k, v in layout_values(seed).items()}
+    want.update({"opt.count": torch.tensor(5), "epoch": 2})
+    at = {m: str(tmp_path / m) for m in ("2x2", "4", "1x2", "1")}
+
+    def check(results: list, n: int) -> None:
+        for per_rank in results:
+            assert len(per_rank) == n
+            for loaded, rows_ok, _ in per_rank:
+                assert rows_ok
+                assert_same(loaded, want)
+
+    # Saved at (dp=2, tp=2) and at (dp=4,); each loaded at the other.
+    pools(4).run(rank_layouts_across_meshes, "2x2", [], at["2x2"])
+    check(pools(4).run(rank_layouts_across_meshes, "4", [at["2x2"]], at["4"]), 1)
+    # (dp=2, tp=2) at (dp=1, tp=2) and at one rank, each saving its own for the way back.
+    check(pools(2).run(rank_layouts_across_meshes, "1x2", [at["2x2"]], at["1x2"]), 1)
+    check(pools(1).run(rank_layouts_across_meshes, "1", [at["2x2"]], at["1"]), 1)
+    res = pools(4).run(rank_layouts_across_meshes, "2x2", [at["4"], at["1x2"], at["1"]], None)
+    check(res, 3)
+    assert "_StridedShard(dim=0, sf=2)" in res[0][0][2][2]  # P(("tp", "dp")) at (dp=2, tp=2)

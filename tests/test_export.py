@@ -13,6 +13,7 @@ import os
 import shutil
 import weakref
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,6 +23,18 @@ import shardfn as sf
 from shardfn import _export
 
 UNITS = r"model\.layers\.\d+"
+# Column- and row-parallel layouts over tp, FSDP within the tp shards (("tp", "dp")), and two dims.
+LLAMA_2D = [
+    (r".*embed_tokens\.weight", sf.P(("tp", "dp"), None)),
+    (r".*q_proj\.weight", sf.P(("tp", "dp"), None)),
+    (r".*k_proj\.weight", sf.P("tp", None)),
+    (r".*v_proj\.weight", sf.P("tp", "dp")),
+    (r".*o_proj\.weight", sf.P(None, "tp")),
+    (r".*gate_proj\.weight", sf.P(("tp", "dp"), None)),
+    (r".*up_proj\.weight", sf.P("dp", "tp")),
+    (r".*down_proj\.weight", sf.P(None, ("tp", "dp"))),
+    (r".*norm\.weight", sf.P()),
+]
 
 
 def llama_config():
@@ -50,11 +63,21 @@ def rank_round_trip(src: str, out: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = llama(1)  # other values: the import must overwrite every one
     apply, params = sf.functionalize(model, units=UNITS)
-    step = sf.train_step(lambda p, b: apply(p, input_ids=b).logits.sum(), sf.optim.sgd(0.1), sf.mesh(dp=-1))
-    state = step.init(params)
+    if world == 4:  # a tree sharded over a (dp, tp) mesh, in tensor-parallel layouts
+        mesh = sf.mesh(dp=2, tp=2)
+        state = sf.shard(params, sf.specs(params, mesh, rules=LLAMA_2D), mesh)
+    else:
+        step = sf.train_step(lambda p, b: apply(p, input_ids=b).logits.sum(), sf.optim.sgd(0.1), sf.mesh(dp=-1))
+        state = step.init(params)
     del params
     same = sf.import_state_dict(src, like=state)
     full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sf.to_state_dict(state).items()}
+    if world == 4:  # each rank read the rows its spec gives it
+        from shardfn._spec import local_slices
+
+        specs = sf.specs(state, mesh, rules=LLAMA_2D)
+        for p, x, spec in zip(sf.tree_paths(state), optree.tree_leaves(state), optree.tree_leaves(specs, is_leaf=lambda s: isinstance(s, sf.P))):
+            assert torch.equal(x.to_local(), full[p][local_slices(spec, mesh, x.shape)]), p
 
     # Count every full leaf the export gathers while it is alive on this rank.
     live, peak = [0], [0]
@@ -83,7 +106,7 @@ def rank_round_trip(src: str, out: str) -> dict:
                 max_unit=max(unit_bytes.values()), model_bytes=sum(unit_bytes.values()), rank=rank, world=world)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_hf_round_trip(pools, hf_dir, tmp_path, world):
     from transformers import LlamaForCausalLM
 

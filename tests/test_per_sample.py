@@ -74,8 +74,8 @@ def rank_per_sample(kind: str, outside: bool, frozen: str | None) -> dict:
     _strict_warnings()
     rank, world = dist.get_rank(), dist.get_world_size()
     apply, params = sf.functionalize(make_model(kind), units=units_of(kind))
-    mesh = sf.mesh(dp=-1)
-    sharded = sf.shard(params, sf.specs(params, mesh), mesh)
+    mesh = sf.mesh(dp=2, tp=2) if world == 4 else sf.mesh(dp=-1)
+    sharded = sf.shard(params, sf.specs(params, mesh, rules=GPT_2D if world == 4 else None), mesh)
     loss_one = _loss_one(kind, apply, outside)
     per_rank = 3
     batch = _examples(kind, per_rank * world)
@@ -102,6 +102,7 @@ def rank_per_sample(kind: str, outside: bool, frozen: str | None) -> dict:
     dp_leaves = [g for g in optree.tree_leaves(grads, none_is_leaf=True) if g is not None]
     out["dp"] = max(rel_err(sf.gather(g), w) for g, w in zip(dp_leaves, want))
     out["dp_types"] = {type(g).__name__ for g in dp_leaves}
+    out["dp_layout"] = [g.placements for g in dp_leaves] == [x.placements for x, t in zip(optree.tree_leaves(sharded), trained) if t]
     with torch.no_grad():
         ref_loss = torch.stack([loss_one(params, (batch[0][i], batch[1][i])) for i in range(len(batch[0]))]).mean()
     out["dp_loss"] = rel_err(loss, ref_loss)
@@ -116,6 +117,16 @@ def rank_per_sample(kind: str, outside: bool, frozen: str | None) -> dict:
     return out
 
 
+# On (dp, tp): axes of one dim against mesh order, column- and row-parallel, two dims.
+GPT_2D = [
+    (r"wte\.weight", sf.P(("tp", "dp"), None)),
+    (r".*qkv\.weight", sf.P("tp", None)),
+    (r".*proj\.weight", sf.P(None, "tp")),
+    (r".*fc\.weight", sf.P("dp", "tp")),
+    (r".*fc\.bias", sf.P(("tp", "dp"))),
+    (r".*ln.*", sf.P()),
+]
+
 CASES = {
     "mlp": ("mlp", False, None),
     "mlp_read_outside_apply": ("mlp", True, None),
@@ -124,13 +135,13 @@ CASES = {
 }
 
 
-# World 1 once (the tied GPT); every case at 2 and 3.
-@pytest.mark.parametrize("case,world", [("gpt_tied", 1)] + [(c, w) for w in (2, 3) for c in CASES])
+# World 1 once (the tied GPT); every case at 2 and 3; the GPT at (dp=2, tp=2) in tensor-parallel layouts.
+@pytest.mark.parametrize("case,world", [("gpt_tied", 1)] + [(c, w) for w in (2, 3) for c in CASES] + [("gpt_frozen_block", 4)])
 def test_per_example_gradients_match_a_loop_of_single_example_backwards(pools, case, world):
     for rank, out in enumerate(pools(world).run(rank_per_sample, *CASES[case])):
         errs = {k: out[k] for k in ("norms", "norms_again", "psg", "dp", "dp_loss", "dp_norms", "dp_seed2")}
         assert max(errs.values()) < 1e-5, (rank, errs)
-        assert out["frozen_none"] and out["dp_types"] == {"DTensor"}, out
+        assert out["frozen_none"] and out["dp_types"] == {"DTensor"} and out["dp_layout"], out
         assert out["psg_layout"] == {("DTensor", 3 * world, 3)}, out["psg_layout"]
         clipped, n = out["clipped"]
         assert 0 < clipped < n and out["differs"], out

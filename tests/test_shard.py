@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,6 +10,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import shardfn as sf
 from reference import GPT_CFG, make_model, rel_err
+from shardfn.models import GPT
 
 
 def rank_shard_gather() -> dict:
@@ -95,3 +97,136 @@ def test_apply_on_sharded_tree_gathers_unit_by_unit(pools):
         assert r["err"] < 1e-6, r
         assert r["gathers"] == r["leaves"], r  # every leaf gathered once
         assert r["live"] == [1], r  # only the running block is held in full
+
+
+# Layouts the spec language can say, on the GPT's leaves (dims 53, 35, 105, 140, 8: uneven at 2,
+# 3 and 4 shards). On (dp, tp): axes against mesh order (("tp", "dp")), over two dims, and mixed.
+LAYOUTS = {
+    1: [
+        (r"wte\.weight", sf.P(None, "dp")),
+        (r".*qkv\.weight", sf.P(("dp",), None)),
+        (r".*ln1.*", sf.P()),
+        (r".*proj\.weight", sf.P(None, "dp")),
+    ],
+    2: [
+        (r"wte\.weight", sf.P(("tp", "dp"), None)),
+        (r"wpe\.weight", sf.P(None, ("tp", "dp"))),
+        (r".*qkv\.weight", sf.P("tp", None)),
+        (r".*qkv\.bias", sf.P(("tp", "dp"))),
+        (r".*proj\.weight", sf.P(None, "tp")),
+        (r".*fc\.weight", sf.P("dp", "tp")),
+        (r".*fc\.bias", sf.P(("dp", "tp"))),
+        (r".*out\.weight", sf.P("tp", "dp")),
+        (r".*ln1.*", sf.P()),
+        (r".*ln2\.weight", sf.P("tp")),
+    ],
+}
+
+
+def layout_mesh():
+    return sf.mesh(dp=2, tp=2) if dist.get_world_size() == 4 else sf.mesh(dp=-1)
+
+
+def rank_layouts() -> dict:
+    from torch.func import grad, jacrev, jvp, vjp, vmap
+
+    from shardfn._spec import local_slices
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = layout_mesh()
+    model, twin = make_model("gpt"), make_model("gpt")
+    apply, params = sf.functionalize(model, units=r"blocks\.\d+")
+    specs = sf.specs(params, mesh, rules=LAYOUTS[mesh.ndim])
+    sharded = sf.shard(params, specs, mesh)
+    paths = sf.tree_paths(params)
+    flat = dict(zip(paths, optree.tree_leaves(params)))
+    spec_of = dict(zip(paths, optree.tree_leaves(specs, is_leaf=lambda x: isinstance(x, sf.P))))
+    dts = dict(zip(paths, optree.tree_leaves(sharded)))
+    out: dict = {"specs": {p: repr(s) for p, s in spec_of.items()}, "local": {}, "bad": []}
+
+    def check(what: str, got, want, exact: bool = True) -> None:
+        if not (got.shape == want.shape and (torch.equal(got, want) if exact else rel_err(got, want) < 1e-6)):
+            out["bad"].append(what)
+
+    for p, d in dts.items():
+        box = local_slices(spec_of[p], mesh, d.shape)
+        out["local"][p] = [(b.start, b.stop) for b in box]
+        check(f"shard {p}", d.to_local(), flat[p][box])
+        (chunk,) = d.__create_chunk_list__()  # where torch.distributed.checkpoint puts the shard
+        if list(chunk.offsets) != [b.start for b in box] or list(chunk.sizes) != [b.stop - b.start for b in box]:
+            out["bad"].append(f"chunk {p}")
+        check(f"full_tensor {p}", d.full_tensor(), flat[p])
+    full = sf.gather(sharded)
+    for p, x in zip(paths, optree.tree_leaves(full)):
+        check(f"gather {p}", x, flat[p])
+
+    # The gradient of gather: the mean over ranks, laid out as the leaf.
+    leaves = optree.tree_map(lambda x: x.detach().requires_grad_(), sharded)
+    g = sf.gather(leaves)
+    loss = (rank + 1) * sum((a * b).sum() for a, b in zip(optree.tree_leaves(g), optree.tree_leaves(params)))
+    loss.backward()
+    factor = (world + 1) / 2
+    for p, x in zip(paths, optree.tree_leaves(leaves)):
+        if x.grad.placements != dts[p].placements:
+            out["bad"].append(f"grad placements {p}")
+        check(f"grad {p}", x.grad.to_local(), (factor * flat[p])[local_slices(spec_of[p], mesh, x.shape)], exact=False)
+    # torch.func.grad (same data on every rank: the unsharded gradient), vjp (same cotangent on
+    # every rank: the cotangent itself), jvp, jacrev, vmap.
+    gs = grad(lambda t: sum((a * b).sum() for a, b in zip(optree.tree_leaves(sf.gather(t)), optree.tree_leaves(params))))(sharded)
+    for p, x in zip(paths, optree.tree_leaves(gs)):
+        if x.placements != dts[p].placements:
+            out["bad"].append(f"func.grad placements {p}")
+        check(f"func.grad {p}", x.full_tensor(), flat[p], exact=False)
+    _, pull = vjp(sf.gather, sharded)
+    (cot,) = pull(params)
+    for p, x in zip(paths, optree.tree_leaves(cot)):
+        check(f"vjp {p}", x.full_tensor(), flat[p], exact=False)
+    tangents = sf.shard(optree.tree_map(lambda x: x * 0 + 1, params), specs, mesh)
+    _, dot = jvp(lambda t: sum((x * x).sum() for x in optree.tree_leaves(sf.gather(t))), (sharded,), (tangents,))
+    out["jvp"] = rel_err(dot, 2 * sum(x.sum() for x in flat.values()))
+    scale = torch.arange(1.0, 106.0)
+    jac = jacrev(lambda t: (sf.gather(t)["blocks"]["0"]["attn"]["qkv"]["bias"] * scale)[:4])(sharded)
+    j = jac["blocks"]["0"]["attn"]["qkv"]["bias"]
+    check("jacrev", j.full_tensor(), torch.eye(4, 105) * scale)
+    xs = torch.randn(3, 35)
+    w = flat["blocks.0.fc.weight"]
+    check("vmap", vmap(lambda x: sf.gather(sharded)["blocks"]["0"]["fc"]["weight"] @ x)(xs), vmap(lambda x: w @ x)(xs))
+
+    # apply on the sharded tree, unit by unit, against the unsharded model.
+    x = torch.randint(0, GPT_CFG.vocab, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out["apply"] = rel_err(apply(sharded, x), twin(x))
+
+    # A sharded tree resharded to P("dp") and back (sf.shard of DTensors: DTensor's redistribute).
+    plain = sf.shard(sharded, sf.specs(params, mesh), mesh)
+    back = sf.shard(plain, specs, mesh)
+    for p, x, y in zip(paths, optree.tree_leaves(plain), optree.tree_leaves(back)):
+        check(f"reshard {p}", x.to_local(), flat[p][local_slices(sf.P("dp"), mesh, x.shape)])
+        check(f"reshard back {p}", y.to_local(), dts[p].to_local())
+
+    # Meta-device init straight into every layout.
+    torch.manual_seed(0)
+    with sf.meta_device():
+        lazy = GPT(GPT_CFG)
+    _, meta_params = sf.functionalize(lazy, units=r"blocks\.\d+")
+    built = sf.shard(meta_params, specs, mesh, init=lazy)
+    for p, x in zip(paths, optree.tree_leaves(built)):
+        if x.placements != dts[p].placements:
+            out["bad"].append(f"meta placements {p}")
+        check(f"meta {p}", x.to_local(), dts[p].to_local())
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_layout_shard_gather_transforms_apply(pools, world):
+    res = pools(world).run(rank_layouts)
+    for r in res:
+        assert r["bad"] == [], r["bad"]
+        assert r["jvp"] < 1e-6 and r["apply"] < 1e-6, r
+    if world == 4:  # the spec's nested split, first axis major: ranks are (dp, tp) = (r // 2, r % 2)
+        specs = res[0]["specs"]
+        assert specs["wte.weight"] == "P(('tp', 'dp'), None)" and specs["blocks.0.fc.weight"] == "P('dp', 'tp')"
+        # 53 rows: tp halves of 27 and 26 rows, each cut in two by dp.
+        assert [r["local"]["wte.weight"][0] for r in res] == [(0, 14), (27, 40), (14, 27), (40, 53)]
+        assert [r["local"]["blocks.0.fc.bias"][0] for r in res] == [(0, 35), (35, 70), (70, 105), (105, 140)]
+        assert [r["local"]["blocks.0.out.weight"] for r in res] == [[(0, 18), (0, 70)], [(18, 35), (0, 70)], [(0, 18), (70, 140)], [(18, 35), (70, 140)]]
