@@ -225,8 +225,8 @@ class GradientCore:
         self._trained_where = [w for w, t in zip(where, trained) if t]  # the optimizer's leaves, in order
         self.trained_index = [i for i, t in enumerate(trained) if t]  # their positions in the tree
         self.grads = optree.tree_unflatten(treespec, dt_grads)
-        self.engine.set_tree(treespec, paths, where)
         self._install_tp(info, paths, leaves)
+        self.engine.set_tree(treespec, paths, where)
         self._install_remat(info)
         return self.tree()
 

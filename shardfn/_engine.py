@@ -449,7 +449,7 @@ class Engine:
     def _make_trees(self) -> None:
         self._leaf_of = {w: i for i, w in enumerate(self._where)}
         proxies = [self._unit(u).proxies[j] for u, j in self._where]
-        params = [Param.make(p, self._read_param, w) for p, w in zip(proxies, self._where)]
+        params = [Param.make(self._stand_in(p, w), self._read_param, w) for p, w in zip(proxies, self._where)]
         self.user_tree = optree.tree_unflatten(self._treespec, params)
         # What the module computes on: root leaves in place (gathered for the whole step), unit
         # leaves as Params until their unit's forward swaps its full parameters in.
@@ -505,6 +505,14 @@ class Engine:
         if out is None:
             out = self._tp_views[u] = [self.tp.leaf(self._leaf_of[(u, j)], p) for j, p in enumerate(proxies)]
         return out
+
+    def _stand_in(self, proxy: torch.Tensor, where: tuple[int, int]) -> torch.Tensor:
+        """What a `Param` looks like: its full parameter, or with tensor parallel a tensor of the
+        leaf's global shape (no memory: an expanded scalar), as `loss_fn` expects."""
+        if self.tp is None:
+            return proxy
+        shape = self.tp.shapes[self._leaf_of[where]]
+        return proxy.new_zeros(()).expand(shape).requires_grad_(proxy.requires_grad) if shape != proxy.shape else proxy
 
     def _tp_trees(self) -> None:
         """Tensor parallel: the root's leaves as DTensors over its gathered shards, for this step."""

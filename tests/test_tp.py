@@ -7,6 +7,7 @@ import copy
 import re
 import warnings
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ def _loss(name: str, out, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(name: str, steps: int, data_world: int, max_grad_norm: float | None = None,
-               frozen: str | None = None) -> dict[str, torch.Tensor]:
+               frozen: str | None = None, penalty: bool = False) -> dict[str, torch.Tensor]:
     """The parameters after `steps` steps of torch's AdamW on the global batch, in one process."""
     model = _model(name)
     for n, p in model.named_parameters():
@@ -71,7 +72,10 @@ def _reference(name: str, steps: int, data_world: int, max_grad_norm: float | No
         ids = _batch(s, PER_RANK * data_world)
         opt.zero_grad()
         out = model(ids) if name == "gpt" else model(input_ids=ids, labels=ids, use_cache=False)
-        _loss(name, out, ids).backward()
+        loss = _loss(name, out, ids)
+        if penalty:
+            loss = loss + 0.1 * (dict(model.named_parameters())[PENALIZED] ** 2).sum()
+        loss.backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
         opt.step()
@@ -84,10 +88,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / max(b.norm().item(), 1e-3)
 
 
-def _loss_fn(name: str, apply):
+PENALIZED = "blocks.1.fc.weight"  # a tp-split leaf read outside apply, in the GPT's penalty
+
+
+def _loss_fn(name: str, apply, penalty: bool = False):
     def loss_fn(p, ids):
         out = apply(p, ids) if name == "gpt" else apply(p, input_ids=ids, labels=ids, use_cache=False)
-        return _loss(name, out, ids)
+        loss = _loss(name, out, ids)
+        if penalty:
+            w = p["blocks"]["1"]["fc"]["weight"]
+            assert w.shape == (128, 32), w.shape  # the leaf's global shape, not its tp shard's
+            loss = loss + 0.1 * (w**2).sum()
+        return loss
 
     return loss_fn
 
@@ -102,14 +114,15 @@ def rank_train(name: str, axes: dict, cases: list[dict], steps: int = 3, rules: 
     refs = {}
     out = []
     for options in cases:
-        key = (options.get("max_grad_norm"), options.get("frozen"))
+        penalty = options.pop("penalty", False)
+        key = (options.get("max_grad_norm"), options.get("frozen"), penalty)
         if key not in refs:
             refs[key] = _reference(name, steps, dp, *key)
         ref = refs[key]
         apply, params = sf.functionalize(_model(name), units=UNITS[name])
         rule_list = rules if rules is not None else RULES[name] if "tp" in axes else []
         specs = sf.specs(params, mesh, rules=rule_list, default=sf.P(dp_axis))
-        step = sf.train_step(_loss_fn(name, apply), sf.optim.adamw(LR, eps=EPS, weight_decay=WD), mesh, specs=specs, **options)
+        step = sf.train_step(_loss_fn(name, apply, penalty), sf.optim.adamw(LR, eps=EPS, weight_decay=WD), mesh, specs=specs, **options)
         state = step.init(params)
         for s in range(steps):
             ids = _batch(s, PER_RANK * dp).chunk(dp)[dp_rank]
@@ -119,6 +132,8 @@ def rank_train(name: str, axes: dict, cases: list[dict], steps: int = 3, rules: 
                 tp.stats.clear()
             state, _ = step(state, ids)
         last = dict(calls=dict(C.STATS.calls), bytes=dict(C.STATS.bytes_sent), tp=dict(tp.stats) if tp else {})
+        last["held"] = sum(x._local_tensor.numel() for x in optree.tree_leaves(state.params))
+        last["total"] = sum(x.numel() for x in optree.tree_leaves(state.params))
         full = sf.to_state_dict(sf.gather(state.params), apply)
         out.append(dict(err=max((_rel(full[n], ref[n]), n) for n in ref), **last))
     return out
@@ -165,13 +180,17 @@ def test_2d_mesh_trains_as_the_reference(pools):
     _check(gpt2[0], "gpt2")
     gpt = pool.run(rank_train, "gpt", axes, [
         dict(strategy="shard_grad_op", remat=True, accumulation_steps=2),
-        dict(max_grad_norm=0.05, frozen=r"blocks\.0\..*"),  # the norm is over tp shards and dp shards
+        # The norm is over tp shards and dp shards; a tp-split leaf read outside apply.
+        dict(max_grad_norm=0.05, frozen=r"blocks\.0\..*", penalty=True),
     ])
     _check(gpt[0], "gpt")
     # Per column -> row pair one tp all-reduce in the forward and one in the backward, and the
     # vocabulary-parallel embedding's; in the backward the head's input gradient: Llama 2 layers x 2
     # pairs + 1 each way.
     assert llama[0][0]["tp"] == {"forward": 5, "backward": 5}, llama[0][0]["tp"]
+    # Each rank holds 1/(dp x tp) of the parameters, but for the norms, whole on tp.
+    for rank in llama:
+        assert 0.25 <= rank[0]["held"] / rank[0]["total"] < 0.255, rank[0]
 
 
 def test_degenerate_meshes_train_as_the_reference(pools):
