@@ -52,7 +52,15 @@ model's code, should. (GPT-2's `c_attn` packs q|k|v along its outputs: split on 
 each rank a slice of q, k and v that the split into heads then gathers; its ready rules keep
 `c_attn` whole on tp and split `c_fc`/`c_proj` of the MLP.)
 
-Remat recomputes a unit's forward, all-reduces included: the forward's count doubles for those units.
+Remat recomputes a unit's forward as far as its backward needs: a row-parallel layer whose output
+nothing saves (the last of a block) is not run again, and its all-reduce not issued again.
+
+Rules (`shardfn/rules.py`). Ready `[(regex, P)]` lists, read and edited as any rules: Llama's family
+splits q/k/v and gate/up on their outputs (`P("tp", None)`: heads and key/value heads must divide by
+tp), o and down on their inputs (`P(None, "tp")`), the embedding and the head on the vocabulary;
+GPT-2's `Conv1D` weights are `[in, out]`, so its column-parallel `c_fc` is `P(None, "tp")` and its
+row-parallel `mlp.c_proj` is `P("tp", None)`; the packed q|k|v projections (GPT-2's `c_attn`, the
+project GPT's `qkv`) stay whole on tp. Every other leaf is whole on tp and FSDP-sharded over dp.
 """
 
 from __future__ import annotations
