@@ -53,7 +53,8 @@ each rank a slice of q, k and v that the split into heads then gathers; its read
 `c_attn` whole on tp and split `c_fc`/`c_proj` of the MLP.)
 
 Remat recomputes a unit's forward as far as its backward needs: a row-parallel layer whose output
-nothing saves (the last of a block) is not run again, and its all-reduce not issued again.
+nothing saves (the last of a block) is not run again, nor its all-reduce; the others are, all-reduce
+included.
 
 Rules (`shardfn/rules.py`). Ready `[(regex, P)]` lists, read and edited as any rules: Llama's family
 splits q/k/v and gate/up on their outputs (`P("tp", None)`: heads and key/value heads must divide by

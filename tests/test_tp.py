@@ -327,3 +327,37 @@ def test_fallback_gathers_are_reported_and_unsupported_options_refused(pools):
     assert got["reports"] and all("c_attn" in r or "attn" in r for r in got["reports"]), got["reports"]
     assert len(got["reports"]) == len(set(got["reports"])), got["reports"]  # each once
     assert len(got["refused"]) == 3, got["refused"]
+
+
+def rank_resume(path: str) -> list:
+    """2 steps on (dp=2, tp=2), saved; loaded into a fresh step on (dp=2, tp=2) and on (dp=4,), one
+    more step each: equal to 3 uninterrupted steps of the reference (the same global batches)."""
+    def run(axes: dict, steps: range, load: bool):
+        mesh = sf.mesh(**axes)
+        dp = mesh.size(0)
+        apply, params = sf.functionalize(_model("llama"), units=UNITS["llama"])
+        specs = sf.specs(params, mesh, rules=RULES["llama"] if "tp" in axes else [])
+        step = sf.train_step(_loss_fn("llama", apply), sf.optim.adamw(LR, eps=EPS, weight_decay=WD), mesh, specs=specs)
+        state = step.init(params)
+        if load:
+            state = sf.load(path, like=state)
+        for s in steps:
+            state, _ = step(state, _batch(s, PER_RANK * 2).chunk(dp)[mesh.get_local_rank("dp")])
+        return state, apply
+
+    state, _ = run(dict(dp=2, tp=2), range(2), False)
+    sf.save(state, path).wait()
+    ref = _reference("llama", 3, 2)
+    errs = []
+    for axes in (dict(dp=2, tp=2), dict(dp=4)):
+        state, apply = run(axes, range(2, 3), True)
+        full = sf.to_state_dict(sf.gather(state.params), apply)
+        errs.append(max((_rel(full[n], ref[n]), n) for n in ref))
+    return errs
+
+
+def test_a_2d_checkpoint_resumes_exactly(pools, tmp_path):
+    """A train state saved on (dp=2, tp=2) loads into a new step on (dp=2, tp=2) and on (dp=4,), and
+    training continues as the uninterrupted run."""
+    for axes, err in zip(("(2, 2)", "(4,)"), pools(4).run(rank_resume, str(tmp_path / "ckpt"))[0]):
+        assert err[0] < TOL, (axes, err)
