@@ -211,10 +211,11 @@ class TensorParallel:
             if name in owners:
                 self._handles.append(mod.register_forward_pre_hook(_pre_hook(ref)))
                 self._handles.append(mod.register_forward_hook(_post_hook(ref)))
+        weakref.finalize(self, _remove, list(self._handles))  # the module outlives its steps
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+        """Takes the hooks off the modules."""
+        _remove(self._handles)
         self._handles = []
 
     def replicate(self, x: DTensor, direction: str) -> DTensor:
@@ -251,6 +252,11 @@ class TensorParallel:
             FallbackWarning,
             stacklevel=2,
         )
+
+
+def _remove(handles: list) -> None:
+    for h in handles:
+        h.remove()
 
 
 def _pre_hook(ref: Any):
