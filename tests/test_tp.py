@@ -25,11 +25,11 @@ def _model(name: str) -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(0)
-    if name == "llama":
+    if name in ("llama", "llama_sdpa"):  # sdpa: torch's fused attention, on the tp shards of the heads
         cfg = tf.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0, tie_word_embeddings=False,
-            attn_implementation="eager",
+            attn_implementation="eager" if name == "llama" else "sdpa",
         )
         return tf.LlamaForCausalLM(cfg).float().train()
     if name == "gpt2":
@@ -45,8 +45,8 @@ def _model(name: str) -> torch.nn.Module:
     raise ValueError(name)
 
 
-UNITS = {"llama": r"model\.layers\.\d+", "gpt2": r"transformer\.h\.\d+", "gpt": r"blocks\.\d+"}
-RULES = {"llama": sf.rules.LLAMA, "gpt2": sf.rules.GPT2, "gpt": sf.rules.GPT}
+UNITS = {"llama": r"model\.layers\.\d+", "llama_sdpa": r"model\.layers\.\d+", "gpt2": r"transformer\.h\.\d+", "gpt": r"blocks\.\d+"}
+RULES = {"llama": sf.rules.LLAMA, "llama_sdpa": sf.rules.LLAMA, "gpt2": sf.rules.GPT2, "gpt": sf.rules.GPT}
 
 
 def _batch(step: int, n: int) -> torch.Tensor:
@@ -194,11 +194,12 @@ def test_2d_mesh_trains_as_the_reference(pools):
 
 
 def test_degenerate_meshes_train_as_the_reference(pools):
-    """(dp=1, tp=2) and (dp=2, tp=1): the same models, exact."""
+    """(dp=1, tp=2) and (dp=2, tp=1): the same models, exact; and Llama on torch's fused attention."""
     pool = pools(2)
     for axes in (dict(dp=1, tp=2), dict(dp=2, tp=1)):
         for name in ("llama", "gpt2", "gpt"):
             _check(pool.run(rank_train, name, axes, [dict()])[0], f"{name} on {axes}")
+    _check(pool.run(rank_train, "llama_sdpa", dict(dp=1, tp=2), [dict()], 2)[0], "llama (sdpa)")
 
 
 def rank_comm_counts(name: str, axes: dict) -> dict:
