@@ -4,6 +4,7 @@ Launch (from the repository root; about 2 minutes on the 2-core CPU machine):
 
     .venv/bin/python benchmarks/tp_bench.py
     .venv/bin/python benchmarks/tp_bench.py --layers 2 --hidden 64 --rounds 1 --steps 3   # a quick look
+    .venv/bin/python benchmarks/tp_bench.py --parity 5      # + bf16 against fp32, for both
 
 Both train the same tiny Hugging Face Llama from the same initial weights on the same batches (batch i
 of dp rank r is the same for both; tp ranks get their dp rank's batch), AdamW (lr 1e-3, weight decay 0.01):
@@ -83,8 +84,9 @@ class _Comms:
         self.mode, self.counts, self.bytes = Mode(), counts, nbytes
 
 
-def _build(impl: str, a):
-    """A step function `step(ids) -> loss` for `impl` on the (dp, tp) mesh."""
+def _build(impl: str, a, bf16: bool = False):
+    """A step function `step(ids) -> loss` for `impl` on the (dp, tp) mesh (and `params()`, the
+    full parameters by name); `bf16`: compute in bf16, reduce in fp32, fp32 master weights."""
     import shardfn as sf
     from transformers import LlamaForCausalLM
 
@@ -98,15 +100,17 @@ def _build(impl: str, a):
         def loss_fn(p, ids):
             return apply(p, input_ids=ids, labels=ids, use_cache=False).loss
 
-        train = sf.train_step(loss_fn, sf.optim.adamw(1e-3, weight_decay=0.01), mesh, specs=specs)
+        mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        train = sf.train_step(loss_fn, sf.optim.adamw(1e-3, weight_decay=0.01), mesh, specs=specs, mixed_precision=mp)
         box = {"state": train.init(params)}
 
         def step(ids):
             box["state"], metrics = train(box["state"], ids)
             return metrics["loss"]
 
+        step.params = lambda: sf.to_state_dict(sf.gather(box["state"].params), apply)
         return step
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
@@ -118,10 +122,11 @@ def _build(impl: str, a):
     plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
     plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
              "mlp.down_proj": RowwiseParallel()}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     for layer in model.model.layers:
         parallelize_module(layer, tp, plan)
-        fully_shard(layer, mesh=dp)
-    fully_shard(model, mesh=dp)
+        fully_shard(layer, mesh=dp, mp_policy=policy)
+    fully_shard(model, mesh=dp, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
 
     def step(ids):
@@ -134,6 +139,7 @@ def _build(impl: str, a):
         torch.distributed.all_reduce(out)  # the mean over dp ranks, as shardfn reports it
         return out / torch.distributed.get_world_size()
 
+    step.params = lambda: {n: p.full_tensor().detach() for n, p in model.named_parameters()}
     return step
 
 
@@ -181,6 +187,26 @@ def rank_time(impl: str, a, first: int) -> dict:
     return dict(times=times, losses=losses, peak_kb=status_kb("VmHWM") - base)
 
 
+def rank_parity(a, impls: list[str]) -> dict:
+    """Each implementation in fp32 and in bf16 (fp32 reductions) for `a.parity` steps: the relative
+    distance of its parameters (all as one vector) from shardfn's fp32 run."""
+    import torch.distributed as dist
+
+    dp_rank = dist.get_rank() // a.tp
+    final = {}
+    for impl in impls:
+        for bf16 in (False, True):
+            step = _build(impl, a, bf16)
+            for s in range(a.parity):
+                step(_batch(s, a, dp_rank))
+            final[(impl, bf16)] = step.params()
+    ref = final[("shardfn", False)]
+    names = list(ref)
+    flat = {k: torch.cat([v[n].double().reshape(-1) for n in names]) for k, v in final.items()}
+    base = flat[("shardfn", False)]
+    return {f"{impl} {'bf16' if bf16 else 'fp32'}": ((x - base).norm() / base.norm()).item() for (impl, bf16), x in flat.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
@@ -192,6 +218,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--impls", default="shardfn,fsdp2_tp")
+    p.add_argument("--parity", type=int, default=0, help="also: N steps in fp32 and bf16 of each, compared")
     a = p.parse_args()
     a.dp, a.tp = 2, 2
     impls = a.impls.split(",")
@@ -206,6 +233,7 @@ def main() -> None:
         for r in range(a.rounds):
             for impl in impls:
                 runs[impl].append(pool.run(rank_time, impl, a, first + r * a.steps))
+        parity = pool.run(rank_parity, a, impls)[0] if a.parity else None
     finally:
         pool.close(kill=True)
     print(f"Llama {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, seq {a.seq}, batch {a.batch} per dp rank; "
@@ -221,6 +249,10 @@ def main() -> None:
         calls = ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
         sent = ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in sorted(b.items()))
         print(f"| {impl} | {1000 * statistics.median(steps):.1f} | {peak:.1f} | {calls} | {sent} |")
+    if parity:
+        print(f"\nparameters after {a.parity} steps, relative distance from shardfn fp32 (all leaves as one vector):")
+        for k, v in parity.items():
+            print(f"  {k:14s} {v:.3e}")
     print("\nlosses (rank 0: warm-up and counted steps, then the timed steps of round 0):")
     for impl in impls:
         print(f"  {impl:10s}", " ".join(f"{x:.6f}" for x in setup[impl][0]["losses"]), "|",
