@@ -196,6 +196,7 @@ class GradientCore:
         self.tp_rank = mesh.get_local_rank(self.tp_axis) if self.tp_axis else 0
         self.data_world = self.world // self.tp_size
         self.tp: TensorParallel | None = None
+        self._tp_batch_checked = False
 
     def build(self, params: Any) -> Any:
         """Lays `params` out in this core's flat unit buffers: its specs become flat units, the
@@ -351,6 +352,26 @@ class GradientCore:
             dt_grads.append(self.dtensor(grad, placements, shape) if grad is not None else None)
         return dt_params, dt_grads, flat_views
 
+    def _check_tp_batch(self, batch: Any) -> None:
+        """On the first step: ranks that differ only in their tp coordinate hold the same batch, as
+        tensor parallel needs (each computes its shards of the same examples). A checksum of the
+        batch, compared over tp in one small all-reduce."""
+        self._tp_batch_checked = True
+        sums = torch.zeros(2, dtype=torch.float64)
+        for i, x in enumerate(optree.tree_leaves(batch)):
+            if isinstance(x, torch.Tensor) and x.numel() and not isinstance(x, DTensor):
+                v = x.detach().reshape(-1).to("cpu", torch.float64)
+                sums[0] += (i + 1) * v.sum() + v.numel()
+                sums[1] += (v * torch.arange(1, v.numel() + 1, dtype=torch.float64)).sum()
+        both = torch.cat([sums, -sums]).to(self.mesh.device_type)
+        C.all_reduce_blocking(both, self.mesh.get_group(self.tp_axis), "the train step's batch check", op="max")
+        if not torch.equal(both[:2], -both[2:]):
+            raise ValueError(
+                f"ranks that differ only in their {self.tp_axis!r} coordinate got different batches: tensor parallel "
+                f"computes each example on all of them. Give every rank the batch of its {self.shard_axis!r} "
+                f"coordinate, e.g. global_batch.chunk(mesh.size(0))[mesh.get_local_rank({self.shard_axis!r})]"
+            )
+
     def _tp_local(self, i: int, full: torch.Tensor) -> torch.Tensor:
         """Leaf `i`'s part on this tp rank (the whole leaf without tensor parallel)."""
         return local_part(full, self._tp_dims[i], self.tp_rank, self.tp_size) if self.tp_axis is not None else full
@@ -472,6 +493,8 @@ class GradientCore:
             `Gradients`: the loss averaged over ranks, the global gradient norm, the trained leaves
             (positions among them) that got no gradient on any rank, and this rank's aux.
         """
+        if self.tp is not None and not self._tp_batch_checked:
+            self._check_tp_batch(batch)
         for u in self.units.values():  # the last step's gradient shards are spent
             u.release_grad()
         k = self.accumulation_steps

@@ -12,7 +12,7 @@ Layout. The flat engine (Note [flat unit layout] in `_flat.py`) knows nothing of
 "full" value, for it, is this rank's tp shard, split over dim 0 across the `dp` group only,
 gathered unit by unit over `dp` and reduce-scattered over `dp` (the mean over the dp ranks, Note
 [the mean over ranks]; ranks that differ only in their tp coordinate get the same batch and compute
-the same loss). The state's DTensors live on the whole 2-D mesh with the placements of both splits
+the same loss; the first step checks that they hold the same batch). The state's DTensors live on the whole 2-D mesh with the placements of both splits
 (`P(None, "tp")` FSDP'd on dim 0 is `P("dp", "tp")`; `P("tp", None)` FSDP'd inside each tp shard is
 `P(("tp", "dp"), None)`, rows split over tp first: Note [layouts of a spec] in `_spec.py`), so that
 gather, save and describe see the true layout.

@@ -319,6 +319,12 @@ def rank_fallback_and_refusals() -> dict:
             sf.train_step(_loss_fn("gpt", apply), sf.optim.sgd(0.1), mesh, specs=specs, **options).init(params)
         except NotImplementedError as e:
             refused.append(str(e))
+    # Ranks that differ only in tp must get the same batch: a batch split over every rank is refused.
+    step = sf.train_step(_loss_fn("gpt", apply), sf.optim.sgd(0.1), mesh, specs=sf.specs(params, mesh, rules=sf.rules.GPT))
+    try:
+        step(step.init(params), _batch(0, 4).chunk(2)[dist.get_rank()])
+    except ValueError as e:
+        refused.append(str(e))
     return dict(err=err, reports=reports, refused=refused)
 
 
@@ -327,7 +333,7 @@ def test_fallback_gathers_are_reported_and_unsupported_options_refused(pools):
     assert got["err"][0] < TOL, got
     assert got["reports"] and all("c_attn" in r or "attn" in r for r in got["reports"]), got["reports"]
     assert len(got["reports"]) == len(set(got["reports"])), got["reports"]  # each once
-    assert len(got["refused"]) == 3, got["refused"]
+    assert len(got["refused"]) == 4 and "different batches" in got["refused"][-1], got["refused"]
 
 
 def rank_resume(path: str) -> list:
