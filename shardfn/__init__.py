@@ -20,6 +20,7 @@ from ._mesh import mesh
 from ._meta_init import meta_device
 from ._shard import gather, shard
 from ._spec import P, specs
+from ._tp import FallbackWarning
 from ._train import MixedPrecision, TrainState, TrainStep, train_step
 from ._tree import tree_paths
 from ._watch import RankError
@@ -31,6 +32,7 @@ __all__ = [
     "Apply",
     "DPValueAndGrad",
     "DonatedError",
+    "FallbackWarning",
     "LoadReport",
     "MixedPrecision",
     "P",

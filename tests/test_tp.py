@@ -32,6 +32,13 @@ def _model(name: str) -> torch.nn.Module:
             attn_implementation="eager" if name == "llama" else "sdpa",
         )
         return tf.LlamaForCausalLM(cfg).float().train()
+    if name == "qwen2":  # q/k/v biases; the head tied to the embedding
+        cfg = tf.Qwen2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0, tie_word_embeddings=True,
+            attn_implementation="sdpa",
+        )
+        return tf.Qwen2ForCausalLM(cfg).float().train()
     if name == "gpt2":
         cfg = tf.GPT2Config(
             vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -45,8 +52,8 @@ def _model(name: str) -> torch.nn.Module:
     raise ValueError(name)
 
 
-UNITS = {"llama": r"model\.layers\.\d+", "llama_sdpa": r"model\.layers\.\d+", "gpt2": r"transformer\.h\.\d+", "gpt": r"blocks\.\d+"}
-RULES = {"llama": sf.rules.LLAMA, "llama_sdpa": sf.rules.LLAMA, "gpt2": sf.rules.GPT2, "gpt": sf.rules.GPT}
+UNITS = {"llama": r"model\.layers\.\d+", "llama_sdpa": r"model\.layers\.\d+", "qwen2": r"model\.layers\.\d+", "gpt2": r"transformer\.h\.\d+", "gpt": r"blocks\.\d+"}
+RULES = {"llama": sf.rules.LLAMA, "llama_sdpa": sf.rules.LLAMA, "qwen2": sf.rules.QWEN2, "gpt2": sf.rules.GPT2, "gpt": sf.rules.GPT}
 
 
 def _batch(step: int, n: int) -> torch.Tensor:
@@ -170,7 +177,7 @@ def _check(results: list, what: str) -> None:
 
 
 def test_2d_mesh_trains_as_the_reference(pools):
-    """On (dp=2, tp=2): Llama, GPT-2 and GPT under full_shard and shard_grad_op, with remat, with
+    """On (dp=2, tp=2): Llama, Qwen2 (tied head), GPT-2 and GPT under full_shard and shard_grad_op, with remat, with
     accumulation, with clipping and frozen leaves, equal the single-process reference after 3 steps."""
     pool = pools(4)
     axes = dict(dp=2, tp=2)
@@ -178,6 +185,7 @@ def test_2d_mesh_trains_as_the_reference(pools):
     _check(llama[0], "llama")
     gpt2 = pool.run(rank_train, "gpt2", axes, [dict(remat=True)])
     _check(gpt2[0], "gpt2")
+    _check(pool.run(rank_train, "qwen2", axes, [dict()], 2)[0], "qwen2")
     gpt = pool.run(rank_train, "gpt", axes, [
         dict(strategy="shard_grad_op", remat=True, accumulation_steps=2),
         # The norm is over tp shards and dp shards; a tp-split leaf read outside apply.
