@@ -181,7 +181,10 @@ def test_2d_mesh_trains_as_the_reference(pools):
     accumulation, with clipping and frozen leaves, equal the single-process reference after 3 steps."""
     pool = pools(4)
     axes = dict(dp=2, tp=2)
-    llama = pool.run(rank_train, "llama", axes, [dict(), dict(strategy="shard_grad_op", accumulation_steps=2)])
+    llama = pool.run(rank_train, "llama", axes, [
+        dict(group_bytes=0),  # a unit per layer: slot arenas shared by the layers from the second step
+        dict(strategy="shard_grad_op", accumulation_steps=2, accumulation="local"),
+    ])
     _check(llama[0], "llama")
     gpt2 = pool.run(rank_train, "gpt2", axes, [dict(remat=True)])
     _check(gpt2[0], "gpt2")
