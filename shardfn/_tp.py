@@ -127,6 +127,7 @@ def local_part(full: torch.Tensor, tp_dim: int | None, rank: int, size: int) -> 
 
 
 def local_shape(shape: torch.Size, tp_dim: int | None, rank: int, size: int) -> torch.Size:
+    """The shape of `local_part` of a tensor of `shape`."""
     return local_part(torch.empty(shape, device="meta"), tp_dim, rank, size).shape
 
 
