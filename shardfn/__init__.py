@@ -5,7 +5,7 @@ specs over a device mesh (`P`, `specs`, `shard`), and `train_step` runs the FSDP
 an ordinary `loss_fn(params, batch)`.
 """
 
-from . import optim
+from . import optim, rules
 from ._checkpoint import LoadReport, SaveHandle, latest, load, load_extras, save
 from ._describe import describe
 from ._donate import DonatedError, copy
@@ -20,6 +20,7 @@ from ._mesh import mesh
 from ._meta_init import meta_device
 from ._shard import gather, shard
 from ._spec import P, specs
+from ._tp import FallbackWarning
 from ._train import MixedPrecision, TrainState, TrainStep, train_step
 from ._tree import tree_paths
 from ._watch import RankError
@@ -31,6 +32,7 @@ __all__ = [
     "Apply",
     "DPValueAndGrad",
     "DonatedError",
+    "FallbackWarning",
     "LoadReport",
     "MixedPrecision",
     "P",
@@ -59,6 +61,7 @@ __all__ = [
     "optim",
     "per_sample_grad_norms",
     "per_sample_grads",
+    "rules",
     "save",
     "shard",
     "specs",

@@ -10,6 +10,7 @@ plus clipping, the optimizer and donation; `sf.value_and_grad` is this core alon
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -32,6 +33,7 @@ from ._param import OffSchedule
 from ._remat import install as install_remat
 from ._remat import select_units
 from ._shard import gather
+from ._tp import TensorParallel, local_part, local_shape, split_specs, state_spec
 from ._spec import P, match_specs, placements_for, specs as make_specs
 from .optim._norm import local_sumsq
 
@@ -66,6 +68,8 @@ def _split_loss(out: Any) -> tuple[torch.Tensor, Any]:
         loss, aux = out
     else:
         loss, aux = out, None
+    if isinstance(loss, DTensor):  # tensor parallel: the loss every tp rank computed
+        loss = loss.full_tensor()
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"loss_fn must return a scalar tensor (or (loss, aux)), got {type(loss).__name__} {getattr(loss, 'shape', '')}")
     loss = loss.reshape(())
@@ -150,10 +154,20 @@ class GradientCore:
                     f"strategy='hybrid_shard' needs a 2-D mesh (replicate, shard), e.g. sf.mesh(replicate=-1, shard=-1) (shard within each node, replicate across nodes); got axes {names}"
                 )
             self.shard_axis, self.replicate_axis = names[1], names[0]
+        elif mesh.ndim == 2:  # (dp, tp): FSDP over the first axis, tensor parallel over the second
+            if strategy not in ("full_shard", "shard_grad_op"):
+                raise NotImplementedError(
+                    f"strategy={strategy!r} on a 2-D mesh {names}: FSDP x tensor parallel runs under 'full_shard' or "
+                    "'shard_grad_op'; hybrid_shard takes a (replicate, shard) mesh without tensor parallel"
+                )
+            if offload is not None:
+                raise NotImplementedError(f"offload={offload!r} with tensor parallel (a 2-D mesh {names}) is not supported yet")
+            self.shard_axis, self.replicate_axis = names[0], None
         else:
             if mesh.ndim != 1:
                 raise ValueError(
-                    f"strategy={strategy!r} shards over a 1-D mesh; got axes {names}. For a 2-D mesh use strategy='hybrid_shard'"
+                    f"strategy={strategy!r} shards over a 1-D mesh, or a (dp, tp) mesh for FSDP x tensor parallel; got axes "
+                    f"{names}. For a (replicate, shard) mesh use strategy='hybrid_shard'"
                 )
             self.shard_axis, self.replicate_axis = names[0], None
         self.loss_fn = loss_fn
@@ -175,6 +189,14 @@ class GradientCore:
         self.world = mesh.size()
         self.rank = mesh.get_local_rank(self.shard_axis)
         self.engine: Engine | None = None
+        # Tensor parallel (Note [tensor parallel forward] in `_tp.py`): ranks that differ only in
+        # their tp coordinate compute the same loss; the mean is over the dp ranks.
+        self.tp_axis = names[1] if mesh.ndim == 2 and strategy != "hybrid_shard" else None
+        self.tp_size = mesh.size(1) if self.tp_axis else 1
+        self.tp_rank = mesh.get_local_rank(self.tp_axis) if self.tp_axis else 0
+        self.data_world = self.world // self.tp_size
+        self.tp: TensorParallel | None = None
+        self._tp_batch_checked = False
 
     def build(self, params: Any, init: str | None = None) -> Any:
         """Lays `params` out in this core's flat unit buffers: its specs become flat units, the
@@ -205,6 +227,7 @@ class GradientCore:
         self._trained_where = [w for w, t in zip(where, trained) if t]  # the optimizer's leaves, in order
         self.trained_index = [i for i, t in enumerate(trained) if t]  # their positions in the tree
         self.grads = optree.tree_unflatten(treespec, dt_grads)
+        self._install_tp(info, paths, leaves)
         self.engine.set_tree(treespec, paths, where)
         self._install_remat(info)
         return self.tree()
@@ -213,6 +236,11 @@ class GradientCore:
         """The tree's paths, leaves, one `P` per leaf (checked: dim 0 over the shard axis), structure."""
         spec_tree = self.specs if self.specs is not None else make_specs(params, self.mesh, default=P(self.shard_axis))
         paths, leaves, spec_list, treespec = match_specs(params, spec_tree, self.mesh)
+        if self.tp_axis is not None:
+            self._tp_dims = [split_specs(p, x.shape, s, self.shard_axis, self.tp_axis) for p, x, s in zip(paths, leaves, spec_list)]
+            self._fsdp = [x.dim() > 0 for x in leaves]  # every leaf FSDP'd over dp on dim 0 of its tp shard
+            self._shapes = [local_shape(x.shape, d, self.tp_rank, self.tp_size) for x, d in zip(leaves, self._tp_dims)]
+            return paths, leaves, spec_list, treespec
         if self.strategy == "no_shard":
             spec_list = [P() for _ in leaves]
         for path, leaf, spec in zip(paths, leaves, spec_list):
@@ -235,7 +263,11 @@ class GradientCore:
         for i, u in enumerate(unit_of):
             members[u].append(i)
 
-        specs_of = {u: [LeafSpec(i, paths[i], leaves[i].shape, bool(spec_list[i].axes_of(0)), trained[i]) for i in idx] for u, idx in members.items()}
+        if self.tp_axis is not None:  # a leaf, for the flat engine, is this rank's tp shard of it
+            shape_of, sharded = self._shapes, self._fsdp
+        else:
+            shape_of, sharded = [x.shape for x in leaves], [bool(s.axes_of(0)) for s in spec_list]
+        specs_of = {u: [LeafSpec(i, paths[i], shape_of[i], sharded[i], trained[i]) for i in idx] for u, idx in members.items()}
         model_dtypes = [leaf.dtype for leaf in leaves]
         model_dtype = max(set(model_dtypes), key=model_dtypes.count) if leaves else torch.float32
         dtype_of = {}
@@ -248,7 +280,7 @@ class GradientCore:
                 )
             dtype_of[u] = dtypes.pop() if dtypes else model_dtype  # a unit without leaves: the model's
         names = info.unit_names if info is not None else []
-        nbytes = [sum(leaves[i].numel() for i in members[u]) * (self.mp.param_dtype or dtype_of[u]).itemsize for u in range(n_units)]
+        nbytes = [sum(shape_of[i].numel() for i in members[u]) * (self.mp.param_dtype or dtype_of[u]).itemsize for u in range(n_units)]
         groups = plan_groups(names, nbytes, [dtype_of[u] for u in range(n_units)], _nested(names), self.group_bytes)
         members = {**{g: [i for m in ms for i in members[m]] for g, ms in enumerate(groups)}, -1: members[-1]}
         specs_of = {**{g: [x for m in ms for x in specs_of[m]] for g, ms in enumerate(groups)}, -1: specs_of[-1]}
@@ -305,20 +337,60 @@ class GradientCore:
 
             def emit(path: str, full: torch.Tensor) -> None:
                 u, j = where[at[path]]
-                units[u].fill(j, full)
+                units[u].fill(j, self._tp_local(at[path], full))
 
             materialize(info, set(at), emit, buffer_device=device)
         dt_params, dt_grads, flat_views = [], [], []
         for i, (leaf, spec) in enumerate(zip(leaves, spec_list)):
             u, j = where[i]
             if i not in meta:
-                units[u].fill(j, C.full_tensor(leaf, "the train step's init") if isinstance(leaf, DTensor) else leaf)
+                units[u].fill(j, self._tp_local(i, C.full_tensor(leaf, "the train step's init") if isinstance(leaf, DTensor) else leaf))
             local, grad, shape = units[u].shard(j)
-            placements = placements_for(spec, self.mesh)
+            if self.tp_axis is not None:
+                own = state_spec(self._tp_dims[i], self._fsdp[i], leaf.dim(), self.shard_axis, self.tp_axis)
+                placements, shape = placements_for(own, self.mesh, leaf.shape), leaf.shape
+            else:
+                placements = placements_for(spec, self.mesh)
             flat_views.append(local)  # the step's own; users get aliases (Note [donated state])
             dt_params.append(self.dtensor(_donate.alias(local), placements, shape))
             dt_grads.append(self.dtensor(grad, placements, shape) if grad is not None else None)
         return dt_params, dt_grads, flat_views
+
+    def _check_tp_batch(self, batch: Any) -> None:
+        """On the first step: ranks that differ only in their tp coordinate hold the same batch, as
+        tensor parallel needs (each computes its shards of the same examples). A checksum of the
+        batch, compared over tp in one small all-reduce."""
+        self._tp_batch_checked = True
+        sums = torch.zeros(2, dtype=torch.float64)
+        for i, x in enumerate(optree.tree_leaves(batch)):
+            if isinstance(x, torch.Tensor) and x.numel() and not isinstance(x, DTensor):
+                v = x.detach().reshape(-1).to("cpu", torch.float64)
+                sums[0] += (i + 1) * v.sum() + v.numel()
+                sums[1] += (v * torch.arange(1, v.numel() + 1, dtype=torch.float64)).sum()
+        both = torch.cat([sums, -sums]).to(self.mesh.device_type)
+        C.all_reduce_blocking(both, self.mesh.get_group(self.tp_axis), "the train step's batch check", op="max")
+        if not torch.equal(both[:2], -both[2:]):
+            raise ValueError(
+                f"ranks that differ only in their {self.tp_axis!r} coordinate got different batches: tensor parallel "
+                f"computes each example on all of them. Give every rank the batch of its {self.shard_axis!r} "
+                f"coordinate, e.g. global_batch.chunk(mesh.size(0))[mesh.get_local_rank({self.shard_axis!r})]"
+            )
+
+    def _tp_local(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        """Leaf `i`'s part on this tp rank (the whole leaf without tensor parallel)."""
+        return local_part(full, self._tp_dims[i], self.tp_rank, self.tp_size) if self.tp_axis is not None else full
+
+    def _install_tp(self, info: Any, paths: list[str], leaves: list) -> None:
+        """The tensor-parallel forward (Note [tensor parallel forward] in `_tp.py`): the engine
+        computes on DTensors over the tp mesh, and the modules holding a split leaf steer their
+        collectives."""
+        if self.tp_axis is None:
+            return
+        self.tp = TensorParallel(self.mesh, self.tp_axis, self._tp_dims, [x.shape for x in leaves], self.mp.reduce_dtype)
+        self.engine.tp = self.tp
+        if info is not None:
+            split = {n for p, d in zip(paths, self._tp_dims) if d is not None for n in info.aliases[p]}
+            self.tp.install(info.module, split)
 
     def _prepare_buffers(self, info: Any) -> None:
         """Mixed precision's buffer dtype; the buffers a forward updates, kept equal on every rank."""
@@ -339,6 +411,8 @@ class GradientCore:
     def _norm_plan(self, units: dict) -> tuple[list, list]:
         """Gradient segments for the clip, and this rank's part of each for the norm (see
         `FlatUnit.norm_parts`)."""
+        if self.tp_axis is not None:
+            return self._tp_norm_plan(units)
         replicas = self.world // self.shard_world
         replica_rank = self.mesh.get_local_rank(self.replicate_axis) if self.replicate_axis else 0
         segs, parts = [], []
@@ -346,6 +420,23 @@ class GradientCore:
             s_, p_ = unit.norm_parts(replicas, replica_rank, self.world)
             segs += s_
             parts += p_
+        return segs, parts
+
+    def _tp_norm_plan(self, units: dict) -> tuple[list, list]:
+        """As `_norm_plan` on a (dp, tp) mesh: a leaf's gradient shard is this rank's alone when the
+        leaf is split over tp, and the same on every tp rank when it is not (each then adds the
+        squares of its 1/tp part); a leaf not FSDP'd (a scalar) is the same on every rank."""
+        segs, parts, weights = [], [], []
+        for unit in units.values():
+            s_, _ = unit.norm_parts(1, 0, 1)
+            segs += s_
+            for j, seg in enumerate(unit.segments):
+                if not seg.trained or unit.grad_views[j].numel() == 0:
+                    continue
+                copies = (self.tp_size if self._tp_dims[seg.index] is None else 1) * (1 if seg.sharded else self.shard_world)
+                parts.append(unit.grad_views[j].reshape(-1))
+                weights.append(1.0 / copies)
+        self._norm_weights = weights
         return segs, parts
 
     def _install_remat(self, info: Any) -> None:
@@ -406,6 +497,8 @@ class GradientCore:
             `Gradients`: the loss averaged over ranks, the global gradient norm, the trained leaves
             (positions among them) that got no gradient on any rank, and this rank's aux.
         """
+        if self.tp is not None and not self._tp_batch_checked:
+            self._check_tp_batch(batch)
         for u in self.units.values():  # the last step's gradient shards are spent
             u.release_grad()
         k = self.accumulation_steps
@@ -418,6 +511,11 @@ class GradientCore:
             try:
                 loss_sum, aux = self._gradients_on_schedule(batch)
             except OffSchedule as e:
+                if self.tp_axis is not None:
+                    raise NotImplementedError(
+                        f"{e}: with tensor parallel (a 2-D mesh) train_step cannot compute this step yet (Note [steps "
+                        "off the unit schedule] in shardfn/_core.py)"
+                    ) from e
                 if self.mp.param_dtype is not None or self.offload is not None:
                     raise NotImplementedError(
                         f"{e}: with mixed_precision or offload, train_step cannot compute this step yet (Note [steps off "
@@ -434,11 +532,12 @@ class GradientCore:
         self._buffers.sync()
         # One all-reduce for the loss, the squared gradient norm, and which leaves got a gradient
         # on some rank (Note [leaves without a gradient]).
-        sq = local_sumsq(self._norm_parts).to(loss_sum.device) if self._norm_parts else loss_sum.new_zeros(())
+        weights = self._norm_weights if self.tp_axis is not None else None
+        sq = local_sumsq(self._norm_parts, weights).to(loss_sum.device) if self._norm_parts else loss_sum.new_zeros(())
         had = [self.units[u].had_grad[j] for u, j in self._trained_where]
         stats = torch.cat([torch.stack([loss_sum / k, sq]), torch.tensor(had, dtype=torch.float32).to(sq.device)])
         if self.world > 1:
-            C.all_reduce(stats, None if self.replicate_group is not None else self.group)
+            C.all_reduce(stats, None if self.replicate_group is not None or self.tp_axis is not None else self.group)
         loss_mean = stats[0] / self.world
         grad_norm = stats[1].sqrt()
         # Read back (a host sync on GPUs) only where this rank saw a leaf without a gradient.
@@ -451,12 +550,13 @@ class GradientCore:
         micro-batches) and aux."""
         k = self.accumulation_steps
         local = self.accumulation == "local"
-        scale = 1.0 / (self.world * k)
+        scale = 1.0 / (self.data_world * k)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device_type)
         aux = None
         engine = self.engine
+        tp = self.tp.context() if self.tp is not None else contextlib.nullcontext()
         try:
-            with _runtime.activate(engine), torch.enable_grad():
+            with _runtime.activate(engine), torch.enable_grad(), tp:
                 for m, micro in enumerate(_split_batch(batch, k)):
                     last = m == k - 1
                     engine.begin(accumulate=m > 0 and not local, reduce=last or not local)
@@ -465,6 +565,8 @@ class GradientCore:
                     engine.end_forward()
                     torch.autograd.backward(loss * scale)
                     engine.end()
+            if self.tp is not None:
+                self.tp.watch = False  # the first step showed what gathers
         except BaseException as e:
             if isinstance(e, OffSchedule) and not e.agreed:
                 engine.leave_schedule()  # the other ranks leave with this one

@@ -90,6 +90,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 import optree
@@ -300,6 +301,7 @@ class Engine:
         self.cast_dtype = policy.cast_dtype
         self._nested = set(nested)
         self.remat_units: set[int] = set()  # read by the remat wrappers (shardfn/_remat.py)
+        self.tp: Any = None  # the tensor-parallel forward (`_tp.TensorParallel`), set by the core
         n = len(units)
         self.order: list[int] = list(range(n))  # forward order (guess until the first step)
         self._order_known = False
@@ -445,8 +447,9 @@ class Engine:
         self._make_trees()
 
     def _make_trees(self) -> None:
+        self._leaf_of = {w: i for i, w in enumerate(self._where)}
         proxies = [self._unit(u).proxies[j] for u, j in self._where]
-        params = [Param.make(p, self._read_param, w) for p, w in zip(proxies, self._where)]
+        params = [Param.make(self._stand_in(p, w), self._read_param, w) for p, w in zip(proxies, self._where)]
         self.user_tree = optree.tree_unflatten(self._treespec, params)
         # What the module computes on: root leaves in place (gathered for the whole step), unit
         # leaves as Params until their unit's forward swaps its full parameters in.
@@ -484,13 +487,43 @@ class Engine:
             swaps = swaps + self._swaps.get((u, m), [])
         if not swaps:
             return  # the root, or a unit without parameters
-        proxies, params = self._unit(u).proxies, self._params_of[u]
+        proxies, params = self._full_of(u), self._params_of[u]
         new, old = (proxies, params) if full else (params, proxies)
         for mod, attr, j in swaps:
             # Only where `apply` was given this step's own parameter: a tensor the user derived
             # from it (scaled, noised, a delta added) is what the module must compute on.
             if mod._parameters.get(attr) is old[j]:
                 mod._parameters[attr] = new[j]
+
+    def _full_of(self, u: int) -> list[torch.Tensor]:
+        """What unit `u`'s modules compute on: its full parameters, or with tensor parallel DTensors
+        over them on the tp mesh (made once per step; Note [tensor parallel forward] in `_tp.py`)."""
+        proxies = self._unit(u).proxies
+        if self.tp is None:
+            return proxies
+        out = self._tp_views.get(u)
+        if out is None:
+            out = self._tp_views[u] = [self.tp.leaf(self._leaf_of[(u, j)], p) for j, p in enumerate(proxies)]
+        return out
+
+    def _stand_in(self, proxy: torch.Tensor, where: tuple[int, int]) -> torch.Tensor:
+        """What a `Param` looks like: its full parameter, or with tensor parallel a tensor of the
+        leaf's global shape (no memory: an expanded scalar), as `loss_fn` expects."""
+        if self.tp is None:
+            return proxy
+        shape = self.tp.shapes[self._leaf_of[where]]
+        return proxy.new_zeros(()).expand(shape).requires_grad_(proxy.requires_grad) if shape != proxy.shape else proxy
+
+    def _tp_trees(self) -> None:
+        """Tensor parallel: the root's leaves as DTensors over its gathered shards, for this step."""
+        if self.tp is None:
+            return
+        root = self._full_of(ROOT)
+        leaves = optree.tree_leaves(self._in_apply)
+        self._in_apply = optree.tree_unflatten(
+            self._treespec, [root[j] if u == ROOT else x for x, (u, j) in zip(leaves, self._where)]
+        )
+        self._flat = None
 
     def _read_param(self, p: Param) -> torch.Tensor:
         return self.read(*p.where)
@@ -507,7 +540,7 @@ class Engine:
             if not any(self._owns(x) for x in leaves):
                 return None
             mapped = optree.tree_unflatten(
-                spec, [self._unit(x.where[0]).proxies[x.where[1]] if self._owns(x) and x.where[0] == ROOT else x for x in leaves]
+                spec, [self._full_of(ROOT)[x.where[1]] if self._owns(x) and x.where[0] == ROOT else x for x in leaves]
             )
         if apply.info is not self.info:
             theirs = type(apply.info.module).__name__
@@ -548,6 +581,7 @@ class Engine:
         self._clock = 0
         self._busy_since: dict[int, int] = {}
         self._busy_log: dict[int, list[tuple[int, int]]] = {}
+        self._tp_views: dict[int, list[torch.Tensor]] = {}
         self.phase = Phase.IDLE
 
     def _unit(self, u: int) -> FlatUnit:
@@ -708,6 +742,7 @@ class Engine:
         if self.units:
             self._prefetch(self.order[0])
         self._ensure(ROOT)
+        self._tp_trees()
 
     def cast_inputs(self, info, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Mixed precision: floating-point inputs of the model's forward in the compute dtype."""
@@ -730,11 +765,13 @@ class Engine:
         unit = self._unit(u)
         proxy = unit.proxies[j]
         if u == ROOT:
-            return proxy  # gathered for the whole step
+            return self._full_of(ROOT)[j]  # gathered for the whole step
         out = self._reads.get((u, j))
         # A copy made under no_grad carries no gradient: never hand it to a use that needs one.
         if out is None or (torch.is_grad_enabled() and proxy.requires_grad and not out.requires_grad):
             out = Detour.apply(proxy, lambda: unit.gather_leaf(j))
+            if self.tp is not None:
+                out = self.tp.leaf(self._leaf_of[(u, j)], out)
             self._reads[(u, j)] = out
         return out
 
@@ -816,7 +853,10 @@ class Engine:
         mine.discard(0)
 
         def views(t: torch.Tensor) -> bool:
-            return unwrap(t).untyped_storage().data_ptr() in mine
+            t = unwrap(t)
+            if isinstance(t, DTensor):  # tensor parallel: its local shard
+                t = t._local_tensor
+            return t.untyped_storage().data_ptr() in mine
 
         if not mine or not any(views(t) for t in tensors):
             return output, tensors

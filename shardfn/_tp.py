@@ -1,0 +1,372 @@
+"""Tensor parallelism on top of FSDP: the forward on tensor-parallel shards, from the specs alone.
+
+Note [tensor parallel forward]
+------------------------------
+On a mesh `(dp, tp)` (the first axis is FSDP's, the second tensor-parallel) a leaf's spec says how
+it is split over `tp`: `P("tp", None)` splits the rows of a `[out, in]` weight (column-parallel:
+each rank computes a slice of the outputs), `P(None, "tp")` its columns (row-parallel: each rank
+computes a partial sum of the outputs); `P()` (or `P("dp")`) keeps it whole on every tp rank.
+Every leaf is also FSDP-sharded over `dp`, within its tp shard.
+
+Layout. The flat engine (Note [flat unit layout] in `_flat.py`) knows nothing of `tp`: a leaf's
+"full" value, for it, is this rank's tp shard, split over dim 0 across the `dp` group only,
+gathered unit by unit over `dp` and reduce-scattered over `dp` (the mean over the dp ranks, Note
+[the mean over ranks]; ranks that differ only in their tp coordinate get the same batch and compute
+the same loss; the first step checks that they hold the same batch). The state's DTensors live on the whole 2-D mesh with the placements of both splits
+(`P(None, "tp")` FSDP'd on dim 0 is `P("dp", "tp")`; `P("tp", None)` FSDP'd inside each tp shard is
+`P(("tp", "dp"), None)`, rows split over tp first: Note [layouts of a spec] in `_spec.py`), so that
+gather, save and describe see the true layout.
+
+Forward. When a unit is gathered, the module computes on DTensors over the `tp` sub-mesh built on
+the gathered shards (`DTensor.from_local`, no copy, no check): Shard(d) for tp-split leaves,
+Replicate for the others, with autograd from the DTensor back to the engine's full parameter, so
+gradients land where the engine reduces them. Plain tensors the model makes (inputs, masks,
+rotary tables) count as replicated (`implicit_replication`). DTensor's sharding propagation then
+computes every op exactly on the shards, whatever the model does between a column- and a
+row-parallel layer (a norm over a sharded dim, a reshape into heads): where an op needs a
+sharded operand whole, DTensor gathers it, so the result is exact, only slower (reported below).
+
+Collectives from the specs. Left alone, DTensor chooses where to reduce partial sums, and often
+chooses badly (gathers of weights in the backward). So the modules that hold a tp-split leaf
+steer it at their boundaries, as a tensor-parallel plan does, but derived from the specs:
+
+- forward: an output that is a partial sum (the row-parallel matmul's) is all-reduced to
+  Replicate as the module returns: one all-reduce per column -> row pair;
+- backward: on each input that needs a gradient, ONE tensor hook turns the gradient, once summed
+  over every consumer of that input (q, k and v read the same normalized activations), from a
+  partial sum into Replicate: one all-reduce per pair in the backward too.
+
+A vocabulary-parallel embedding (`P("tp", None)` on `nn.Embedding`) gives a masked partial sum,
+all-reduced the same way; a vocabulary-parallel head gives logits sharded on the vocabulary, and a
+cross-entropy of them (`F.cross_entropy`, what Hugging Face's losses call) runs on the shards
+(three small all-reduces, as `loss_parallel` does) without gathering them.
+
+Mixed precision: `reduce_dtype` holds for the tp all-reduces too: a partial sum is cast to it before
+its all-reduce and back after, in the forward and in the backward. (The embedding's masked sum adds
+zeros to one value, exact in any dtype: it is reduced in the compute dtype.)
+
+Fallbacks. An op DTensor cannot compute on the shards as they come makes it gather a sharded
+operand whole (an all-gather): the first step of each train step watches for that, and warns once
+per (op, module) naming both. The exact result does not change; the rule for that leaf, or the
+model's code, should. (GPT-2's `c_attn` packs q|k|v along its outputs: split on them it would hand
+each rank a slice of q, k and v that the split into heads then gathers; its ready rules keep
+`c_attn` whole on tp and split `c_fc`/`c_proj` of the MLP.)
+
+Remat recomputes a unit's forward as far as its backward needs: a row-parallel layer whose output
+nothing saves (the last of a block) is not run again, nor its all-reduce; the others are, all-reduce
+included.
+
+Rules (`shardfn/rules.py`). Ready `[(regex, P)]` lists, read and edited as any rules: Llama's family
+splits q/k/v and gate/up on their outputs (`P("tp", None)`: heads and key/value heads must divide by
+tp), o and down on their inputs (`P(None, "tp")`), the embedding and the head on the vocabulary;
+GPT-2's `Conv1D` weights are `[in, out]`, so its column-parallel `c_fc` is `P(None, "tp")` and its
+row-parallel `mlp.c_proj` is `P("tp", None)`; the packed q|k|v projections (GPT-2's `c_attn`, the
+project GPT's `qkv`) stay whole on tp. Every other leaf is whole on tp and FSDP-sharded over dp.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import Counter
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._spec import P
+
+__all__ = ["TensorParallel", "split_specs", "state_spec", "local_part", "FallbackWarning"]
+
+
+class FallbackWarning(UserWarning):
+    """An op gathered a tensor-parallel activation whole (exact, but slower): Note [tensor parallel forward]."""
+
+
+def split_specs(path: str, shape: torch.Size, spec: P, dp: str, tp: str) -> int | None:
+    """The dim `spec` splits over `tp` (None: whole on tp), checking that `dp` appears only on dim 0
+    (FSDP splits dim 0 anyway) and `tp` on at most one dim."""
+    tp_dim = None
+    for d in range(len(spec)):
+        axes = spec.axes_of(d)
+        if dp in axes and d != 0:
+            raise NotImplementedError(
+                f"leaf {path!r} (shape {tuple(shape)}) has spec {spec!r}: on a ({dp}, {tp}) mesh the train step "
+                f"FSDP-shards dim 0 over {dp!r} itself; name only {tp!r} in specs (e.g. P({tp!r}, None) or P(None, {tp!r}))"
+            )
+        if tp in axes:
+            tp_dim = d
+    return tp_dim
+
+
+def state_spec(tp_dim: int | None, fsdp: bool, ndim: int, dp: str, tp: str) -> P:
+    """The spec of a leaf split on `tp_dim` over tp and FSDP'd over dp on dim 0 within its tp shard
+    (Note [tensor parallel forward]): `P(("tp", "dp"), None)`, `P("dp", "tp")`, `P("dp")`, ..."""
+    entries: list = [None] * ndim
+    if tp_dim is not None:
+        entries[tp_dim] = tp
+    if fsdp:
+        entries[0] = (tp, dp) if tp_dim == 0 else dp
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def local_part(full: torch.Tensor, tp_dim: int | None, rank: int, size: int) -> torch.Tensor:
+    """This tp rank's part of `full` (DTensor's Shard split: chunks of ceil(n / size))."""
+    if tp_dim is None or size == 1:
+        return full
+    n = full.shape[tp_dim]
+    c = -(-n // size)
+    lo = min(n, rank * c)
+    return full.narrow(tp_dim, lo, max(0, min(n, lo + c) - lo))
+
+
+def local_shape(shape: torch.Size, tp_dim: int | None, rank: int, size: int) -> torch.Size:
+    """The shape of `local_part` of a tensor of `shape`."""
+    return local_part(torch.empty(shape, device="meta"), tp_dim, rank, size).shape
+
+
+_REGISTERED = False
+
+
+def _register_strategies() -> None:
+    """Sharding strategies DTensor lacks, for ops models call: CPU's fused attention (heads or
+    batch split, or all replicated), through torch's public `register_sharding`."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    _REGISTERED = True
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten = torch.ops.aten
+    ops = [getattr(aten, n).default for n in ("_scaled_dot_product_flash_attention_for_cpu",) if hasattr(aten, n)]
+    bwd = [getattr(aten, n).default for n in ("_scaled_dot_product_flash_attention_for_cpu_backward",) if hasattr(aten, n)]
+    if not ops or not bwd:
+        return
+
+    @register_sharding(ops[0])
+    def _sdpa(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        R = Replicate()
+        mask = [] if attn_mask is None else [R]
+        out = [([R, R], [R, R, R, None, None, *mask])]
+        if attn_mask is None:
+            out += [([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), None, None]) for d in (0, 1)]
+        return out
+
+    @register_sharding(bwd[0])
+    def _sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
+        R = Replicate()
+        mask = [] if attn_mask is None else [R]
+        strategies = [([R, R, R], [R, R, R, R, R, R, None, None, *mask])]
+        if attn_mask is None:
+            strategies += [([Shard(d)] * 3, [Shard(d)] * 6 + [None, None]) for d in (0, 1)]
+        return strategies
+
+
+def _partial(x: Any) -> bool:
+    return isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)
+
+
+class TensorParallel:
+    """The tensor-parallel side of one train step: the DTensors its forward computes on, the hooks
+    that place its collectives, and what it did (Note [tensor parallel forward]).
+
+    Args:
+        mesh: the (dp, tp) mesh; `tp` names the tensor-parallel axis.
+        tp_dims: per leaf, the dim split over tp (None: whole).
+        shapes: per leaf, its global shape.
+        reduce_dtype: the dtype partial sums are all-reduced in (None: their own).
+    """
+
+    def __init__(self, mesh: DeviceMesh, tp: str, tp_dims: list[int | None], shapes: list[torch.Size], reduce_dtype: torch.dtype | None):
+        _register_strategies()
+        self.mesh = mesh[tp]
+        self.size = self.mesh.size()
+        self.rank = self.mesh.get_local_rank()
+        self.tp_dims = list(tp_dims)
+        self.placements = [(Shard(d),) if d is not None else (Replicate(),) for d in tp_dims]
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.strides = [torch.empty(s, device="meta").stride() for s in self.shapes]
+        self.reduce_dtype = reduce_dtype
+        self.stats: Counter = Counter()  # "forward" / "backward": all-reduces the steering issued
+        self.watch = True  # watch for fallback gathers (the first step)
+        self._reported: set[tuple[str, str]] = set()
+        self._handles: list[Any] = []
+
+    def leaf(self, i: int, local: torch.Tensor) -> DTensor:
+        """Leaf `i` as a DTensor on the tp mesh over its gathered shard `local` (a view, with autograd
+        back to `local`)."""
+        return DTensor.from_local(local, self.mesh, self.placements[i], run_check=False, shape=self.shapes[i], stride=self.strides[i])
+
+    # -- steering (Note [tensor parallel forward]) ----------------------------------------------
+    def install(self, module: torch.nn.Module, split_paths: set[str]) -> None:
+        """Hooks the submodules of `module` that hold a tp-split parameter (dotted names in `split_paths`)."""
+        owners = {p.rpartition(".")[0] for p in split_paths}
+        ref = weakref.ref(self)
+        for name, mod in module.named_modules():
+            if name in owners:
+                self._handles.append(mod.register_forward_pre_hook(_pre_hook(ref)))
+                self._handles.append(mod.register_forward_hook(_post_hook(ref)))
+        weakref.finalize(self, _remove, list(self._handles))  # the module outlives its steps
+
+    def remove(self) -> None:
+        """Takes the hooks off the modules."""
+        _remove(self._handles)
+        self._handles = []
+
+    def replicate(self, x: DTensor, direction: str) -> DTensor:
+        """A partial sum as Replicate: one all-reduce over tp, in `reduce_dtype` if set."""
+        self.stats[direction] += 1
+        dtype = x.dtype
+        # A masked sum (the vocabulary-parallel embedding's) adds zeros to one value: exact in any
+        # dtype, and DTensor cannot cast it before reducing; plain partial sums go in reduce_dtype.
+        plain = all(type(p) is Partial or not p.is_partial() for p in x.placements)
+        if self.reduce_dtype is not None and self.reduce_dtype != dtype and plain:
+            x = x.to(self.reduce_dtype)
+        x = x.redistribute(placements=[Replicate()] * x.device_mesh.ndim)
+        return x.to(dtype) if x.dtype != dtype else x
+
+    @contextmanager
+    def context(self) -> Iterator[None]:
+        """The context a forward and its backward run in: plain tensors count as replicated;
+        cross-entropy on vocabulary-sharded logits stays sharded; the fallback watch (first step)."""
+        with ExitStack() as stack:
+            stack.enter_context(implicit_replication())
+            stack.enter_context(_loss_parallel())
+            if self.watch:
+                stack.enter_context(_GatherWatch(self))
+            yield
+
+    def report(self, op: str, module: str) -> None:
+        if (op, module) in self._reported:
+            return
+        self._reported.add((op, module))
+        warnings.warn(
+            f"tensor parallel: {op} in {module or 'loss_fn'} gathered a tp-sharded tensor whole (exact, but each rank "
+            "computes on the whole tensor): change that leaf's rule, or the code (Note [tensor parallel forward] in "
+            "shardfn/_tp.py)",
+            FallbackWarning,
+            stacklevel=2,
+        )
+
+
+def _remove(handles: list) -> None:
+    for h in handles:
+        h.remove()
+
+
+def _pre_hook(ref: Any):
+    def pre(mod: torch.nn.Module, args: tuple) -> None:
+        tp = ref()
+        if tp is None or not torch.is_grad_enabled():
+            return None
+        for a in args:
+            if isinstance(a, DTensor) and a.requires_grad and not getattr(a, "_sf_tp_hooked", False):
+                a.register_hook(_grad_hook(ref))
+                a._sf_tp_hooked = True  # type: ignore[attr-defined]
+        return None
+
+    return pre
+
+
+def _grad_hook(ref: Any):
+    def hook(g: torch.Tensor) -> torch.Tensor | None:
+        tp = ref()
+        if tp is not None and _partial(g):
+            return tp.replicate(g, "backward")
+        return None
+
+    return hook
+
+
+def _post_hook(ref: Any):
+    def post(mod: torch.nn.Module, args: tuple, out: Any) -> Any:
+        tp = ref()
+        if tp is not None and _partial(out):
+            return tp.replicate(out, "forward")
+        return None
+
+    return post
+
+
+# -- cross-entropy on vocabulary-sharded logits ---------------------------------------------------
+@contextmanager
+def _loss_parallel() -> Iterator[None]:
+    """`torch.distributed.tensor.parallel.loss_parallel`'s handlers, taken only where the logits are
+    sharded on the class dim (DTensor's own rules elsewhere)."""
+    from torch.distributed.tensor.parallel import loss as lp
+
+    dispatcher = DTensor._op_dispatcher
+    handlers = dispatcher._custom_op_handlers
+    ops = {
+        torch.ops.aten._log_softmax.default: (lp._log_softmax_handler, 0, 1),
+        torch.ops.aten._log_softmax_backward_data.default: (lp._log_softmax_backward_handler, 0, 2),
+        torch.ops.aten.nll_loss_forward.default: (lp._nll_loss_forward_handler, 0, None),
+        torch.ops.aten.nll_loss2d_forward.default: (lp._nll_loss_forward_handler, 0, None),
+        torch.ops.aten.nll_loss_backward.default: (lp._nll_loss_backward_handler, 1, None),
+        torch.ops.aten.nll_loss2d_backward.default: (lp._nll_loss_backward_handler, 1, None),
+    }
+    saved = {op: handlers.get(op) for op in ops}
+
+    def guarded(op, handler, arg, dim_arg):
+        def run(op_call, args, kwargs):
+            x = args[arg]
+            dim = args[dim_arg] if dim_arg is not None else (1 if x.dim() > 1 else 0)
+            dim = dim % max(x.dim(), 1)
+            if isinstance(x, DTensor) and any(p.is_shard(dim) for p in x.placements):
+                return handler(op_call, args, kwargs)
+            handlers.pop(op_call, None)
+            try:
+                return op_call(*args, **kwargs)
+            finally:
+                handlers[op_call] = run
+
+        return run
+
+    for op, (handler, arg, dim_arg) in ops.items():
+        handlers[op] = guarded(op, handler, arg, dim_arg)
+    try:
+        yield
+    finally:
+        for op, h in saved.items():
+            if h is None:
+                handlers.pop(op, None)
+            else:
+                handlers[op] = h
+
+
+# -- the fallback watch --------------------------------------------------------------------------
+class _GatherWatch(TorchDispatchMode):
+    """Sees the all-gathers DTensor issues to compute an op, and which op and module asked."""
+
+    def __init__(self, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.op = None
+        from torch.utils.module_tracker import ModuleTracker
+
+        self.modules = ModuleTracker()
+
+    def __enter__(self):
+        self.modules.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self.modules.__exit__(*exc)
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            self.op = func
+            return NotImplemented
+        name = str(func)
+        if "c10d_functional" in name and "all_gather" in name:  # DTensor's; the engine's go through c10d
+            parents = [p for p in self.modules.parents if p != "Global"]
+            self.tp.report(str(self.op), max(parents, key=len) if parents else "")
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,63 @@
+"""Ready tensor-parallel rules: plain `[(regex, P)]` lists for `sf.specs(params, mesh, rules=...)`.
+
+Each rule matches a leaf's dotted path in full; the first match wins, and leaves no rule matches get
+`sf.specs`' default (`P("dp")`: whole on tp, FSDP-sharded over dp like every leaf). They name the
+tensor-parallel axis "tp": build the mesh as `sf.mesh(dp=..., tp=...)`, or edit the lists. How a
+train step runs them: Note [tensor parallel forward] in `shardfn/_tp.py`.
+
+Example:
+    >>> mesh = sf.mesh(dp=2, tp=2)
+    >>> specs = sf.specs(params, mesh, rules=sf.rules.LLAMA)
+    >>> step = sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, specs=specs)
+"""
+
+from __future__ import annotations
+
+from ._spec import P
+
+__all__ = ["LLAMA", "QWEN2", "MISTRAL", "GPT2", "GPT"]
+
+COLUMN = P("tp", None)  # an nn.Linear weight [out, in] split on its outputs
+ROW = P(None, "tp")  # ... split on its inputs: each rank computes a partial sum
+
+LLAMA: list[tuple[str, P]] = [
+    # Attention: q/k/v column-parallel (heads split over tp), o row-parallel.
+    (r".*\.self_attn\.(q_proj|k_proj|v_proj)\.weight", COLUMN),
+    (r".*\.self_attn\.(q_proj|k_proj|v_proj)\.bias", P("tp")),  # Qwen2's q/k/v biases
+    (r".*\.self_attn\.o_proj\.weight", ROW),
+    # MLP: gate/up column-parallel, down row-parallel.
+    (r".*\.mlp\.(gate_proj|up_proj)\.weight", COLUMN),
+    (r".*\.mlp\.down_proj\.weight", ROW),
+    # Vocabulary-parallel embedding and head (tied or not); the cross-entropy stays on the shards.
+    (r".*embed_tokens\.weight", P("tp", None)),
+    (r"lm_head\.weight", P("tp", None)),
+]
+"""Hugging Face Llama (`LlamaForCausalLM`): heads and key/value heads must divide by tp."""
+
+QWEN2: list[tuple[str, P]] = LLAMA
+"""Hugging Face Qwen2: Llama's layout (its q/k/v biases split with their weights)."""
+
+MISTRAL: list[tuple[str, P]] = LLAMA
+"""Hugging Face Mistral: Llama's layout."""
+
+GPT2: list[tuple[str, P]] = [
+    # GPT-2's Conv1D weights are transposed, [in, out]: column-parallel splits dim 1, row-parallel dim 0.
+    # `attn.c_attn` packs q|k|v along its outputs: split there, each rank would hold a slice of q, k and
+    # v that the split into heads gathers again; it stays whole on tp (with `attn.c_proj`), and the MLP
+    # is split.
+    (r".*\.mlp\.c_fc\.weight", P(None, "tp")),
+    (r".*\.mlp\.c_fc\.bias", P("tp")),
+    (r".*\.mlp\.c_proj\.weight", P("tp", None)),
+    (r".*wte\.weight", P("tp", None)),  # the vocabulary-parallel embedding, tied to the head
+]
+"""Hugging Face GPT-2 (`GPT2LMHeadModel`)."""
+
+GPT: list[tuple[str, P]] = [
+    # `attn.qkv` packs q|k|v like GPT-2's c_attn: whole on tp; the MLP is split.
+    (r"blocks\.\d+\.fc\.weight", COLUMN),
+    (r"blocks\.\d+\.fc\.bias", P("tp")),
+    (r"blocks\.\d+\.out\.weight", ROW),
+    (r"wte\.weight", P("tp", None)),
+    (r"head\.weight", P("tp", None)),
+]
+"""`shardfn.models.GPT`."""

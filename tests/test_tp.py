@@ -1,0 +1,381 @@
+"""FSDP x tensor parallel on a (dp, tp) mesh: exact against the single-process reference, with the
+collectives the specs imply (Note [tensor parallel forward] in shardfn/_tp.py)."""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+import shardfn as sf
+from shardfn import _collectives as C
+
+LR, EPS, WD = 1e-3, 1e-3, 0.01  # an eps that does not turn rounding noise in tiny gradients into steps
+VOCAB, SEQ, PER_RANK = 64, 8, 2
+TOL = 1e-5
+
+
+def _model(name: str) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name in ("llama", "llama_sdpa"):  # sdpa: torch's fused attention, on the tp shards of the heads
+        cfg = tf.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0, tie_word_embeddings=False,
+            attn_implementation="eager" if name == "llama" else "sdpa",
+        )
+        return tf.LlamaForCausalLM(cfg).float().train()
+    if name == "qwen2":  # q/k/v biases; the head tied to the embedding
+        cfg = tf.Qwen2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0, tie_word_embeddings=True,
+            attn_implementation="sdpa",
+        )
+        return tf.Qwen2ForCausalLM(cfg).float().train()
+    if name == "gpt2":
+        cfg = tf.GPT2Config(
+            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, attn_implementation="eager",
+        )
+        return tf.GPT2LMHeadModel(cfg).float().train()
+    if name == "gpt":
+        from shardfn.models import GPT, GPTConfig
+
+        return GPT(GPTConfig(vocab=VOCAB, block_size=SEQ, n_layer=2, n_head=4, d=32))
+    raise ValueError(name)
+
+
+UNITS = {"llama": r"model\.layers\.\d+", "llama_sdpa": r"model\.layers\.\d+", "qwen2": r"model\.layers\.\d+", "gpt2": r"transformer\.h\.\d+", "gpt": r"blocks\.\d+"}
+RULES = {"llama": sf.rules.LLAMA, "llama_sdpa": sf.rules.LLAMA, "qwen2": sf.rules.QWEN2, "gpt2": sf.rules.GPT2, "gpt": sf.rules.GPT}
+
+
+def _batch(step: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+
+def _loss(name: str, out, ids: torch.Tensor) -> torch.Tensor:
+    if name == "gpt":
+        return F.cross_entropy(out[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return out.loss
+
+
+def _reference(name: str, steps: int, data_world: int, max_grad_norm: float | None = None,
+               frozen: str | None = None, penalty: bool = False) -> dict[str, torch.Tensor]:
+    """The parameters after `steps` steps of torch's AdamW on the global batch, in one process."""
+    model = _model(name)
+    for n, p in model.named_parameters():
+        p.requires_grad_(not (frozen and re.fullmatch(frozen, n)))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=LR, eps=EPS, weight_decay=WD)
+    for s in range(steps):
+        ids = _batch(s, PER_RANK * data_world)
+        opt.zero_grad()
+        out = model(ids) if name == "gpt" else model(input_ids=ids, labels=ids, use_cache=False)
+        loss = _loss(name, out, ids)
+        if penalty:
+            loss = loss + 0.1 * (dict(model.named_parameters())[PENALIZED] ** 2).sum()
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||."""
+    a, b = a.detach().double(), b.detach().double()
+    return (a - b).norm().item() / max(b.norm().item(), 1e-3)
+
+
+PENALIZED = "blocks.1.fc.weight"  # a tp-split leaf read outside apply, in the GPT's penalty
+
+
+def _loss_fn(name: str, apply, penalty: bool = False):
+    def loss_fn(p, ids):
+        out = apply(p, ids) if name == "gpt" else apply(p, input_ids=ids, labels=ids, use_cache=False)
+        loss = _loss(name, out, ids)
+        if penalty:
+            w = p["blocks"]["1"]["fc"]["weight"]
+            assert w.shape == (128, 32), w.shape  # the leaf's global shape, not its tp shard's
+            loss = loss + 0.1 * (w**2).sum()
+        return loss
+
+    return loss_fn
+
+
+def rank_train(name: str, axes: dict, cases: list[dict], steps: int = 3, rules: list | None = None) -> list[dict]:
+    """Trains `name` `steps` steps on a mesh of `axes` with the ready rules, once per case (train_step
+    options); returns, per case, the worst relative error against the reference and the last step's
+    collectives: the engine's (calls, bytes) and the tp all-reduces the steering issued."""
+    mesh = sf.mesh(**axes)
+    dp_axis, dp = next(iter(axes)), mesh.size(0)
+    dp_rank = mesh.get_local_rank(dp_axis)
+    refs = {}
+    out = []
+    for options in cases:
+        penalty = options.pop("penalty", False)
+        key = (options.get("max_grad_norm"), options.get("frozen"), penalty)
+        if key not in refs:
+            refs[key] = _reference(name, steps, dp, *key)
+        ref = refs[key]
+        apply, params = sf.functionalize(_model(name), units=UNITS[name])
+        rule_list = rules if rules is not None else RULES[name] if "tp" in axes else []
+        specs = sf.specs(params, mesh, rules=rule_list, default=sf.P(dp_axis))
+        step = sf.train_step(_loss_fn(name, apply, penalty), sf.optim.adamw(LR, eps=EPS, weight_decay=WD), mesh, specs=specs, **options)
+        state = step.init(params)
+        for s in range(steps):
+            ids = _batch(s, PER_RANK * dp).chunk(dp)[dp_rank]
+            C.STATS.reset()
+            tp = step.core.tp
+            if tp is not None:
+                tp.stats.clear()
+            state, _ = step(state, ids)
+        last = dict(calls=dict(C.STATS.calls), bytes=dict(C.STATS.bytes_sent), tp=dict(tp.stats) if tp else {})
+        last["held"] = sum(x._local_tensor.numel() for x in optree.tree_leaves(state.params))
+        last["total"] = sum(x.numel() for x in optree.tree_leaves(state.params))
+        full = sf.to_state_dict(sf.gather(state.params), apply)
+        out.append(dict(err=max((_rel(full[n], ref[n]), n) for n in ref), **last))
+    return out
+
+
+def rank_value_and_grad(name: str, axes: dict) -> dict:
+    """sf.value_and_grad on a 2-D tree (the layout a train step gives it): the loss and gradients of
+    the global batch's mean."""
+    mesh = sf.mesh(**axes)
+    dp_axis, dp = next(iter(axes)), mesh.size(0)
+    dp_rank = mesh.get_local_rank(dp_axis)
+    model = _model(name)
+    ref = copy.deepcopy(model)
+    apply, params = sf.functionalize(model, units=UNITS[name])
+    specs = sf.specs(params, mesh, rules=RULES[name] if "tp" in axes else [], default=sf.P(dp_axis))
+
+    def loss_fn(p, ids):
+        out = apply(p, ids) if name == "gpt" else apply(p, input_ids=ids, labels=ids, use_cache=False)
+        return _loss(name, out, ids)
+
+    tree = sf.train_step(loss_fn, sf.optim.sgd(0.0), mesh, specs=specs).init(params).params
+    ids = _batch(0, PER_RANK * dp)
+    loss, grads = sf.value_and_grad(loss_fn, apply=apply)(tree, ids.chunk(dp)[dp_rank])
+    want = _loss(name, ref(ids) if name == "gpt" else ref(input_ids=ids, labels=ids, use_cache=False), ids)
+    want.backward()
+    full = sf.to_state_dict(sf.gather(grads), apply)
+    err = max((_rel(full[n], p.grad), n) for n, p in ref.named_parameters())
+    return dict(loss=abs(loss.item() - want.item()), err=err)
+
+
+def _check(results: list, what: str) -> None:
+    for case, r in enumerate(results):
+        assert r["err"][0] < TOL, f"{what}, case {case}: {r['err']}"
+
+
+def test_2d_mesh_trains_as_the_reference(pools):
+    """On (dp=2, tp=2): Llama, Qwen2 (tied head), GPT-2 and GPT under full_shard and shard_grad_op, with remat, with
+    accumulation, with clipping and frozen leaves, equal the single-process reference after 3 steps."""
+    pool = pools(4)
+    axes = dict(dp=2, tp=2)
+    llama = pool.run(rank_train, "llama", axes, [
+        dict(group_bytes=0),  # a unit per layer: slot arenas shared by the layers from the second step
+        dict(strategy="shard_grad_op", accumulation_steps=2, accumulation="local"),
+    ])
+    _check(llama[0], "llama")
+    gpt2 = pool.run(rank_train, "gpt2", axes, [dict(remat=True)])
+    _check(gpt2[0], "gpt2")
+    _check(pool.run(rank_train, "qwen2", axes, [dict()], 2)[0], "qwen2")
+    gpt = pool.run(rank_train, "gpt", axes, [
+        dict(strategy="shard_grad_op", remat=True, accumulation_steps=2),
+        # The norm is over tp shards and dp shards; a tp-split leaf read outside apply.
+        dict(max_grad_norm=0.05, frozen=r"blocks\.0\..*", penalty=True),
+    ])
+    _check(gpt[0], "gpt")
+    # Per column -> row pair one tp all-reduce in the forward and one in the backward, and the
+    # vocabulary-parallel embedding's; in the backward the head's input gradient: Llama 2 layers x 2
+    # pairs + 1 each way.
+    assert llama[0][0]["tp"] == {"forward": 5, "backward": 5}, llama[0][0]["tp"]
+    # Each rank holds 1/(dp x tp) of the parameters, but for the norms, whole on tp.
+    for rank in llama:
+        assert 0.25 <= rank[0]["held"] / rank[0]["total"] < 0.255, rank[0]
+
+
+def test_degenerate_meshes_train_as_the_reference(pools):
+    """(dp=1, tp=2) and (dp=2, tp=1): the same models, exact; and Llama on torch's fused attention."""
+    pool = pools(2)
+    for axes in (dict(dp=1, tp=2), dict(dp=2, tp=1)):
+        for name in ("llama", "gpt2", "gpt"):
+            _check(pool.run(rank_train, name, axes, [dict()])[0], f"{name} on {axes}")
+    _check(pool.run(rank_train, "llama_sdpa", dict(dp=1, tp=2), [dict()], 2)[0], "llama (sdpa)")
+
+
+def rank_comm_counts(name: str, axes: dict) -> dict:
+    """One step under CommDebugMode: DTensor's own collectives (functional ones), in the forward
+    and in the whole step."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = sf.mesh(**axes)
+    dp_axis, dp = next(iter(axes)), mesh.size(0)
+    apply, params = sf.functionalize(_model(name), units=UNITS[name])
+    specs = sf.specs(params, mesh, rules=RULES[name], default=sf.P(dp_axis))
+    forward = {}
+
+    def loss_fn(p, ids):
+        loss = _loss_fn(name, apply)(p, ids)
+        forward.update(_functional(comm.get_comm_counts()))
+        return loss
+
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.0), mesh, specs=specs)
+    state = step.init(params)
+    ids = _batch(0, PER_RANK * dp).chunk(dp)[mesh.get_local_rank(dp_axis)]
+    with warnings.catch_warnings():
+        # CommDebugMode's module tracker hooks modules whose outputs are ModelOutputs.
+        warnings.filterwarnings("ignore", message=r"(Full backward hook|For backward hooks)", category=UserWarning)
+        with CommDebugMode() as comm:
+            step(state, ids)
+    return dict(forward=forward, step=_functional(comm.get_comm_counts()), tp=dict(step.core.tp.stats))
+
+
+def _functional(counts: dict) -> dict[str, int]:
+    """{collective: count} for DTensor's functional collectives (the engine's go through c10d)."""
+    out = {}
+    for k, v in counts.items():
+        m = re.search(r"c10d_functional[.:]+(\w+)", str(k))
+        if m and v:
+            out[m.group(1)] = out.get(m.group(1), 0) + v
+    return out
+
+
+def test_collectives_per_step(pools):
+    """Tensor parallel issues one all-reduce per column -> row pair in the forward and one in the
+    backward (no gather of an activation or a weight), and FSDP's gathers and reduce-scatters over
+    dp move about 1/tp of the bytes they move without tensor parallel."""
+    got = pools(4).run(rank_comm_counts, "llama", dict(dp=2, tp=2))[0]
+    # 2 layers x 2 pairs + the embedding's masked sum; the vocabulary-parallel cross-entropy's 3
+    # small all-reduces (max, sum of exponentials, target logit).
+    assert got["tp"] == {"forward": 5, "backward": 5}, got
+    assert got["forward"] == {"all_reduce": 5 + 3}, got
+    assert got["step"] == {"all_reduce": 5 + 3 + 5}, got
+    with_tp = pools(4).run(rank_train, "llama", dict(dp=2, tp=2), [dict()], 1)[0][0]["bytes"]
+    without = pools(2).run(rank_train, "llama", dict(dp=2, tp=1), [dict()], 1)[0][0]["bytes"]
+    for op in ("all_gather", "reduce_scatter"):
+        assert 0.45 < with_tp[op] / without[op] < 0.55, (op, with_tp, without)
+
+
+def rank_mixed_precision(name: str, axes: dict) -> dict:
+    """bf16 compute with fp32 reductions: the dtypes tensor parallel's all-reduces run in, and the
+    distance of 3 bf16 steps from the fp32 reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: dict[str, int] = {}
+
+    class Dtypes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "c10d_functional.all_reduce" in str(func) or "_c10d_functional.all_reduce" in str(func):
+                seen[str(args[0].dtype)] = seen.get(str(args[0].dtype), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    mesh = sf.mesh(**axes)
+    dp_axis, dp = next(iter(axes)), mesh.size(0)
+    apply, params = sf.functionalize(_model(name), units=UNITS[name])
+    specs = sf.specs(params, mesh, rules=RULES[name], default=sf.P(dp_axis))
+    mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    step = sf.train_step(_loss_fn(name, apply), sf.optim.adamw(LR, eps=EPS, weight_decay=WD), mesh, specs=specs, mixed_precision=mp)
+    state = step.init(params)
+    for s in range(3):
+        ids = _batch(s, PER_RANK * dp).chunk(dp)[mesh.get_local_rank(dp_axis)]
+        with Dtypes():
+            state, _ = step(state, ids)
+    full = sf.to_state_dict(sf.gather(state.params), apply)
+    ref = _reference(name, 3, dp)
+    err = _rel(torch.cat([full[n].reshape(-1) for n in ref]), torch.cat([ref[n].reshape(-1) for n in ref]))
+    return dict(dtypes=seen, err=err)
+
+
+def test_value_and_grad_and_mixed_precision_on_a_2d_tree(pools):
+    """sf.value_and_grad on a (dp, tp) tree gives the global batch's loss and gradients; with
+    MixedPrecision(bf16, reduce fp32) the tp all-reduces run in fp32 (forward and backward)."""
+    pool = pools(4)
+    got = pool.run(rank_value_and_grad, "llama", dict(dp=2, tp=2))[0]
+    assert got["loss"] < 1e-5 and got["err"][0] < TOL, got
+    mp = pool.run(rank_mixed_precision, "llama", dict(dp=2, tp=2))[0]
+    # Per step: the embedding's masked sum (adds zeros: exact in bf16), the rest in fp32.
+    assert mp["dtypes"]["torch.bfloat16"] == 3 and mp["dtypes"]["torch.float32"] >= 3 * 9, mp
+    assert mp["err"] < 1e-2, mp  # bf16 rounding; the fp32 runs above are exact
+
+
+def rank_fallback_and_refusals() -> dict:
+    """GPT-2 with c_attn split on its packed q|k|v outputs: exact, and the gather DTensor falls back
+    to is reported once, naming the op and the module. And what is not supported yet is refused."""
+    from shardfn._tp import FallbackWarning
+
+    packed = [(r".*\.attn\.c_attn\.weight", sf.P(None, "tp")), (r".*\.attn\.c_attn\.bias", sf.P("tp")), *sf.rules.GPT2]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FallbackWarning)
+        err = rank_train("gpt2", dict(dp=1, tp=2), [dict()], steps=2, rules=packed)[0]["err"]
+    reports = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    refused = []
+    mesh = sf.mesh(dp=1, tp=2)
+    apply, params = sf.functionalize(_model("gpt"), units=UNITS["gpt"])
+    for options, specs in (
+        (dict(strategy="no_shard"), None),
+        (dict(offload="cpu"), None),
+        (dict(), sf.specs(params, mesh, rules=[(r".*fc\.weight", sf.P(None, "dp"))])),
+    ):
+        try:
+            sf.train_step(_loss_fn("gpt", apply), sf.optim.sgd(0.1), mesh, specs=specs, **options).init(params)
+        except NotImplementedError as e:
+            refused.append(str(e))
+    # Ranks that differ only in tp must get the same batch: a batch split over every rank is refused.
+    step = sf.train_step(_loss_fn("gpt", apply), sf.optim.sgd(0.1), mesh, specs=sf.specs(params, mesh, rules=sf.rules.GPT))
+    try:
+        step(step.init(params), _batch(0, 4).chunk(2)[dist.get_rank()])
+    except ValueError as e:
+        refused.append(str(e))
+    return dict(err=err, reports=reports, refused=refused)
+
+
+def test_fallback_gathers_are_reported_and_unsupported_options_refused(pools):
+    got = pools(2).run(rank_fallback_and_refusals)[0]
+    assert got["err"][0] < TOL, got
+    assert got["reports"] and all("c_attn" in r or "attn" in r for r in got["reports"]), got["reports"]
+    assert len(got["reports"]) == len(set(got["reports"])), got["reports"]  # each once
+    assert len(got["refused"]) == 4 and "different batches" in got["refused"][-1], got["refused"]
+
+
+def rank_resume(path: str) -> list:
+    """2 steps on (dp=2, tp=2), saved; loaded into a fresh step on (dp=2, tp=2) and on (dp=4,), one
+    more step each: equal to 3 uninterrupted steps of the reference (the same global batches)."""
+    def run(axes: dict, steps: range, load: bool):
+        mesh = sf.mesh(**axes)
+        dp = mesh.size(0)
+        apply, params = sf.functionalize(_model("llama"), units=UNITS["llama"])
+        specs = sf.specs(params, mesh, rules=RULES["llama"] if "tp" in axes else [])
+        step = sf.train_step(_loss_fn("llama", apply), sf.optim.adamw(LR, eps=EPS, weight_decay=WD), mesh, specs=specs)
+        state = step.init(params)
+        if load:
+            state = sf.load(path, like=state)
+        for s in steps:
+            state, _ = step(state, _batch(s, PER_RANK * 2).chunk(dp)[mesh.get_local_rank("dp")])
+        return state, apply
+
+    state, _ = run(dict(dp=2, tp=2), range(2), False)
+    sf.save(state, path).wait()
+    ref = _reference("llama", 3, 2)
+    errs = []
+    for axes in (dict(dp=2, tp=2), dict(dp=4)):
+        state, apply = run(axes, range(2, 3), True)
+        full = sf.to_state_dict(sf.gather(state.params), apply)
+        errs.append(max((_rel(full[n], ref[n]), n) for n in ref))
+    return errs
+
+
+def test_a_2d_checkpoint_resumes_exactly(pools, tmp_path):
+    """A train state saved on (dp=2, tp=2) loads into a new step on (dp=2, tp=2) and on (dp=4,), and
+    training continues as the uninterrupted run."""
+    for axes, err in zip(("(2, 2)", "(4,)"), pools(4).run(rank_resume, str(tmp_path / "ckpt"))[0]):
+        assert err[0] < TOL, (axes, err)
