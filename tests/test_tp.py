@@ -347,35 +347,59 @@ def test_fallback_gathers_are_reported_and_unsupported_options_refused(pools):
     assert len(got["refused"]) == 4 and "different batches" in got["refused"][-1], got["refused"]
 
 
-def rank_resume(path: str) -> list:
-    """2 steps on (dp=2, tp=2), saved; loaded into a fresh step on (dp=2, tp=2) and on (dp=4,), one
-    more step each: equal to 3 uninterrupted steps of the reference (the same global batches)."""
-    def run(axes: dict, steps: range, load: bool):
-        mesh = sf.mesh(**axes)
-        dp = mesh.size(0)
-        apply, params = sf.functionalize(_model("llama"), units=UNITS["llama"])
-        specs = sf.specs(params, mesh, rules=RULES["llama"] if "tp" in axes else [])
-        step = sf.train_step(_loss_fn("llama", apply), sf.optim.adamw(LR, eps=EPS, weight_decay=WD), mesh, specs=specs)
-        state = step.init(params)
-        if load:
-            state = sf.load(path, like=state)
-        for s in steps:
-            state, _ = step(state, _batch(s, PER_RANK * 2).chunk(dp)[mesh.get_local_rank("dp")])
-        return state, apply
+def _resume(path: str, axes: dict, steps: range, load: bool):
+    """A fresh Llama step on `axes`, loaded from `path` when `load`, trained on the global batches of
+    `steps` (split over dp)."""
+    mesh = sf.mesh(**axes)
+    dp = mesh.size(0)
+    apply, params = sf.functionalize(_model("llama"), units=UNITS["llama"])
+    specs = sf.specs(params, mesh, rules=RULES["llama"] if "tp" in axes else [])
+    step = sf.train_step(_loss_fn("llama", apply), sf.optim.adamw(LR, eps=EPS, weight_decay=WD), mesh, specs=specs)
+    state = step.init(params)
+    if load:
+        state = sf.load(path, like=state)
+    for s in steps:
+        state, _ = step(state, _batch(s, PER_RANK * 2).chunk(dp)[mesh.get_local_rank("dp")])
+    return state, apply
 
-    state, _ = run(dict(dp=2, tp=2), range(2), False)
+
+def _worst(state, apply, ref: dict) -> tuple[float, str]:
+    full = sf.to_state_dict(sf.gather(state.params), apply)
+    return max((_rel(full[n], ref[n]), n) for n in ref)
+
+
+def rank_save_and_resume(path: str, export: str) -> dict:
+    """2 steps on (dp=2, tp=2), saved and exported; loaded into a fresh step on (dp=2, tp=2) and on
+    (dp=4,), one more step each: equal to 3 uninterrupted steps of the reference (the same global
+    batches). The export loads into the Hugging Face model with strict=True."""
+    state, _ = _resume(path, dict(dp=2, tp=2), range(2), False)
     sf.save(state, path).wait()
+    sf.export(state, export)
     ref = _reference("llama", 3, 2)
-    errs = []
-    for axes in (dict(dp=2, tp=2), dict(dp=4)):
-        state, apply = run(axes, range(2, 3), True)
-        full = sf.to_state_dict(sf.gather(state.params), apply)
-        errs.append(max((_rel(full[n], ref[n]), n) for n in ref))
-    return errs
+    return {str(axes): _worst(*_resume(path, axes, range(2, 3), True), ref) for axes in (dict(dp=2, tp=2), dict(dp=4))}
+
+
+def rank_resume(path: str, axes: dict) -> tuple[float, str]:
+    return _worst(*_resume(path, axes, range(2, 3), True), _reference("llama", 3, 2))
 
 
 def test_a_2d_checkpoint_resumes_exactly(pools, tmp_path):
-    """A train state saved on (dp=2, tp=2) loads into a new step on (dp=2, tp=2) and on (dp=4,), and
-    training continues as the uninterrupted run."""
-    for axes, err in zip(("(2, 2)", "(4,)"), pools(4).run(rank_resume, str(tmp_path / "ckpt"))[0]):
+    """A train state saved on (dp=2, tp=2) loads into a new step on (dp=2, tp=2), (dp=4,),
+    (dp=1, tp=2) and one rank, and training continues as the uninterrupted run; its export loads into
+    the Hugging Face model (strict) with the logits of the gathered state."""
+    from safetensors.torch import load_file
+
+    path, export = str(tmp_path / "ckpt"), str(tmp_path / "hf" / "model.safetensors")
+    errs = pools(4).run(rank_save_and_resume, path, export)[0]
+    errs["(dp=1, tp=2)"] = pools(2).run(rank_resume, path, dict(dp=1, tp=2))[0]
+    errs["one rank"] = pools(1).run(rank_resume, path, dict(dp=1))[0]
+    for axes, err in errs.items():
         assert err[0] < TOL, (axes, err)
+    model = _model("llama")
+    model.load_state_dict(load_file(export), strict=True)
+    reference = _model("llama")
+    reference.load_state_dict(_reference("llama", 2, 2), strict=False)
+    ids = _batch(7, 2)
+    with torch.no_grad():
+        got, want = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    assert _rel(got, want) < TOL, _rel(got, want)
