@@ -307,6 +307,58 @@ class _Probe:
         return None
 
 
+class _AttentionAsOn:
+    """On the meta device, `scaled_dot_product_attention` takes the math path, which keeps the
+    attention matrix; the device the step runs on takes a fused kernel that keeps far less. While
+    active, `F.scaled_dot_product_attention` on meta tensors runs the kernel that device would
+    choose (its meta version), so that the count is that device's; it is put back on exit."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self._orig = None
+
+    def __enter__(self):
+        F = torch.nn.functional
+        self._orig = orig = F.scaled_dot_product_attention
+
+        def sdpa(*args, **kwargs):
+            if args and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
+                try:
+                    out = self._fused(*args, **kwargs)
+                except Exception:  # noqa: BLE001 - no fused kernel for this call: the math path, as counted
+                    out = None
+                if out is not None:
+                    return out
+            return orig(*args, **kwargs)
+
+        F.scaled_dot_product_attention = sdpa
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.scaled_dot_product_attention = self._orig
+        return False
+
+    def _fused(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if enable_gqa or (self.device_type == "cuda" and not torch.cuda.is_available()) or self.device_type not in ("cpu", "cuda"):
+            return None
+        dev = torch.device(self.device_type)
+        small = [torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=dev).requires_grad_(t.requires_grad) for t in (q, k, v)]
+        mask = None if attn_mask is None else torch.zeros((1, *attn_mask.shape[1:]), dtype=attn_mask.dtype, device=dev)
+        if mask is not None and attn_mask.shape[0] != q.shape[0]:
+            mask = torch.zeros(attn_mask.shape, dtype=attn_mask.dtype, device=dev)
+        choice = torch._fused_sdp_choice(*small, mask, dropout_p, is_causal, scale=scale)
+        del small, mask
+        if self.device_type == "cpu":
+            if choice != 1:
+                return None
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        if choice == 1 and attn_mask is None:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        if choice == 2:
+            return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+        return None
+
+
 def _meta_like(x: Any, dtype=None) -> Any:
     if isinstance(x, torch.Tensor):
         local = x
@@ -365,7 +417,7 @@ def _run_meta(core, info, treespec, leaves, trained, unit_dtype, micro) -> _Coun
         counter.known(info.module.buffers())
         counter.known(info.module.parameters())
     try:
-        with counter, _runtime.activate(probe, info), torch.enable_grad():
+        with _AttentionAsOn(core.mesh.device_type), counter, _runtime.activate(probe, info), torch.enable_grad():
             out = core.loss_fn(tree, micro)
             loss = out[0] if isinstance(out, tuple) and len(out) == 2 else out
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
