@@ -453,6 +453,7 @@ class _Group:
     staged: bool
     gathers_in_place: bool
     trained_leaves: list
+    largest_trained: int = 0  # the largest trained sharded segment (elements per rank)
 
 
 def _itemsize(dt: torch.dtype) -> int:
@@ -630,6 +631,11 @@ class _Sim:
                 self._grad_alloc(u)
             else:
                 self._set(("rs_out", pair), "comm", self.rs_out)
+            spike = {}
+            if gr.S_trained and gr.compute != (gr.reduce if (self.world > 1 or not direct) else gr.master):
+                # `_chunk_cat` into a buffer of another dtype copies the gradients in their own dtype first,
+                # one leaf at a time (measured), the largest one's padded gradient at most
+                spike["comm"] = self.world * gr.largest_trained * _itemsize(gr.compute)
             if self.world > 1 and gr.S_trained:
                 in_full = (u in self.slot_of or u == -1) and gr.reduce == gr.compute
                 if in_full:
@@ -638,7 +644,7 @@ class _Sim:
                     self._set(("rs_in", pair), "comm", self.rs_in)
                 if self.p2p and self.world == 3:  # shard-sized scratch until the reduction is waited for
                     self._set(("scratch", u), "comm", gr.S_trained * _itemsize(gr.reduce if not direct else gr.master))
-            self.see()
+            self.see(spike)
             for i in gr.trained_leaves:  # the full gradients are spent
                 self.full_grads.pop(i, None)
             self.in_flight.append((u, pair))
@@ -865,6 +871,7 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
             staged=compute != dtype_of[u] or offload,
             gathers_in_place=p2p and len(small) < len(sh),
             trained_leaves=[x.index for x in sp if x.trained],
+            largest_trained=max([s.seg_numel for s in sh if s.trained], default=0),
         )
         gs[u] = gr
         for i in idx:
