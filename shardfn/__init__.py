@@ -10,6 +10,7 @@ from ._checkpoint import LoadReport, SaveHandle, latest, load, load_extras, save
 from ._describe import describe
 from ._donate import DonatedError, copy
 from ._engine import StaleParameterError
+from ._estimate import MemoryCheckError, MemoryEstimate, estimate_memory
 from ._export import export, import_state_dict
 from ._launch import launch
 from ._grad import grad, value_and_grad
@@ -32,6 +33,8 @@ __all__ = [
     "DPValueAndGrad",
     "DonatedError",
     "LoadReport",
+    "MemoryCheckError",
+    "MemoryEstimate",
     "MixedPrecision",
     "P",
     "Param",
@@ -44,6 +47,7 @@ __all__ = [
     "copy",
     "describe",
     "dp_value_and_grad",
+    "estimate_memory",
     "export",
     "from_state_dict",
     "functionalize",

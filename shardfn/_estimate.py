@@ -91,6 +91,8 @@ class MemoryEstimate:
         largest: each category's largest value in the step.
         phase, unit: where the peak happens: "forward", "backward" or "optimizer", and the unit
             running then ("" for the root or none).
+        first_step: whether the peak is in the first step, which runs before the engine plans its
+            slot arenas (Note [unit plan]); later steps then take less.
         world, rank: the shard world size and rank it is for.
         batch_size: the per-rank batch (dim 0 of the batch's leaves), or None without a batch.
     """
@@ -103,6 +105,7 @@ class MemoryEstimate:
     world: int
     rank: int
     batch_size: int | None = None
+    first_step: bool = False
     _redo: Callable | None = field(default=None, repr=False)
 
     def __getitem__(self, key: str) -> int:
@@ -160,7 +163,7 @@ class MemoryEstimate:
         return rows + [("peak", self.peak, self.peak)]
 
     def __str__(self) -> str:
-        where = f"{self.phase}" + (f", unit {self.unit!r}" if self.unit else "")
+        where = f"{self.phase}" + (f", unit {self.unit!r}" if self.unit else "") + (" of the first step" if self.first_step else "")
         head = f"estimated memory per rank (shard world {self.world}, rank {self.rank}): peak {_fmt(self.peak)} in the {where}"
         w = max(len(r[0]) for r in self.table())
         lines = [head, f"{'':{w}}  {'at peak':>12}  {'largest':>12}"]
@@ -173,7 +176,7 @@ class MemoryEstimate:
     def _repr_html_(self) -> str:
         import html
 
-        where = f"{self.phase}" + (f", unit {html.escape(self.unit)}" if self.unit else "")
+        where = f"{self.phase}" + (f", unit {html.escape(self.unit)}" if self.unit else "") + (" of the first step" if self.first_step else "")
         rows = "".join(
             f"<tr><td>{html.escape(label)}</td><td style='text-align:right'>{_fmt(at)}</td>"
             f"<td style='text-align:right'>{_fmt(big)}</td></tr>"
@@ -464,7 +467,7 @@ class _Sim:
     """The engine's buffers through one step, on the meta run's clock (Note [memory estimate])."""
 
     def __init__(self, groups: dict, policy, slot_of: dict, world: int, p2p: bool, persistent: dict, accumulate: bool, reduce_now: bool,
-                 keep_grads: bool, grad_sizes: list, leaf_group: list, order: list):
+                 leaf_group: list, order: list):
         self.g = groups
         self.policy = policy
         self.slot_of = slot_of
@@ -473,16 +476,15 @@ class _Sim:
         self.persistent = persistent  # category -> bytes, constant through the step
         self.accumulate = accumulate
         self.reduce_now = reduce_now
-        self.keep_grads = keep_grads
-        self.grad_sizes = grad_sizes
         self.leaf_group = leaf_group
         self.order = order
         self.alloc: dict = {}  # buffer key -> (category, bytes)
-        self.kept: set = set()  # leaves whose full gradient is kept (local accumulation)
+        self.first_step = False
+        self.kept: dict = {}  # leaf -> bytes of full gradients kept from earlier micro-batches (local accumulation)
         self.transient_grads: set = set()  # units whose gradient shard is allocated by their reduction
         self.full_grads: dict = {}  # leaf -> bytes
-        self.kept_grads = 0  # local accumulation: full gradients of earlier micro-batches
         self.live: set = set()
+        self.works: set = set()  # gathers started and not waited for
         self.in_flight: list = []
         self.reduced: set = set()
         self.arrived: dict = {u: set() for u in groups}
@@ -550,7 +552,7 @@ class _Sim:
         cats = dict(self.persistent)
         for cat, n in self.alloc.values():
             cats[cat] = cats.get(cat, 0) + n
-        cats["unit_grads"] = cats.get("unit_grads", 0) + sum(self.full_grads.values()) + self.kept_grads
+        cats["unit_grads"] = cats.get("unit_grads", 0) + sum(self.full_grads.values()) + sum(self.kept.values())
         cats["activations"] = cats.get("activations", 0) + self.act
         for k, v in (extra or {}).items():
             cats[k] = cats.get(k, 0) + v
@@ -585,15 +587,30 @@ class _Sim:
             self._alloc(self._key(u, "stage"))
         if self.world > 1 and gr.S:
             self._alloc(self._key(u, "gathered"))
+        self.works.add(u)
         self.see()
-        if u not in self.slot_of:  # finish_gather: a private gathered arena is spent
+
+    def finish(self, u: int) -> None:
+        """The gather is waited for: a private gathered arena (and a stage without replicated
+        leaves) is spent."""
+        if u not in self.works:
+            return
+        self.works.discard(u)
+        gr = self.g[u]
+        if u not in self.slot_of:
             self._release(self._key(u, "gathered"))
             if gr.staged and not gr.R:
                 self._release(self._key(u, "stage"))
 
+    def ensure(self, u: int) -> None:
+        if u != -1 and u not in self.live and u not in self.works:
+            self.start(u)
+        self.finish(u)
+
     running_unit = None
 
     def free(self, u: int) -> None:
+        self.finish(u)
         if u == -1 or u in self.live:
             self.live.discard(u)
             if u not in self.slot_of:
@@ -647,11 +664,8 @@ class _Sim:
             self.see(spike)
             for i in gr.trained_leaves:  # the full gradients are spent
                 self.full_grads.pop(i, None)
+                self.kept.pop(i, None)
             self.in_flight.append((u, pair))
-        else:
-            if not self.reduce_now:
-                for i in gr.trained_leaves:
-                    self.full_grads.pop(i, None)
         if u != -1:
             self.free(u)
             self.release_spent_slot(u)
@@ -679,6 +693,7 @@ class _Sim:
         self.start(-1)
         if order:
             self.prefetch(order[0])
+        self.finish(-1)
         cur_fwd = None
         last_ran = []
         active_bwd = set()
@@ -694,7 +709,7 @@ class _Sim:
                         self.free(cur_fwd)
                     cur_fwd = u
                     self.running_unit = u
-                    self.start(u)
+                    self.ensure(u)
                     if u not in last_ran:
                         last_ran.append(u)
                     i = pos.get(u)
@@ -728,7 +743,7 @@ class _Sim:
                     continue
                 active_bwd.add(u)
                 self.running_unit = u
-                self.start(u)
+                self.ensure(u)
                 i = pos.get(u)
                 prev = order[i - 1] if i else None
                 self.prefetch(prev, backward=True)
@@ -739,11 +754,11 @@ class _Sim:
                 self.see()
             elif kind == "grad":
                 i, n = arg
-                if self.keep_grads and i in self.kept:
-                    self.see({"unit_grads": n})  # added into the kept gradient, then freed
-                    continue
-                self.full_grads[i] = n
-                self.see()
+                if i in self.kept:
+                    self.see({"unit_grads": n})  # added into the gradient kept from the last micro-batch
+                else:
+                    self.full_grads[i] = n
+                    self.see()
                 u = self.leaf_group[i]
                 if u != -1:
                     self.arrived[u].add(i)
@@ -771,9 +786,8 @@ class _Sim:
         self.reduce(-1)
         while self.in_flight:
             self.finish_oldest()
-        if self.keep_grads:  # local accumulation: the full gradients wait for the last micro-batch
-            self.kept_grads += sum(self.full_grads.values())
-            self.kept |= set(self.full_grads)
+        if not self.reduce_now:  # local accumulation: the full gradients wait for the last micro-batch
+            self.kept.update(self.full_grads)
             self.full_grads.clear()
         self.free(-1)
         for key in list(self.alloc):
@@ -909,38 +923,40 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
         events.append(("end", None, 0))
     member_group = {m: g for g, ms in enumerate(groups) for m in ms}
     local = core.accumulation == "local"
-    sim_state: dict = {}
     largest: dict = {}
     peak_sim = None
-    for m in range(min(k, 2) if not local else min(k, 2)):
-        last = m == (min(k, 2) - 1)
-        sim = _Sim(gs, policy, slot_of, W, p2p, persistent, accumulate=m > 0 and not local, reduce_now=last or not local,
-                   keep_grads=local and not last, grad_sizes=[], leaf_group=leaf_group, order=order)
-        sim.policy_offload = offload
-        sim.transient_grads = transient
-        sim.alloc.update(sim_state.get("alloc", {}))
-        sim.kept_grads = sim_state.get("kept_grads", 0)
-        sim.kept = sim_state.get("kept", set())
-        if local and m > 0:
-            sim.keep_grads = True  # gradients add into those kept
-        sim.run(events, member_group, names)
-        sim_state = {"alloc": {kk: v for kk, v in sim.alloc.items() if kk[0] == "gradshard"}, "kept_grads": sim.kept_grads, "kept": sim.kept}
-        if peak_sim is None or sim.peak > peak_sim.peak:
-            peak_sim = sim
-        for kk, v in sim.largest.items():
-            largest[kk] = max(largest.get(kk, 0), v)
+    n_micro = min(k, 2)  # later micro-batches repeat the second
+    # The first step runs with an arena per unit (the slot plan is made from it: Note [unit plan]).
+    for plan in ([{}, slot_of] if slot_of else [{}]):
+        sim_state: dict = {}
+        for m in range(n_micro):
+            last = m == n_micro - 1
+            sim = _Sim(gs, policy, plan, W, p2p, persistent, accumulate=m > 0 and not local, reduce_now=last or not local,
+                       leaf_group=leaf_group, order=order)
+            sim.first_step = not plan and bool(slot_of)
+            sim.policy_offload = offload
+            sim.transient_grads = transient
+            sim.alloc.update(sim_state.get("alloc", {}))
+            sim.kept = dict(sim_state.get("kept", {}))
+            sim.run(events, member_group, names)
+            sim_state = {"alloc": {kk: v for kk, v in sim.alloc.items() if kk[0] == "gradshard"}, "kept": sim.kept}
+            if peak_sim is None or sim.peak > peak_sim.peak:
+                peak_sim = sim
+            for kk, v in sim.largest.items():
+                largest[kk] = max(largest.get(kk, 0), v)
     # The optimizer: every gradient shard, the state and the update's temporaries.
     opt_cats = dict(persistent)
     opt_cats["grads"] = sum((g.S + g.R) * _itemsize(g.master) for g in gs.values())
     opt_cats["update"] = update_bytes
-    peak, at_peak, where = peak_sim.peak, peak_sim.at_peak, peak_sim.where
+    peak, at_peak, where, first = peak_sim.peak, peak_sim.at_peak, peak_sim.where, peak_sim.first_step
     if sum(opt_cats.values()) > peak:
-        peak, at_peak, where = sum(opt_cats.values()), opt_cats, ("optimizer", "")
+        peak, at_peak, where, first = sum(opt_cats.values()), opt_cats, ("optimizer", ""), False
     for kk, v in opt_cats.items():
         largest[kk] = max(largest.get(kk, 0), v)
     full = {key: at_peak.get(key, 0) for key, _ in CATEGORIES}
     return MemoryEstimate(peak=int(peak), at_peak=full, largest={key: int(largest.get(key, 0)) for key, _ in CATEGORIES},
-                          phase=where[0], unit=where[1], world=W, rank=rank, batch_size=_batch_size(batch) if batch is not None else None)
+                          phase=where[0], unit=where[1], world=W, rank=rank, batch_size=_batch_size(batch) if batch is not None else None,
+                          first_step=first)
 
 
 def _buffer_bytes(info, dtype) -> int:
