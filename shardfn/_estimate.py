@@ -46,7 +46,7 @@ from typing import Any, Callable
 import optree
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from . import _collectives as C
 from ._engine import Phase
@@ -223,6 +223,16 @@ class _Counter(TorchDispatchMode):
         self._thread = threading.get_ident()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            # A model's check on its data (Hugging Face's "are these packed sequences?" reads
+            # `bool(...)`): no data here, so a truth test reads true and a number is refused.
+            if args[0].dtype == torch.bool:
+                return True
+            raise NotImplementedError(
+                "loss_fn reads a number from a tensor (.item(), int(t), a shape computed from data): "
+                "sf.estimate_memory runs the model on the meta device, where tensors hold no values. "
+                "Compute such numbers outside loss_fn (bind them in), or estimate without a batch"
+            )
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -341,20 +351,27 @@ class _AttentionAsOn:
         torch.nn.functional.scaled_dot_product_attention = self._orig
         return False
 
-    def _fused(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if enable_gqa or (self.device_type == "cuda" and not torch.cuda.is_available()) or self.device_type not in ("cpu", "cuda"):
-            return None
+    def _choice(self, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
         dev = torch.device(self.device_type)
         small = [torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=dev).requires_grad_(t.requires_grad) for t in (q, k, v)]
         mask = None if attn_mask is None else torch.zeros((1, *attn_mask.shape[1:]), dtype=attn_mask.dtype, device=dev)
         if mask is not None and attn_mask.shape[0] != q.shape[0]:
             mask = torch.zeros(attn_mask.shape, dtype=attn_mask.dtype, device=dev)
-        choice = torch._fused_sdp_choice(*small, mask, dropout_p, is_causal, scale=scale)
+        choice = torch._fused_sdp_choice(*small, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         del small, mask
+        return choice
+
+    def _fused(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if (self.device_type == "cuda" and not torch.cuda.is_available()) or self.device_type not in ("cpu", "cuda"):
+            return None
+        with _disable_current_modes():  # a real probe of the device's choice, not counted
+            choice = self._choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if self.device_type == "cpu":
             if choice != 1:
                 return None
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        if enable_gqa and k.shape[-3] != q.shape[-3]:
+            return None  # the CUDA kernels take repeated heads: the math path's count is close enough
         if choice == 1 and attn_mask is None:
             return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
         if choice == 2:

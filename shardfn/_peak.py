@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+from torch._C._profiler import _EventType
 
 __all__ = ["PeakMeter", "Section", "rss_bytes"]
 
@@ -155,25 +156,41 @@ class PeakMeter:
         raise KeyError(name)
 
     def _settle(self, prof) -> None:
-        events = prof.profiler.kineto_results.events()
-        spans = {}
-        for e in events:
-            n = e.name()
-            if n.startswith("shardfn.peak::"):
-                spans[int(n.rpartition("::")[2])] = (e.start_ns(), e.end_ns())
-        mem = sorted(((e.start_ns(), i, e.nbytes()) for i, e in enumerate(events) if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU))
+        # The profiler's own sum of live bytes can count frees of blocks allocated before it
+        # started (at an address it saw in an earlier session): pair frees with allocations seen
+        # here by address instead.
+        spans: dict[int, tuple[int, int]] = {}
+        allocs: list[tuple[int, int, int]] = []
+        todo = list(prof.profiler.kineto_results.experimental_event_tree())
+        while todo:
+            e = todo.pop()
+            todo.extend(e.children)
+            if e.name.startswith("shardfn.peak::"):
+                spans[int(e.name.rpartition("::")[2])] = (e.start_time_ns, e.end_time_ns)
+            elif e.tag == _EventType.Allocation:
+                f = e.extra_fields
+                if f.device.type == "cpu":
+                    allocs.append((e.start_time_ns, f.ptr, f.alloc_size))
+        allocs.sort(key=lambda a: a[0])
+        deltas = []
+        live: dict[int, int] = {}
+        for t, ptr, n in allocs:
+            if n > 0:
+                live[ptr] = n
+                deltas.append((t, n))
+            elif ptr in live:
+                deltas.append((t, -live.pop(ptr)))
         for k, sec in enumerate(self.sections):
             sec._t0, sec._t1 = spans[k]
-        live, j = 0, 0
-        order = sorted(range(len(self.sections)), key=lambda k: self.sections[k]._t0)
-        for k in order:
+        cur, j = 0, 0
+        for k in sorted(range(len(self.sections)), key=lambda k: self.sections[k]._t0):
             sec = self.sections[k]
-            while j < len(mem) and mem[j][0] < sec._t0:
-                live += mem[j][2]
+            while j < len(deltas) and deltas[j][0] < sec._t0:
+                cur += deltas[j][1]
                 j += 1
-            sec.start = sec.peak = live
-            run, jj = live, j
-            while jj < len(mem) and mem[jj][0] <= sec._t1:
-                run += mem[jj][2]
+            sec.start = sec.peak = run = cur
+            jj = j
+            while jj < len(deltas) and deltas[jj][0] <= sec._t1:
+                run += deltas[jj][1]
                 sec.peak = max(sec.peak, run)
                 jj += 1

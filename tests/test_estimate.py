@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shardfn._peak import PeakMeter
@@ -27,3 +28,89 @@ def test_peak_meter_counts_known_tensors():
     assert (meter["resize"].start, meter["resize"].peak) == (4 * mib, 40 * mib)
     # RSS sees the pages written (ones), not those only reserved (resize_): 24 MiB and a little.
     assert 24 * mib <= meter["alloc"].rss_growth < 26 * mib
+
+
+# -- the estimate against the measured peak ----------------------------------------------------------
+
+def _build(name: str, meta: bool = True):
+    """A tiny model (built on the meta device, or for real), apply, params, loss_fn, a batch."""
+    from contextlib import nullcontext
+
+    import shardfn as sf
+    from shardfn.models import GPT, GPTConfig
+    from torch.nn import functional as F
+
+    g = torch.Generator().manual_seed(0)
+    ctx = sf.meta_device() if meta else nullcontext()
+    if name == "gpt":
+        with ctx:
+            model = GPT(GPTConfig(vocab=256, block_size=32, n_layer=2, n_head=2, d=32))
+        units = r"blocks\.\d+"
+        batch = (torch.randint(0, 256, (4, 32), generator=g), torch.randint(0, 256, (4, 32), generator=g))
+
+        def loss_fn(params, b):
+            return F.cross_entropy(apply(params, b[0]).flatten(0, 1), b[1].flatten())
+    else:
+        import transformers as tf
+
+        cfg = tf.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="sdpa")
+        with ctx:
+            model = tf.LlamaForCausalLM(cfg)
+        units = r"model\.layers\.\d+"
+        batch = (torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 256, (4, 16), generator=g))
+
+        def loss_fn(params, b):
+            return apply(params, input_ids=b[0], labels=b[1], use_cache=False).loss
+    apply, params = sf.functionalize(model, units=units)
+    return apply, params, loss_fn, batch
+
+
+def _step(loss_fn, strategy: str, opts: dict):
+    import shardfn as sf
+
+    opts = dict(opts)
+    mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if opts.pop("bf16", False) else None
+    world = torch.distributed.get_world_size()
+    mesh = sf.mesh(replicate=2, shard=world // 2) if strategy == "hybrid_shard" else sf.mesh(dp=-1)
+    return sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, strategy=strategy, mixed_precision=mp, **opts)
+
+
+def rank_estimates(cases: list) -> list:
+    """Per case: (label, estimate, measured peak over two steps, estimate from real params)."""
+    import shardfn as sf
+
+    out = []
+    for name, strategy, opts, with_real in cases:
+        apply, params, loss_fn, batch = _build(name)
+        step = _step(loss_fn, strategy, opts)
+        est = sf.estimate_memory(step, params, batch=batch)
+        real = None
+        if with_real:  # the same step's estimate from real parameters: the same figures
+            _, real_params, _, _ = _build(name, meta=False)
+            real = sf.estimate_memory(step, real_params, batch=batch).peak
+        meter = PeakMeter()
+        with meter:
+            state = step.init(params)
+            for i in range(2):
+                with meter.section(f"step{i}"):
+                    state, _ = step(state, batch)
+        out.append((f"{name} {strategy} {opts}", est.peak, max(meter["step0"].peak, meter["step1"].peak), real))
+    return out
+
+
+ESTIMATE_CASES = {
+    1: [("gpt", "full_shard", {}, True), ("llama", "shard_grad_op", {"remat": True}, False)],
+    2: [("gpt", "full_shard", {"bf16": True, "accumulation_steps": 2}, True), ("llama", "hybrid_shard", {}, False),
+        ("gpt", "no_shard", {"accumulation_steps": 2, "accumulation": "local"}, False)],
+    3: [("gpt", "full_shard", {"remat": True}, False), ("llama", "full_shard", {"bf16": True}, False)],
+}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_estimate_within_10_percent_of_measured_peak(pools, world):
+    for rank, results in enumerate(pools(world).run(rank_estimates, ESTIMATE_CASES[world])):
+        for label, est, measured, real in results:
+            assert 0.9 <= est / measured <= 1.1, (rank, label, est, measured)
+            if real is not None:
+                assert real == est, (rank, label, "real params estimate differently", real, est)
