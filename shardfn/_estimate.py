@@ -1001,7 +1001,7 @@ def _optimizer_bytes(opt, treespec, shapes: list, probe_bytes: int) -> tuple[int
     state_bytes = counter.cur
     del state
     total = sum(math.prod(s[0]) * _itemsize(s[1]) for s in shapes if s is not None)
-    if not total:
+    if not total or probe_bytes <= 0:
         return state_bytes, 0
     f = min(1.0, probe_bytes / total)
     small = [torch.zeros(max(1, math.ceil(math.prod(s[0]) * f)), dtype=s[1]) if s is not None else None for s in shapes]
@@ -1025,3 +1025,44 @@ def _optimizer_bytes(opt, treespec, shapes: list, probe_bytes: int) -> tuple[int
     except Exception:  # noqa: BLE001 - an optimizer that needs more than plain tensors: count one update's worth
         return state_bytes, 2 * total
     return state_bytes, int(counter.peak / f)
+
+
+# -- the check before a step allocates (`train_step(check_memory=...)`) ---------------------------
+
+
+def check_memory(step: Any, params: Any, batch: Any, setting: Any) -> None:
+    """Refuses, with `MemoryCheckError` and the estimate's table, a step whose estimated peak
+    exceeds the memory available: `setting` is the step's `check_memory` (True: the device's free
+    memory; an int: that many bytes). `batch` None checks the state alone (at `step.init`)."""
+    if setting is False:
+        return
+    budget = device_budget(step.mesh.device_type) if setting is True or setting is None else int(setting)
+    if step.mesh.device_type == "cuda":
+        budget += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # cached by the allocator, free to reuse
+    try:
+        est = _estimate(step, params, batch, step.core.shard_world, step.core.rank, 0)
+    except Exception:  # noqa: BLE001 - a model the estimate cannot run (e.g. it reads data): by default, no check
+        if setting is None:
+            return
+        raise
+    if est.peak > budget:
+        what = "its state alone (parameter and gradient shards, optimizer state)" if batch is None else "the step with this batch"
+        raise MemoryCheckError(
+            f"this train step would not fit: {what} is estimated at {_fmt(est.peak)} per rank, and "
+            f"{_fmt(budget)} {'is available' if setting in (True, None) else 'is the budget (check_memory=)'} on rank "
+            f"{step.core.rank} of the shard axis.\n{est}\n"
+            "Shard over more ranks, use remat=True, mixed precision or a smaller batch (sf.estimate_memory(step, params, "
+            "batch).max_batch() says which fits); sf.train_step(..., check_memory=False) skips this check"
+        )
+
+
+def check_setting(value: Any) -> Any:
+    """Validates `train_step(check_memory=...)`."""
+    if value is None or isinstance(value, bool) or (isinstance(value, int) and value > 0):
+        return value
+    raise ValueError(f"check_memory must be True, False, None (the default) or a budget in bytes > 0, got {value!r}")
+
+
+def checks_first_step(setting: Any, device_type: str) -> bool:
+    """Whether `check_memory=setting` checks the first step with its batch (see `train_step`)."""
+    return setting is True or (setting is not None and setting is not False) or (setting is None and device_type == "cuda")

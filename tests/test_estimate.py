@@ -114,3 +114,46 @@ def test_estimate_within_10_percent_of_measured_peak(pools, world):
             assert 0.9 <= est / measured <= 1.1, (rank, label, est, measured)
             if real is not None:
                 assert real == est, (rank, label, "real params estimate differently", real, est)
+
+
+def rank_memory_check() -> dict:
+    """A budget that the state fits and the step does not: `init` passes, the first step is
+    refused before it allocates anything; one the state does not fit: `init` is refused."""
+    import shardfn as sf
+
+    out = {}
+    apply, params, loss_fn, batch = _build("gpt")
+    probe = _step(loss_fn, "full_shard", {})
+    state_only = sf.estimate_memory(probe, params).peak
+    whole = sf.estimate_memory(probe, params, batch=batch).peak
+    out["budgets"] = (state_only, whole)
+    step = _step(loss_fn, "full_shard", {"check_memory": (state_only + whole) // 2})
+    state = step.init(params)
+    meter = PeakMeter()
+    with meter:
+        with meter.section("refused"):
+            try:
+                step(state, batch)
+            except sf.MemoryCheckError as e:
+                out["step_refused"] = str(e)
+    out["allocated_while_refusing"] = meter["refused"].peak - meter["refused"].start
+    step = _step(loss_fn, "full_shard", {"check_memory": state_only // 2})
+    try:
+        step.init(params)
+    except MemoryError as e:
+        out["init_refused"] = (type(e).__name__, str(e), step.core.engine is None)
+    step = _step(loss_fn, "full_shard", {"check_memory": False})  # off: the same budget problem is not looked at
+    state = step.init(params)
+    step(state, batch)
+    return out
+
+
+def test_memory_check_refuses_before_allocating(pools):
+    (out,) = pools(1).run(rank_memory_check)
+    state_only, whole = out["budgets"]
+    assert state_only < whole
+    assert "would not fit: the step with this batch" in out["step_refused"] and "check_memory=False" in out["step_refused"]
+    assert "peak" in out["step_refused"]  # the table
+    assert out["allocated_while_refusing"] < 64 << 10, out["allocated_while_refusing"]
+    name, msg, nothing_built = out["init_refused"]
+    assert name == "MemoryCheckError" and "its state alone" in msg and nothing_built
