@@ -20,6 +20,7 @@ from ._per_sample import DPValueAndGrad, dp_value_and_grad, per_sample_grad_norm
 from ._mesh import mesh
 from ._meta_init import meta_device
 from ._shard import gather, shard
+from ._simulate import simulate
 from ._spec import P, specs
 from ._train import MixedPrecision, TrainState, TrainStep, train_step
 from ._tree import tree_paths
@@ -65,6 +66,7 @@ __all__ = [
     "per_sample_grads",
     "save",
     "shard",
+    "simulate",
     "specs",
     "to_state_dict",
     "train_step",

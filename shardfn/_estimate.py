@@ -474,6 +474,7 @@ class _Group:
     gathers_in_place: bool
     trained_leaves: list
     largest_trained: int = 0  # the largest trained sharded segment (elements per rank)
+    padded_trained: int = 0  # the trained sharded segments whose rows do not split evenly (elements per rank)
 
 
 def _itemsize(dt: torch.dtype) -> int:
@@ -665,11 +666,14 @@ class _Sim:
                 self._grad_alloc(u)
             else:
                 self._set(("rs_out", pair), "comm", self.rs_out)
-            spike = {}
+            spike = {"comm": 0}
             if gr.S_trained and gr.compute != (gr.reduce if (self.world > 1 or not direct) else gr.master):
                 # `_chunk_cat` into a buffer of another dtype copies the gradients in their own dtype first,
                 # one leaf at a time (measured), the largest one's padded gradient at most
-                spike["comm"] = self.world * gr.largest_trained * _itemsize(gr.compute)
+                spike["comm"] += self.world * gr.largest_trained * _itemsize(gr.compute)
+            if self.world > 1:
+                # ... and it pads every gradient whose rows do not split evenly, all at once (measured)
+                spike["comm"] += self.world * gr.padded_trained * _itemsize(gr.compute)
             if self.world > 1 and gr.S_trained:
                 in_full = (u in self.slot_of or u == -1) and gr.reduce == gr.compute
                 if in_full:
@@ -903,6 +907,7 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
             gathers_in_place=p2p and len(small) < len(sh),
             trained_leaves=[x.index for x in sp if x.trained],
             largest_trained=max([s.seg_numel for s in sh if s.trained], default=0),
+            padded_trained=sum(s.seg_numel for s in sh if s.trained and s.shape[0] % W),
         )
         gs[u] = gr
         for i in idx:

@@ -157,3 +157,59 @@ def test_memory_check_refuses_before_allocating(pools):
     assert out["allocated_while_refusing"] < 64 << 10, out["allocated_while_refusing"]
     name, msg, nothing_built = out["init_refused"]
     assert name == "MemoryCheckError" and "its state alone" in msg and nothing_built
+
+
+# -- a rank of a large job, simulated ---------------------------------------------------------------
+
+def simulated_rank(strategy: str, opts: dict) -> tuple[int, int]:
+    """Inside `sf.simulate`: the estimate and the measured peak (two steps) of this rank."""
+    import shardfn as sf
+
+    apply, params, loss_fn, batch = _build("gpt")
+    step = _step(loss_fn, strategy, opts)
+    est = sf.estimate_memory(step, params, batch=batch)
+    meter = PeakMeter()
+    with meter:
+        state = step.init(params)
+        for i in range(2):
+            with meter.section(f"step{i}"):
+                state, _ = step(state, batch)
+    return est.peak, max(meter["step0"].peak, meter["step1"].peak)
+
+
+def simulations() -> list:
+    """In a fresh process: ranks 0 of 64-, 256- and 1024-rank jobs, each started and torn down."""
+    import torch.distributed as dist
+
+    import shardfn as sf
+
+    out = []
+    for world, strategy, opts in [(64, "full_shard", {}), (256, "full_shard", {"remat": True}), (1024, "hybrid_shard", {}),
+                                  (1024, "full_shard", {"bf16": True, "accumulation_steps": 2})]:
+        est, measured = sf.simulate(simulated_rank, strategy, opts, world=world)
+        out.append((world, strategy, opts, est, measured, dist.is_initialized()))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sf.simulate(simulated_rank, "full_shard", {}, world=4)
+    except ValueError as e:
+        out.append(str(e))
+    dist.destroy_process_group()
+    return out
+
+
+def test_simulated_rank_of_a_large_job_matches_the_estimate():
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = "import pickle, sys, test_estimate; sys.stdout.buffer.write(pickle.dumps(test_estimate.simulations()))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    *runs, refused = pickle.loads(done.stdout)
+    for world, strategy, opts, est, measured, still_initialized in runs:
+        assert 0.9 <= est / measured <= 1.1, (world, strategy, opts, est, measured)
+        assert not still_initialized  # the fake process group is gone after each simulation
+    assert "already has one" in refused
