@@ -949,13 +949,16 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
     peak_sim = None
     n_micro = min(k, 2)  # later micro-batches repeat the second
     # The first step runs with an arena per unit (the slot plan is made from it: Note [unit plan]).
-    for plan in ([{}, slot_of] if slot_of else [{}]):
+    # It plans at the end of the first backward that reduces: the first micro-batch, or under local
+    # accumulation the last.
+    for first in ([True, False] if slot_of else [False]):
         sim_state: dict = {}
         for m in range(n_micro):
             last = m == n_micro - 1
+            plan = {} if first and (m == 0 or local) else slot_of
             sim = _Sim(gs, policy, plan, W, p2p, persistent, accumulate=m > 0 and not local, reduce_now=last or not local,
                        leaf_group=leaf_group, order=order)
-            sim.first_step = not plan and bool(slot_of)
+            sim.first_step = first
             sim.policy_offload = offload
             sim.transient_grads = transient
             sim.alloc.update(sim_state.get("alloc", {}))
