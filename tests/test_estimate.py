@@ -145,6 +145,14 @@ def rank_memory_check() -> dict:
     step = _step(loss_fn, "full_shard", {"check_memory": False})  # off: the same budget problem is not looked at
     state = step.init(params)
     step(state, batch)
+    # What fits: the largest batch under a budget, the smallest world size.
+    est = sf.estimate_memory(probe, params, batch=batch)
+    budget = int(est.peak * 3)
+    b = est.max_batch(budget)
+    out["max_batch"] = [(n, sf.estimate_memory(probe, params, batch=tuple(x[:1].expand(n, -1) for x in batch)).fits(budget))
+                        for n in (b, b + 1)]
+    w = est.min_world(budget=int(est.peak * 0.8))
+    out["min_world"] = [(v, sf.estimate_memory(probe, params, batch=batch, world=v).fits(int(est.peak * 0.8))) for v in (w // 2, w)]
     return out
 
 
@@ -155,6 +163,10 @@ def test_memory_check_refuses_before_allocating(pools):
     assert "would not fit: the step with this batch" in out["step_refused"] and "check_memory=False" in out["step_refused"]
     assert "peak" in out["step_refused"]  # the table
     assert out["allocated_while_refusing"] < 64 << 10, out["allocated_while_refusing"]
+    (b, fits), (b1, fits1) = out["max_batch"]
+    assert b > 4 and fits and not fits1, out["max_batch"]
+    (w_half, fits_half), (w, fits) = out["min_world"]
+    assert w > 1 and fits and not fits_half, out["min_world"]
     name, msg, nothing_built = out["init_refused"]
     assert name == "MemoryCheckError" and "its state alone" in msg and nothing_built
 
