@@ -6,8 +6,9 @@ steps), every rank estimates its step first (from meta-device parameters, before
 allocated), then builds the model under `sf.meta_device()` and measures init and two steps with
 `shardfn._peak.PeakMeter` (live tensor bytes from the profiler's allocator events, and RSS growth;
 Note [measured peak]). The measured peak is the larger of the two steps' (the first runs without
-the slot plan, the second with it). Printed: estimate, measured, their ratio, and the RSS growth
-of the worse step; the largest ratio over the ranks is kept. A Markdown table for
+the slot plan, the second with it). Printed: estimate, measured, their ratio, and for that step
+the rise of live bytes over its start beside the RSS growth (the second witness); the rank whose
+ratio is farthest from 1 is kept. A Markdown table for
 `benchmarks/README.md` with `--markdown`.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/memory.py [--worlds 1 2 4] [--models mlp gpt llama] [--markdown]
@@ -105,7 +106,7 @@ def rank_case(name: str, strategy: str, opts: dict) -> dict:
             with meter.section(f"step{i}"):
                 state, _ = step(state, batch)
     s = max((meter["step0"], meter["step1"]), key=lambda x: x.peak)
-    return {"estimate": est.peak, "measured": s.peak, "rss_growth": s.rss_growth, "start": meter["step1"].start,
+    return {"estimate": est.peak, "measured": s.peak, "rss_growth": s.rss_growth, "rise": s.peak - s.start,
             "where": f"{est.phase} {est.unit}".strip(), "estimate_s": t_est}
 
 
@@ -133,17 +134,17 @@ def main() -> None:
                     worst = max(res, key=lambda r: abs(r["estimate"] / r["measured"] - 1))
                     label = strategy + "".join(f" {k}={v}" for k, v in opts.items())
                     ratio = worst["estimate"] / worst["measured"]
-                    rows.append((name, world, label, worst["estimate"], worst["measured"], ratio, worst["rss_growth"], worst["where"]))
+                    rows.append((name, world, label, worst["estimate"], worst["measured"], ratio, worst["rise"], worst["rss_growth"], worst["where"]))
                     print(f"{name:6} W={world} {label:52} est {worst['estimate'] / 2**20:8.2f} MiB  measured {worst['measured'] / 2**20:8.2f} MiB"
-                          f"  ratio {ratio:.3f}  rss+ {(worst['rss_growth'] or 0) / 2**20:7.2f} MiB  ({worst['where']}, est {worst['estimate_s']:.1f} s)",
+                          f"  ratio {ratio:.3f}  rise {worst['rise'] / 2**20:6.2f} / rss {(worst['rss_growth'] or 0) / 2**20:6.2f} MiB  ({worst['where']})",
                           flush=True)
         finally:
             pool.close(kill=True)
     if args.markdown:
-        print("\n| model | world | options | estimate (MiB) | measured (MiB) | ratio | RSS growth in the step (MiB) | peak at |")
+        print("\n| model | world | options | estimate (MiB) | measured (MiB) | ratio | rise in the step: live bytes / RSS (MiB) | peak at |")
         print("|---|---|---|---|---|---|---|---|")
-        for name, world, label, e, m, r, rss, where in rows:
-            print(f"| {name} | {world} | {label} | {e / 2**20:.2f} | {m / 2**20:.2f} | {r:.3f} | {(rss or 0) / 2**20:.1f} | {where} |")
+        for name, world, label, e, m, r, rise, rss, where in rows:
+            print(f"| {name} | {world} | {label} | {e / 2**20:.2f} | {m / 2**20:.2f} | {r:.3f} | {rise / 2**20:.2f} / {(rss or 0) / 2**20:.2f} | {where} |")
     worst = max(rows, key=lambda r: abs(r[5] - 1))
     print(f"\nworst ratio {worst[5]:.3f} ({worst[0]}, world {worst[1]}, {worst[2]}) over {len(rows)} cases")
 
