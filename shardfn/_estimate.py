@@ -27,18 +27,25 @@ The estimate replays one step of the engine's plan on paper, in the order the en
   temporaries of its update are measured on a small real copy (each leaf scaled down) and scaled
   back up.
 
+Two runs are replayed: the first step, which runs with an arena per unit and plans the slots at
+the end of its first reducing micro-batch (Note [unit plan]), and a planned step; the peak is the
+larger. Assumed: units run once per forward in module order, as in a sequential model; a unit
+that the real plan keeps apart because it is busy alongside others (T5's first block) is
+estimated as sharing a slot, and a step whose units run off the schedule (Note [steps off the
+unit schedule]) is estimated as if on it. The model's own checks on its data cannot run on meta
+tensors: a truth test reads true, a number read from a tensor is refused.
+
 What it cannot see: memory outside the tensors of this process. A collective library's own
-buffers (NCCL's channels and its scratch, about a few hundred MiB per GPU, set by
-`NCCL_BUFFSIZE` and the number of channels; gloo's internal copies in an all-reduce), the
-allocator's caching and fragmentation, the CUDA context, and kernels' private workspaces. Leave
-room for them: `MemoryEstimate.fits` and the check at the first step keep `RESERVE` (10%) of
-the budget free.
+buffers (NCCL's channels and scratch, set by `NCCL_BUFFSIZE` and the number of channels; gloo's
+internal copies in an all-reduce), the allocator's caching and fragmentation, the CUDA context,
+and kernels' private workspaces. Leave room for them: `MemoryEstimate.fits`, `max_batch` and
+`min_world` keep `RESERVE` of the budget free; the check before a step (`check_memory`) refuses
+only what exceeds the budget itself.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -220,7 +227,6 @@ class _Counter(TorchDispatchMode):
         self.excluded: set[int] = set()  # storages that existed before
         self.untracked: set[int] = set()  # storages counted elsewhere (gradients of parameters)
         self.events: list[tuple] = []  # (kind, arg, bytes live after)
-        self._thread = threading.get_ident()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
