@@ -100,7 +100,7 @@ def rank_estimates(cases: list) -> list:
 
 
 ESTIMATE_CASES = {
-    1: [("gpt", "full_shard", {}, True), ("llama", "shard_grad_op", {"remat": True}, False)],
+    1: [("gpt", "full_shard", {}, False), ("llama", "shard_grad_op", {"remat": True}, False)],
     2: [("gpt", "full_shard", {"bf16": True, "accumulation_steps": 2}, True), ("llama", "hybrid_shard", {}, False),
         ("gpt", "no_shard", {"accumulation_steps": 2, "accumulation": "local"}, False)],
     3: [("gpt", "full_shard", {"remat": True}, False), ("llama", "full_shard", {"bf16": True}, False)],
