@@ -147,6 +147,7 @@ def rank_memory_check() -> dict:
     step(state, batch)
     # What fits: the largest batch under a budget, the smallest world size.
     est = sf.estimate_memory(probe, params, batch=batch)
+    out["views"] = (est["peak"] == est.peak == sum(est.at_peak.values()), "<table>" in est._repr_html_(), str(est).splitlines()[-1])
     budget = int(est.peak * 3)
     b = est.max_batch(budget)
     out["max_batch"] = [(n, sf.estimate_memory(probe, params, batch=tuple(x[:1].expand(n, -1) for x in batch)).fits(budget))
@@ -163,6 +164,8 @@ def test_memory_check_refuses_before_allocating(pools):
     assert "would not fit: the step with this batch" in out["step_refused"] and "check_memory=False" in out["step_refused"]
     assert "peak" in out["step_refused"]  # the table
     assert out["allocated_while_refusing"] < 64 << 10, out["allocated_while_refusing"]
+    sums, html, last_row = out["views"]
+    assert sums and html and last_row.startswith("peak"), out["views"]
     (b, fits), (b1, fits1) = out["max_batch"]
     assert b > 4 and fits and not fits1, out["max_batch"]
     (w_half, fits_half), (w, fits) = out["min_world"]
