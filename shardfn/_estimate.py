@@ -101,6 +101,8 @@ class MemoryEstimate:
         first_step: whether the peak is in the first step, which runs before the engine plans its
             slot arenas (Note [unit plan]); later steps then take less.
         world, rank: the shard world size and rank it is for.
+        host: with `offload="cpu"` on CUDA, the host memory the shards, gradients and optimizer
+            state take (pinned), which `peak` (device memory) leaves out; else 0.
         batch_size: the per-rank batch (dim 0 of the batch's leaves), or None without a batch.
     """
 
@@ -113,6 +115,7 @@ class MemoryEstimate:
     rank: int
     batch_size: int | None = None
     first_step: bool = False
+    host: int = 0
     _redo: Callable | None = field(default=None, repr=False)
 
     def __getitem__(self, key: str) -> int:
@@ -936,6 +939,11 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
             local_shapes[s.index] = (s.local_shape, g.master)
     opt_bytes, update_bytes = _optimizer_bytes(step.opt, treespec, [local_shapes[i] if trained[i] else None for i in range(len(leaves))], probe_bytes)
     persistent["optimizer"] = opt_bytes
+    host = 0
+    if offload:  # shards, gradients and optimizer live in pinned host memory; the update runs there
+        host = persistent["params"] + sum((g.S + g.R) * _itemsize(g.master) for g in gs.values()) + opt_bytes + update_bytes
+        persistent["params"] = persistent["grads"] = persistent["optimizer"] = 0
+        update_bytes = 0
 
     unit_dtype = [gs[leaf_group[i]].compute for i in range(len(leaves))]
     k = core.accumulation_steps
@@ -977,7 +985,7 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
                 largest[kk] = max(largest.get(kk, 0), v)
     # The optimizer: every gradient shard, the state and the update's temporaries.
     opt_cats = dict(persistent)
-    opt_cats["grads"] = sum((g.S + g.R) * _itemsize(g.master) for g in gs.values())
+    opt_cats["grads"] = 0 if offload else sum((g.S + g.R) * _itemsize(g.master) for g in gs.values())
     opt_cats["update"] = update_bytes
     peak, at_peak, where, first = peak_sim.peak, peak_sim.at_peak, peak_sim.where, peak_sim.first_step
     if sum(opt_cats.values()) > peak:
@@ -987,7 +995,7 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
     full = {key: at_peak.get(key, 0) for key, _ in CATEGORIES}
     return MemoryEstimate(peak=int(peak), at_peak=full, largest={key: int(largest.get(key, 0)) for key, _ in CATEGORIES},
                           phase=where[0], unit=where[1], world=W, rank=rank, batch_size=_batch_size(batch) if batch is not None else None,
-                          first_step=first)
+                          first_step=first, host=int(host))
 
 
 def _buffer_bytes(info, dtype) -> int:
