@@ -847,6 +847,8 @@ def estimate_memory(step: Any, params: Any, batch: Any = None, *, world: int | N
         where the peak is (phase and unit), printable as a table (HTML in a notebook), and what
         fits (`fits`, `max_batch`, `min_world`).
     """
+    if not (hasattr(step, "core") and hasattr(step, "opt")):
+        raise ValueError(f"sf.estimate_memory takes a train step (sf.train_step(...)), got {type(step).__name__}")
     core = step.core
     W = core.shard_world if world is None else int(world)
     if W < 1:
