@@ -10,6 +10,7 @@ from ._checkpoint import LoadReport, SaveHandle, latest, load, load_extras, save
 from ._describe import describe
 from ._donate import DonatedError, copy
 from ._engine import StaleParameterError
+from ._estimate import MemoryCheckError, MemoryEstimate, estimate_memory
 from ._export import export, import_state_dict
 from ._launch import launch
 from ._grad import grad, value_and_grad
@@ -19,6 +20,7 @@ from ._per_sample import DPValueAndGrad, dp_value_and_grad, per_sample_grad_norm
 from ._mesh import mesh
 from ._meta_init import meta_device
 from ._shard import gather, shard
+from ._simulate import simulate
 from ._spec import P, specs
 from ._tp import FallbackWarning
 from ._train import MixedPrecision, TrainState, TrainStep, train_step
@@ -34,6 +36,8 @@ __all__ = [
     "DonatedError",
     "FallbackWarning",
     "LoadReport",
+    "MemoryCheckError",
+    "MemoryEstimate",
     "MixedPrecision",
     "P",
     "Param",
@@ -46,6 +50,7 @@ __all__ = [
     "copy",
     "describe",
     "dp_value_and_grad",
+    "estimate_memory",
     "export",
     "from_state_dict",
     "functionalize",
@@ -64,6 +69,7 @@ __all__ = [
     "rules",
     "save",
     "shard",
+    "simulate",
     "specs",
     "to_state_dict",
     "train_step",

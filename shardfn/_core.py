@@ -252,10 +252,10 @@ class GradientCore:
                 )
         return paths, leaves, spec_list, treespec
 
-    def _flat_units(self, info: Any, paths: list[str], leaves: list, spec_list: list, trained: list[bool]):
-        """A `FlatUnit` per unit group (the root is -1) holding its leaves' shards, and each leaf's
-        (group, index); also each group's dtype, whether gathers go point to point, and the groups
-        (Note [unit groups] in `_engine.py`: consecutive small units are gathered and reduced as one)."""
+    def unit_layout(self, info: Any, paths: list[str], leaves: list, spec_list: list, trained: list[bool]):
+        """What `_flat_units` lays out, without any buffer: each unit group's leaf indices and
+        `LeafSpec`s (the root is -1), its dtype, the groups (lists of the model's units) and the
+        model's unit names. `sf.estimate_memory` sizes the step's buffers from it."""
         unit_of = [info.unit_of[p] if info is not None else -1 for p in paths]
         n_units = len(info.unit_names) if info is not None else 0
         device = self.mesh.device_type
@@ -285,6 +285,14 @@ class GradientCore:
         members = {**{g: [i for m in ms for i in members[m]] for g, ms in enumerate(groups)}, -1: members[-1]}
         specs_of = {**{g: [x for m in ms for x in specs_of[m]] for g, ms in enumerate(groups)}, -1: specs_of[-1]}
         dtype_of = {**{g: dtype_of[ms[0]] for g, ms in enumerate(groups)}, -1: dtype_of[-1]}
+        return members, specs_of, dtype_of, groups, names
+
+    def _flat_units(self, info: Any, paths: list[str], leaves: list, spec_list: list, trained: list[bool]):
+        """A `FlatUnit` per unit group (the root is -1) holding its leaves' shards, and each leaf's
+        (group, index); also each group's dtype, whether gathers go point to point, and the groups
+        (Note [unit groups] in `_engine.py`: consecutive small units are gathered and reduced as one)."""
+        members, specs_of, dtype_of, groups, names = self.unit_layout(info, paths, leaves, spec_list, trained)
+        device = self.mesh.device_type
         direct_gather = self.shard_world > 1 and C.point_to_point(self.group, device)
         units: dict[int, FlatUnit] = {}
         for u, idx in members.items():

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import _donate, _watch
+from . import _donate, _estimate, _watch
 from ._core import STRATEGIES, GradientCore, MixedPrecision
 from ._state import TrainState
 from ._tree import tree_flatten_with_paths
@@ -35,7 +35,7 @@ class TrainStep:
     """
 
     def __init__(self, loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
-                 apply=None, frozen=None, offload=None, accumulation="sharded", group_bytes=None):
+                 apply=None, frozen=None, offload=None, accumulation="sharded", group_bytes=None, check_memory=None):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         self.core = GradientCore(
@@ -45,6 +45,8 @@ class TrainStep:
         self.opt = opt
         self.max_grad_norm = max_grad_norm
         self.mesh = mesh
+        self.check_memory = _estimate.check_setting(check_memory)  # Note [memory estimate] in `_estimate.py`
+        self._memory_checked = False
 
     # What tests and tools read of a step: the core's.
     loss_fn = property(lambda self: self.core.loss_fn, lambda self, fn: setattr(self.core, "loss_fn", fn))
@@ -69,6 +71,8 @@ class TrainStep:
             `TrainState(params=<DTensor tree>, opt_state=..., step=0)`; frozen leaves get no
             optimizer state.
         """
+        if self.check_memory is not False:
+            _estimate.check_memory(self, params, None, self.check_memory)
         params = self.core.build(params, init)
         return TrainState(params=params, opt_state=self.opt.init(self.core.trainable(params)), step=0)
 
@@ -81,6 +85,10 @@ class TrainStep:
         if self.core.engine is None:
             raise ValueError("call step.init(params) before the first step")
         params = self._adopt(state.params)
+        if not self._memory_checked:
+            self._memory_checked = True
+            if _estimate.checks_first_step(self.check_memory, self.mesh.device_type):
+                _estimate.check_memory(self, params, batch, self.check_memory)
         g = self.core.gradients(params, batch)
         self._clip(g.grad_norm)
         # Scalars of the optimizer state (its step count) are updated in place: the input state
@@ -259,6 +267,7 @@ def train_step(
     offload: str | None = None,
     accumulation: str = "sharded",
     group_bytes: int | None = None,
+    check_memory: bool | int | None = None,
 ) -> TrainStep:
     """Builds a sharded train step around `loss_fn(params, batch)`.
 
@@ -294,6 +303,11 @@ def train_step(
         group_bytes: consecutive small units whose full parameters fit in this many bytes together
             are gathered and reduced as one (Note [unit groups] in `shardfn/_engine.py`); None: 2 MiB;
             0: every unit alone.
+        check_memory: refuse with `sf.MemoryCheckError` (a `MemoryError`), before allocating, a
+            step whose estimated peak per rank (`sf.estimate_memory`) exceeds the memory available:
+            None (default) checks the state at `init`, and on CUDA also the first step with its
+            batch; True checks both on any device; an int is a budget in bytes instead of the
+            device's free memory (both checks); False checks nothing.
 
     Returns:
         A `TrainStep`: `state = step.init(params)`, then `state, metrics = step(state, batch)`.
@@ -306,4 +320,5 @@ def train_step(
     return TrainStep(
         loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
         apply=apply, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
+        check_memory=check_memory,
     )

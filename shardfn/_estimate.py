@@ -1,0 +1,1092 @@
+"""`sf.estimate_memory`: the per-rank memory of a train step, before any buffer exists.
+
+Note [memory estimate]
+----------------------
+The estimate replays one step of the engine's plan on paper, in the order the engine runs it.
+
+- The layout is the step's own: `GradientCore.unit_layout` groups the model's units and assigns
+  leaves exactly as `step.init` would, `buffer_sizes` sizes each group's buffers
+  (Note [flat unit layout] in `_flat.py`) and `GradientCore._policy` decides the strategy's
+  choices (slot arenas, how many reductions overlap), for any world size, without allocating any
+  of them: param and gradient shards, the slot arenas shared by units in forward order (Note
+  [slot arenas], Note [unit plan]) and the reduction arenas are the sizes the engine would make.
+- What the model computes comes from running it: `loss_fn` runs once on the meta device, on
+  unsharded parameters of the compute dtype and a meta copy of one micro-batch, forward and
+  backward, under a dispatch mode that counts every tensor allocated and freed (autograd's saved
+  tensors, gradients of activations, temporaries inside the backward) and marks each unit's
+  forward, the start of its backward and each parameter's gradient. A unit chosen for `remat`
+  runs under the same checkpoint as in the step, so its recompute is counted where it happens.
+- The two are merged on the meta run's clock: at each unit's forward and backward the engine's
+  schedule (prefetch, free, slot release, reductions in flight, when the sharded gradient is
+  allocated) changes the bytes held in buffers, and each parameter's full gradient is held from
+  its arrival until its unit is reduced (the root's until the end of the backward). The peak is
+  the largest sum of the state (param shards, gradient shards, optimizer state, module buffers),
+  the buffers live at that moment and the meta run's live bytes; where it happens is reported as
+  the phase and the unit running.
+- The optimizer's state is what its `init` makes for meta shards of the trained leaves; the
+  temporaries of its update are measured on a small real copy (each leaf scaled down) and scaled
+  back up.
+
+Two runs are replayed: the first step, which runs with an arena per unit and plans the slots at
+the end of its first reducing micro-batch (Note [unit plan]), and a planned step; the peak is the
+larger. Assumed: units run once per forward in module order, as in a sequential model; a unit
+that the real plan keeps apart because it is busy alongside others (T5's first block) is
+estimated as sharing a slot, and a step whose units run off the schedule (Note [steps off the
+unit schedule]) is estimated as if on it. The model's own checks on its data cannot run on meta
+tensors: a truth test reads true, a number read from a tensor is refused.
+
+What it cannot see: memory outside the tensors of this process. A collective library's own
+buffers (NCCL's channels and scratch, set by `NCCL_BUFFSIZE` and the number of channels; gloo's
+internal copies in an all-reduce), the allocator's caching and fragmentation, the CUDA context,
+and kernels' private workspaces. Leave room for them: `MemoryEstimate.fits`, `max_batch` and
+`min_world` keep `RESERVE` of the budget free; the check before a step (`check_memory`) refuses
+only what exceeds the budget itself.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import optree
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from . import _collectives as C
+from ._engine import Phase
+from ._flat import SMALL_SEGMENT, buffer_sizes, place
+
+__all__ = ["MemoryEstimate", "estimate_memory", "RESERVE", "device_budget", "MemoryCheckError"]
+
+RESERVE = 0.10
+"""The share of a memory budget the estimate leaves free for what it cannot see (Note [memory estimate])."""
+
+CATEGORIES = (
+    ("params", "parameter shards"),
+    ("grads", "gradient shards"),
+    ("optimizer", "optimizer state"),
+    ("buffers", "module buffers"),
+    ("units", "gathered units (arenas)"),
+    ("comm", "communication buffers"),
+    ("unit_grads", "full gradients of units"),
+    ("activations", "activations and temporaries"),
+    ("update", "optimizer update temporaries"),
+)
+
+
+class MemoryCheckError(MemoryError):
+    """A train step's estimated peak exceeds the memory available to it (`check_memory`)."""
+
+
+def _fmt(n: float) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class MemoryEstimate:
+    """The estimated per-rank memory of a train step (bytes); see `sf.estimate_memory`.
+
+    Attributes:
+        peak: the largest total at any moment of the step.
+        at_peak: the total at the peak, by category (see `CATEGORIES`): it sums to `peak`.
+        largest: each category's largest value in the step.
+        phase, unit: where the peak happens: "forward", "backward" or "optimizer", and the unit
+            running then ("" for the root or none).
+        first_step: whether the peak is in the first step, which runs before the engine plans its
+            slot arenas (Note [unit plan]); later steps then take less.
+        world, rank: the shard world size and rank it is for.
+        host: with `offload="cpu"` on CUDA, the host memory the shards, gradients and optimizer
+            state take (pinned), which `peak` (device memory) leaves out; else 0.
+        batch_size: the per-rank batch (dim 0 of the batch's leaves), or None without a batch.
+    """
+
+    peak: int
+    at_peak: dict
+    largest: dict
+    phase: str
+    unit: str
+    world: int
+    rank: int
+    batch_size: int | None = None
+    first_step: bool = False
+    host: int = 0
+    _redo: Callable | None = field(default=None, repr=False)
+
+    def __getitem__(self, key: str) -> int:
+        if key == "peak":
+            return self.peak
+        if key in self.at_peak:
+            return self.at_peak[key]
+        raise KeyError(f"{key!r}: the keys are 'peak' and {list(self.at_peak)}")
+
+    def keys(self) -> list[str]:
+        return ["peak", *self.at_peak]
+
+    def fits(self, budget: int | None = None) -> bool:
+        """Whether the peak fits in `budget` bytes (default: the device's free memory, `device_budget`)
+        with `RESERVE` of it left free."""
+        budget = device_budget() if budget is None else budget
+        return self.peak <= budget * (1 - RESERVE)
+
+    def max_batch(self, budget: int | None = None, limit: int = 1 << 20) -> int:
+        """The largest per-rank batch (dim 0 of every batch leaf, as given to the step) whose peak
+        fits `budget` bytes (default: the device's free memory) with `RESERVE` left; 0 if none does.
+        Batches are tried as multiples of the accumulation steps."""
+        if self._redo is None or self.batch_size is None:
+            raise ValueError("max_batch needs an estimate made with a batch: sf.estimate_memory(step, params, batch=...)")
+        budget = device_budget() if budget is None else budget
+        k = self._redo(None, None, "k")
+        fits = lambda b: self._redo(b, None, None).fits(budget)  # noqa: E731
+        lo, hi = 0, k
+        while hi <= limit and fits(hi):
+            lo, hi = hi, hi * 2
+        hi = min(hi, limit + k)
+        while hi - lo > k:  # lo fits (or is 0), hi does not
+            mid = (lo + hi) // 2 // k * k
+            if mid <= lo:
+                break
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def min_world(self, budget: int | None = None, worlds: tuple[int, ...] = tuple(2**i for i in range(11))) -> int | None:
+        """The smallest shard world size among `worlds` (default 1, 2, 4, ... 1024) at which this
+        step, with this per-rank batch, fits `budget` bytes per rank (default: the device's free
+        memory) with `RESERVE` left; None if none does. Rank 0's share is estimated (the largest:
+        uneven splits give the first ranks the extra rows)."""
+        if self._redo is None:
+            raise ValueError("this estimate cannot be redone")
+        budget = device_budget() if budget is None else budget
+        for w in sorted(worlds):
+            if self._redo(None, w, None).fits(budget):
+                return w
+        return None
+
+    def table(self) -> list[tuple[str, int, int]]:
+        """Rows (what, bytes at the peak, largest bytes in the step), the total last."""
+        rows = [(label, self.at_peak.get(key, 0), self.largest.get(key, 0)) for key, label in CATEGORIES]
+        return rows + [("peak", self.peak, self.peak)]
+
+    def __str__(self) -> str:
+        where = f"{self.phase}" + (f", unit {self.unit!r}" if self.unit else "") + (" of the first step" if self.first_step else "")
+        head = f"estimated memory per rank (shard world {self.world}, rank {self.rank}): peak {_fmt(self.peak)} in the {where}"
+        w = max(len(r[0]) for r in self.table())
+        lines = [head, f"{'':{w}}  {'at peak':>12}  {'largest':>12}"]
+        for label, at, big in self.table():
+            lines.append(f"{label:{w}}  {_fmt(at):>12}  {_fmt(big):>12}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        import html
+
+        where = f"{self.phase}" + (f", unit {html.escape(self.unit)}" if self.unit else "") + (" of the first step" if self.first_step else "")
+        rows = "".join(
+            f"<tr><td>{html.escape(label)}</td><td style='text-align:right'>{_fmt(at)}</td>"
+            f"<td style='text-align:right'>{_fmt(big)}</td></tr>"
+            for label, at, big in self.table()
+        )
+        return (
+            f"<p>estimated memory per rank (shard world {self.world}, rank {self.rank}): peak "
+            f"<b>{_fmt(self.peak)}</b> in the {where}</p><table><tr><th></th><th>at peak</th><th>largest</th></tr>{rows}</table>"
+        )
+
+
+def device_budget(device: str | torch.device | None = None) -> int:
+    """The memory a step can still take on `device` (default: CUDA if available, else the CPU):
+    CUDA's free memory (`torch.cuda.mem_get_info`), or the host's `MemAvailable`."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+# -- counting tensors on the meta device ----------------------------------------------------------
+
+
+class _Counter(TorchDispatchMode):
+    """Counts the bytes of every storage an op creates, until it is freed; a timeline of marks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.cur = 0
+        self.peak = 0
+        self.excluded: set[int] = set()  # storages that existed before
+        self.untracked: set[int] = set()  # storages counted elsewhere (gradients of parameters)
+        self.events: list[tuple] = []  # (kind, arg, bytes live after)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            # A model's check on its data (Hugging Face's "are these packed sequences?" reads
+            # `bool(...)`): no data here, so a truth test reads true and a number is refused.
+            if args[0].dtype == torch.bool:
+                return True
+            raise NotImplementedError(
+                "loss_fn reads a number from a tensor (.item(), int(t), a shape computed from data): "
+                "sf.estimate_memory runs the model on the meta device, where tensors hold no values. "
+                "Compute such numbers outside loss_fn (bind them in), or estimate without a batch"
+            )
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+    def track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live or key in self.excluded or key in self.untracked:
+            return
+        n = st.nbytes()
+        self.live[key] = n
+        self.cur += n
+        if self.cur > self.peak:
+            self.peak = self.cur
+        self.events.append(("mem", None, self.cur))
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key: int) -> None:
+        n = self.live.pop(key, None)
+        if n is None:
+            self.untracked.discard(key)
+            return
+        self.cur -= n
+        self.events.append(("mem", None, self.cur))
+
+    def untrack(self, t: torch.Tensor) -> int:
+        """Stops counting `t`'s storage (a parameter's gradient, counted by the schedule instead)."""
+        key = t.untyped_storage()._cdata
+        n = self.live.pop(key, None)
+        if n is None:
+            return 0
+        self.untracked.add(key)
+        self.cur -= n
+        return n
+
+    def known(self, tensors) -> None:
+        """Storages that exist already (parameters, the batch, buffers): views of them are not new."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self.excluded.add(t.untyped_storage()._cdata)
+
+    def mark(self, kind: str, arg: Any = None) -> None:
+        self.events.append((kind, arg, self.cur))
+
+
+class _Probe:
+    """A unit runtime (Note [unit runtime]) for the meta run: marks each unit's forward and the
+    start of its backward, casts inputs as the engine does, and asks for remat as the engine does."""
+
+    def __init__(self, info, counter: _Counter, cast_dtype, remat_units: set[int]):
+        self.info = info
+        self.counter = counter
+        self.cast_dtype = cast_dtype
+        self.remat_units = remat_units
+        self.phase = Phase.FORWARD
+
+    def _cast(self, tree):
+        dt = self.cast_dtype
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dt) if t.is_floating_point() else t, tree)
+
+    def cast_inputs(self, info, args, kwargs):
+        if self.cast_dtype is None or info is not self.info:
+            return args, kwargs
+        return self._cast(args), self._cast(kwargs)
+
+    def pre_forward(self, info, u, args, kwargs):
+        if info is not self.info or self.phase != Phase.FORWARD:
+            return None
+        self.counter.mark("fwd", u)
+        if self.cast_dtype is not None:
+            return self._cast(args), self._cast(kwargs)
+        return None
+
+    def post_forward(self, info, u, output):
+        if info is not self.info or self.phase != Phase.FORWARD:
+            return None
+        self.counter.mark("fwd_end", u)
+        if torch.is_grad_enabled():
+            tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                counter = self.counter
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g, u=u: counter.mark("bwd", u), mode="any")
+        return None
+
+
+class _AttentionAsOn:
+    """On the meta device, `scaled_dot_product_attention` takes the math path, which keeps the
+    attention matrix; the device the step runs on takes a fused kernel that keeps far less. While
+    active, `F.scaled_dot_product_attention` on meta tensors runs the kernel that device would
+    choose (its meta version), so that the count is that device's; it is put back on exit."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self._orig = None
+
+    def __enter__(self):
+        F = torch.nn.functional
+        self._orig = orig = F.scaled_dot_product_attention
+
+        def sdpa(*args, **kwargs):
+            if args and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
+                try:
+                    out = self._fused(*args, **kwargs)
+                except Exception:  # noqa: BLE001 - no fused kernel for this call: the math path, as counted
+                    out = None
+                if out is not None:
+                    return out
+            return orig(*args, **kwargs)
+
+        F.scaled_dot_product_attention = sdpa
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.scaled_dot_product_attention = self._orig
+        return False
+
+    def _choice(self, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
+        dev = torch.device(self.device_type)
+        small = [torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=dev).requires_grad_(t.requires_grad) for t in (q, k, v)]
+        mask = None if attn_mask is None else torch.zeros((1, *attn_mask.shape[1:]), dtype=attn_mask.dtype, device=dev)
+        if mask is not None and attn_mask.shape[0] != q.shape[0]:
+            mask = torch.zeros(attn_mask.shape, dtype=attn_mask.dtype, device=dev)
+        choice = torch._fused_sdp_choice(*small, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        del small, mask
+        return choice
+
+    def _fused(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if (self.device_type == "cuda" and not torch.cuda.is_available()) or self.device_type not in ("cpu", "cuda"):
+            return None
+        with _disable_current_modes():  # a real probe of the device's choice, not counted
+            choice = self._choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if self.device_type == "cpu":
+            if choice != 1:
+                return None
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        if enable_gqa and k.shape[-3] != q.shape[-3]:
+            return None  # the CUDA kernels take repeated heads: the math path's count is close enough
+        if choice == 1 and attn_mask is None:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        if choice == 2:
+            return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+        return None
+
+
+def _meta_like(x: Any, dtype=None) -> Any:
+    if isinstance(x, torch.Tensor):
+        local = x
+        if hasattr(x, "full_tensor") and hasattr(x, "placements"):  # a DTensor: its global shape
+            return torch.empty(x.shape, dtype=dtype or x.dtype, device="meta")
+        return torch.empty(local.shape, dtype=dtype or local.dtype, device="meta")
+    return x
+
+
+def _swap_buffers(module: torch.nn.Module, dtype) -> list:
+    """Puts meta copies of the module's buffers in place (mixed precision's dtype on floating ones);
+    returns what to put back."""
+    saved = []
+    for mod in module.modules():
+        for name, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            saved.append((mod, name, b))
+            dt = dtype if (dtype is not None and b.is_floating_point()) else b.dtype
+            mod._buffers[name] = torch.empty(b.shape, dtype=dt, device="meta")
+    return saved
+
+
+def _run_meta(core, info, treespec, leaves, trained, unit_dtype, micro) -> _Counter:
+    """Runs `loss_fn` forward and backward on meta tensors; returns the counter (its timeline)."""
+    counter = _Counter()
+    cast = core.mp.param_dtype
+    metas = []
+    for i, leaf in enumerate(leaves):
+        t = torch.empty(leaf.shape, dtype=unit_dtype[i], device="meta")
+        if trained[i]:
+            t.requires_grad_(True)
+
+            def hook(p, i=i):
+                n = counter.untrack(p.grad)
+                counter.mark("grad", (i, n))
+                p.grad = None
+
+            t.register_post_accumulate_grad_hook(hook)
+        metas.append(t)
+    tree = optree.tree_unflatten(treespec, metas)
+    remat = set()
+    if core.remat and info is not None:
+        from ._remat import install, select_units
+
+        remat = select_units(core.remat, info.unit_names)
+        for u in remat:
+            install(info, u)
+    probe = _Probe(info, counter, cast, remat)
+    saved = _swap_buffers(info.module, core.mp.buffer_dtype) if info is not None else []
+    from . import _runtime
+
+    counter.known(metas)
+    counter.known(optree.tree_leaves(micro))
+    if info is not None:
+        counter.known(info.module.buffers())
+        counter.known(info.module.parameters())
+    try:
+        with _AttentionAsOn(core.mesh.device_type), counter, _runtime.activate(probe, info), torch.enable_grad():
+            out = core.loss_fn(tree, micro)
+            loss = out[0] if isinstance(out, tuple) and len(out) == 2 else out
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(f"loss_fn must return a scalar tensor (or (loss, aux)), got {type(loss).__name__}")
+            del out
+            probe.phase = Phase.BACKWARD
+            counter.mark("end_forward")
+            torch.autograd.backward(loss.reshape(()))
+            del loss
+            counter.mark("end")
+    finally:
+        for mod, name, b in saved:
+            mod._buffers[name] = b
+    return counter
+
+
+# -- the plan of one step ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Group:
+    name: str
+    members: list  # the model's unit indices
+    leaves: list  # leaf indices
+    sizes: dict  # buffer_sizes (elements)
+    S: int
+    R: int
+    S_trained: int
+    n_trained: int
+    master: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype
+    staged: bool
+    gathers_in_place: bool
+    trained_leaves: list
+    largest_trained: int = 0  # the largest trained sharded segment (elements per rank)
+    padded_trained: int = 0  # the trained sharded segments whose rows do not split evenly (elements per rank)
+
+
+def _itemsize(dt: torch.dtype) -> int:
+    return torch.empty((), dtype=dt).element_size()
+
+
+class _Sim:
+    """The engine's buffers through one step, on the meta run's clock (Note [memory estimate])."""
+
+    def __init__(self, groups: dict, policy, slot_of: dict, world: int, p2p: bool, persistent: dict, accumulate: bool, reduce_now: bool,
+                 leaf_group: list, order: list):
+        self.g = groups
+        self.policy = policy
+        self.slot_of = slot_of
+        self.world = world
+        self.p2p = p2p
+        self.persistent = persistent  # category -> bytes, constant through the step
+        self.accumulate = accumulate
+        self.reduce_now = reduce_now
+        self.leaf_group = leaf_group
+        self.order = order
+        self.alloc: dict = {}  # buffer key -> (category, bytes)
+        self.first_step = False
+        self.kept: dict = {}  # leaf -> bytes of full gradients kept from earlier micro-batches (local accumulation)
+        self.transient_grads: set = set()  # units whose gradient shard is allocated by their reduction
+        self.full_grads: dict = {}  # leaf -> bytes
+        self.live: set = set()
+        self.works: set = set()  # gathers started and not waited for
+        self.in_flight: list = []
+        self.reduced: set = set()
+        self.arrived: dict = {u: set() for u in groups}
+        self.act = 0
+        self.peak = -1
+        self.at_peak: dict = {}
+        self.where = ("forward", "")
+        self.largest: dict = {}
+        self.phase = "forward"
+        self.current = ""
+        # Arena sizes, as `Engine._bind` makes them.
+        self.arena: dict = {}
+        units = [u for u in groups if u != -1]
+        if slot_of:
+            self.arena[("gathered", "shared")] = max(groups[v].sizes["gathered"] * _itemsize(groups[v].compute) for v in slot_of)
+        for u in [*units, -1]:
+            gr = groups[u]
+            c = _itemsize(gr.compute)
+            if u in slot_of:
+                k = slot_of[u]
+                mem = [v for v in slot_of if slot_of[v] == k]
+                for name in ("full", "stage"):
+                    self.arena[(name, "slot", k)] = max(groups[v].sizes[name] * _itemsize(groups[v].compute) for v in mem)
+            else:
+                for name in ("full", "gathered", "stage"):
+                    self.arena[(name, u)] = gr.sizes[name] * c
+        rdt = groups[-1].reduce
+        self.n_red = self._reductions_in_flight(len(units))
+        self.rs_in = max(g.sizes["rs_in"] for g in groups.values()) * _itemsize(rdt)
+        self.rs_out = max(g.sizes["rs_out"] for g in groups.values()) * _itemsize(rdt)
+        self.done_after = set()
+        first = {}
+        for u in order:
+            if u in slot_of:
+                first.setdefault(slot_of[u], u)
+        self.done_after = set(first.values())
+
+    def _reductions_in_flight(self, n: int) -> int:
+        p = self.policy
+        if p.all_reduce:
+            return n + 1
+        if self.slot_of and p.reduce_in_master and p.single_micro_batch and p.slots == 2:
+            return 2
+        return 1
+
+    # -- arenas ----------------------------------------------------------------------------------
+    def _key(self, u: int, name: str):
+        if u in self.slot_of:
+            return ("gathered", "shared") if name == "gathered" else (name, "slot", self.slot_of[u])
+        return (name, u)
+
+    def _alloc(self, key) -> None:
+        if key not in self.alloc:
+            self.alloc[key] = ("units", self.arena.get(key, 0))
+
+    def _set(self, key, category: str, n: int) -> None:
+        if key not in self.alloc:
+            self.alloc[key] = (category, n)
+
+    def _release(self, key) -> None:
+        self.alloc.pop(key, None)
+
+    # -- totals ------------------------------------------------------------------------------------
+    def total(self, extra: dict | None = None) -> dict:
+        cats = dict(self.persistent)
+        for cat, n in self.alloc.values():
+            cats[cat] = cats.get(cat, 0) + n
+        cats["unit_grads"] = cats.get("unit_grads", 0) + sum(self.full_grads.values()) + sum(self.kept.values())
+        cats["activations"] = cats.get("activations", 0) + self.act
+        for k, v in (extra or {}).items():
+            cats[k] = cats.get(k, 0) + v
+        return cats
+
+    def see(self, extra: dict | None = None) -> None:
+        cats = self.total(extra)
+        tot = sum(cats.values())
+        for k, v in cats.items():
+            self.largest[k] = max(self.largest.get(k, 0), v)
+        if tot > self.peak:
+            self.peak, self.at_peak, self.where = tot, cats, (self.phase, self.current)
+
+    # -- the engine's moves (Note [unit schedule]) -----------------------------------------------
+    def start(self, u: int) -> None:
+        if u != -1 and (u in self.live):
+            return
+        gr = self.g[u]
+        if u != -1:
+            holder = [v for v in self.live if v != u and u in self.slot_of and self.slot_of.get(v) == self.slot_of[u]]
+            for v in holder:
+                self.free(v)
+            if self.policy.reshard_after_forward:
+                for w in sorted(self.live):
+                    if len(self.live) < self.policy.max_live:
+                        break
+                    if w != self.running_unit:
+                        self.free(w)
+            self.live.add(u)
+        self._alloc(self._key(u, "full"))
+        if gr.staged:
+            self._alloc(self._key(u, "stage"))
+        if self.world > 1 and gr.S:
+            self._alloc(self._key(u, "gathered"))
+        self.works.add(u)
+        self.see()
+
+    def finish(self, u: int) -> None:
+        """The gather is waited for: a private gathered arena (and a stage without replicated
+        leaves) is spent."""
+        if u not in self.works:
+            return
+        self.works.discard(u)
+        gr = self.g[u]
+        if u not in self.slot_of:
+            self._release(self._key(u, "gathered"))
+            if gr.staged and not gr.R:
+                self._release(self._key(u, "stage"))
+
+    def ensure(self, u: int) -> None:
+        if u != -1 and u not in self.live and u not in self.works:
+            self.start(u)
+        self.finish(u)
+
+    running_unit = None
+
+    def free(self, u: int) -> None:
+        self.finish(u)
+        if u == -1 or u in self.live:
+            self.live.discard(u)
+            if u not in self.slot_of:
+                for name in ("full", "gathered", "stage"):
+                    self._release(self._key(u, name))
+
+    def release_slots(self) -> None:
+        for key in list(self.alloc):
+            if key == ("gathered", "shared") or (len(key) == 3 and key[1] == "slot"):
+                self._release(key)
+
+    def release_spent_slot(self, u: int) -> None:
+        if self.phase != "backward" or u not in self.done_after or u in self.live:
+            return
+        k = self.slot_of[u]
+        if any(self.slot_of.get(w) == k for w, _ in self.in_flight if w in self.slot_of):
+            return
+        if any(self.slot_of.get(v) == k for v in self.live):
+            return
+        self._release(("full", "slot", k))
+        self._release(("stage", "slot", k))
+
+    def reduce(self, u: int) -> None:
+        if u in self.reduced:
+            return
+        self.reduced.add(u)
+        gr = self.g[u]
+        if gr.n_trained and self.reduce_now:
+            while len(self.in_flight) >= self.n_red:
+                self.finish_oldest()
+            busy = {pair for _, pair in self.in_flight}
+            pair = min(set(range(self.n_red)) - busy)
+            direct = gr.reduce == gr.master and not self.policy_offload and not self.accumulate
+            if direct:
+                self._grad_alloc(u)
+            else:
+                self._set(("rs_out", pair), "comm", self.rs_out)
+            spike = {"comm": 0}
+            if gr.S_trained and gr.compute != (gr.reduce if (self.world > 1 or not direct) else gr.master):
+                # `_chunk_cat` into a buffer of another dtype copies the gradients in their own dtype first,
+                # one leaf at a time (measured), the largest one's padded gradient at most
+                spike["comm"] += self.world * gr.largest_trained * _itemsize(gr.compute)
+            if self.world > 1:
+                # ... and it pads every gradient whose rows do not split evenly, all at once (measured)
+                spike["comm"] += self.world * gr.padded_trained * _itemsize(gr.compute)
+            if self.world > 1 and gr.S_trained:
+                in_full = (u in self.slot_of or u == -1) and gr.reduce == gr.compute
+                if in_full:
+                    self._alloc(self._key(u, "full"))
+                else:
+                    self._set(("rs_in", pair), "comm", self.rs_in)
+                if self.p2p and self.world == 3:  # shard-sized scratch until the reduction is waited for
+                    self._set(("scratch", u), "comm", gr.S_trained * _itemsize(gr.reduce if not direct else gr.master))
+            self.see(spike)
+            for i in gr.trained_leaves:  # the full gradients are spent
+                self.full_grads.pop(i, None)
+                self.kept.pop(i, None)
+            self.in_flight.append((u, pair))
+        if u != -1:
+            self.free(u)
+            self.release_spent_slot(u)
+
+    policy_offload = False
+
+    def _grad_alloc(self, u: int) -> None:
+        gr = self.g[u]
+        if ("gradshard", u) not in self.alloc and u in self.transient_grads:
+            self.alloc[("gradshard", u)] = ("grads", (gr.S + gr.R) * _itemsize(gr.master))
+
+    def finish_oldest(self) -> None:
+        u, pair = self.in_flight.pop(0)
+        self._grad_alloc(u)
+        self.see()
+        self._release(("scratch", u))
+        self.release_spent_slot(u)
+
+    # -- the meta run's timeline -------------------------------------------------------------------
+    def run(self, events: list, member_group: dict, names: list[str]) -> None:
+        """Replays the meta run's timeline with the engine's moves at its marks."""
+        order = self.order
+        pos = {u: i for i, u in enumerate(order)}
+        self.phase = "forward"
+        self.start(-1)
+        if order:
+            self.prefetch(order[0])
+        self.finish(-1)
+        cur_fwd = None
+        last_ran = []
+        active_bwd = set()
+        for kind, arg, live in events:
+            self.act = live
+            if kind == "mem":
+                self.see()
+            elif kind == "fwd":
+                u = member_group[arg]
+                self.current = names[arg]
+                if u != cur_fwd:
+                    if cur_fwd is not None and self.policy.reshard_after_forward:
+                        self.free(cur_fwd)
+                    cur_fwd = u
+                    self.running_unit = u
+                    self.ensure(u)
+                    if u not in last_ran:
+                        last_ran.append(u)
+                    i = pos.get(u)
+                    if i is not None and i + 1 < len(order):
+                        self.prefetch(order[i + 1])
+                self.see()
+            elif kind == "fwd_end":
+                u = member_group[arg]
+                grouped = len(self.g[u].members) > 1
+                if self.policy.reshard_after_forward and not grouped:
+                    self.free(u)
+                    cur_fwd = None
+                    self.running_unit = None
+                    if pos.get(u) == len(order) - 1 and self.slot_of:
+                        self.release_slots()
+                self.see()
+            elif kind == "end_forward":
+                if cur_fwd is not None and self.policy.reshard_after_forward:
+                    self.free(cur_fwd)
+                    cur_fwd = None
+                    self.running_unit = None
+                if self.slot_of and not self.live:
+                    self.release_slots()
+                self.phase = "backward"
+                self.current = ""
+                self.see()
+            elif kind == "bwd":
+                u = member_group[arg]
+                self.current = names[arg]
+                if u in active_bwd:
+                    continue
+                active_bwd.add(u)
+                self.running_unit = u
+                self.ensure(u)
+                i = pos.get(u)
+                prev = order[i - 1] if i else None
+                self.prefetch(prev, backward=True)
+                if prev is None and self.slot_of:
+                    self._release(("gathered", "shared"))
+                while any(w in self.done_after for w, _ in self.in_flight):
+                    self.finish_oldest()
+                self.see()
+            elif kind == "grad":
+                i, n = arg
+                if i in self.kept:
+                    self.see({"unit_grads": n})  # added into the gradient kept from the last micro-batch
+                else:
+                    self.full_grads[i] = n
+                    self.see()
+                u = self.leaf_group[i]
+                if u != -1:
+                    self.arrived[u].add(i)
+                    if len(self.arrived[u]) == len(self.g[u].trained_leaves):
+                        self.reduce(u)
+            elif kind == "end":
+                self.end()
+
+    def prefetch(self, u, backward: bool = False) -> None:
+        if u is None or u in self.live or u in self.reduced:
+            return
+        if self.policy.reshard_after_forward:
+            if len(self.live) >= self.policy.max_live:
+                return
+            if any(v != u and u in self.slot_of and self.slot_of.get(v) == self.slot_of[u] for v in self.live):
+                return
+        self.start(u)
+
+    def end(self) -> None:
+        for u in list(self.live):
+            self.free(u)
+        for u in reversed(self.order):
+            if u not in self.reduced:
+                self.reduce(u)
+        self.reduce(-1)
+        while self.in_flight:
+            self.finish_oldest()
+        if not self.reduce_now:  # local accumulation: the full gradients wait for the last micro-batch
+            self.kept.update(self.full_grads)
+            self.full_grads.clear()
+        self.free(-1)
+        for key in list(self.alloc):
+            if key[0] not in ("gradshard",):
+                self._release(key)
+        self.see()
+
+
+def estimate_memory(step: Any, params: Any, batch: Any = None, *, world: int | None = None, rank: int = 0,
+                    update_probe_bytes: int = 1 << 22) -> MemoryEstimate:
+    """The per-rank memory a train step takes, estimated from the plan its engine runs, without
+    allocating any full tensor (Note [memory estimate] in `shardfn/_estimate.py`).
+
+    Args:
+        step: an `sf.train_step(...)` (initialized or not).
+        params: the parameter tree as `step.init` takes it: full tensors, DTensors, or tensors on
+            the meta device (only shapes and dtypes are read).
+        batch: this rank's batch as the step receives it (its tensors may be on the meta device:
+            only shapes and dtypes are read); None leaves activations out.
+        world: the shard world size to estimate for (default: the step's mesh's shard axis).
+        rank: the rank to estimate for (ranks differ only by uneven splits; 0 holds the most).
+        update_probe_bytes: the size of the scaled-down real copy on which the optimizer's
+            update temporaries are measured.
+
+    Returns:
+        A `MemoryEstimate`: `est.peak` (also `est["peak"]`), the bytes at the peak by category,
+        where the peak is (phase and unit), printable as a table (HTML in a notebook), and what
+        fits (`fits`, `max_batch`, `min_world`).
+    """
+    if not (hasattr(step, "core") and hasattr(step, "opt")):
+        raise ValueError(f"sf.estimate_memory takes a train step (sf.train_step(...)), got {type(step).__name__}")
+    core = step.core
+    W = core.shard_world if world is None else int(world)
+    if W < 1:
+        raise ValueError(f"world must be a positive shard world size, got {world!r}")
+    if not 0 <= rank < W:
+        raise ValueError(f"rank must be in [0, {W}), got {rank!r}")
+
+    def redo(batch_size, new_world, what):
+        if what == "k":
+            return core.accumulation_steps
+        b = batch if batch_size is None else _resize_batch(batch, batch_size)
+        return estimate_memory(step, params, b, world=new_world or W, rank=0 if new_world else rank, update_probe_bytes=update_probe_bytes)
+
+    est = _estimate(step, params, batch, W, rank, update_probe_bytes)
+    est._redo = redo
+    return est
+
+
+def _resize_batch(batch: Any, n: int) -> Any:
+    def one(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return torch.empty((n, *x.shape[1:]), dtype=x.dtype, device="meta")
+        return x
+
+    return optree.tree_map(one, batch)
+
+
+def _batch_size(batch: Any) -> int | None:
+    for x in optree.tree_leaves(batch):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return x.shape[0]
+    return None
+
+
+def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> MemoryEstimate:
+    from ._core import _nested, _split_batch, model_info, trained_leaves
+
+    core = step.core
+    paths, leaves, spec_list, treespec = core._leaf_specs(params)
+    info = model_info(core.apply, paths, leaves)
+    trained = trained_leaves(info, paths, core.frozen)
+    members, specs_of, dtype_of, groups, names = core.unit_layout(info, paths, leaves, spec_list, trained)
+    device = core.mesh.device_type
+    p2p = W > 1 and (C.point_to_point(core.group, device) if core.shard_world > 1 else (C.GLOO_COLLECTIVES == "p2p" and device == "cpu"
+                                                                                        and torch.distributed.get_backend(core.group) == "gloo"))
+    offload = core.offload == "cpu" and device != "cpu"
+    gs: dict = {}
+    leaf_group = [None] * len(leaves)
+    for u, idx in members.items():
+        sp = specs_of[u]
+        segs = place(sp, W, rank)
+        sh = [s for s in segs if s.sharded]
+        S = sum(s.seg_numel for s in sh)
+        R = sum(s.seg_numel for s in segs if not s.sharded)
+        small = [s for s in sh if s.seg_numel < SMALL_SEGMENT]
+        compute = core.mp.param_dtype or dtype_of[u]
+        gr = _Group(
+            name=("+".join(names[m] for m in groups[u]) if u >= 0 else ""),
+            members=list(groups[u]) if u >= 0 else [],
+            leaves=list(idx),
+            sizes=buffer_sizes(sp, W, rank, p2p),
+            S=S, R=R,
+            S_trained=sum(s.seg_numel for s in sh if s.trained),
+            n_trained=sum(s.seg_numel for s in segs if s.trained),
+            master=dtype_of[u], compute=compute, reduce=core.mp.reduce_dtype or compute,
+            staged=compute != dtype_of[u] or offload,
+            gathers_in_place=p2p and len(small) < len(sh),
+            trained_leaves=[x.index for x in sp if x.trained],
+            largest_trained=max([s.seg_numel for s in sh if s.trained], default=0),
+            padded_trained=sum(s.seg_numel for s in sh if s.trained and s.shape[0] % W),
+        )
+        gs[u] = gr
+        for i in idx:
+            leaf_group[i] = u
+    policy = core._policy(gs, dtype_of, p2p)
+    n = len(gs) - 1
+    order = list(range(n))  # forward order: the module's (the first step may find another)
+    nested = {g for g, ms in enumerate(groups) for m in ms if m in _nested(names)}
+    candidates = [u for u in order if u not in nested and gs[u].compute == gs[order[0]].compute] if order else []
+    slot_of = {u: i % policy.slots for i, u in enumerate(candidates)} if policy.share_slots and len(candidates) >= 2 else {}
+
+    # The state: shards, optimizer, buffers.
+    persistent = {"params": sum((g.S + g.R) * _itemsize(g.master) for g in gs.values())}
+    transient = {u for u, g in gs.items() if not offload and g.S > 0}
+    persistent["grads"] = sum((g.S + g.R) * _itemsize(g.master) for u, g in gs.items() if u not in transient)
+    persistent["buffers"] = _buffer_bytes(info, core.mp.buffer_dtype)
+    local_shapes = {}
+    for u, g in gs.items():
+        for s in place(specs_of[u], W, rank):
+            local_shapes[s.index] = (s.local_shape, g.master)
+    opt_bytes, update_bytes = _optimizer_bytes(step.opt, treespec, [local_shapes[i] if trained[i] else None for i in range(len(leaves))], probe_bytes)
+    persistent["optimizer"] = opt_bytes
+    host = 0
+    if offload:  # shards, gradients and optimizer live in pinned host memory; the update runs there
+        host = persistent["params"] + sum((g.S + g.R) * _itemsize(g.master) for g in gs.values()) + opt_bytes + update_bytes
+        persistent["params"] = persistent["grads"] = persistent["optimizer"] = 0
+        update_bytes = 0
+
+    unit_dtype = [gs[leaf_group[i]].compute for i in range(len(leaves))]
+    k = core.accumulation_steps
+    if batch is not None:
+        mb = _split_batch(optree.tree_map(lambda x: _meta_like(x) if isinstance(x, torch.Tensor) else x, batch), k)[0]
+        counter = _run_meta(core, info, treespec, leaves, trained, unit_dtype, mb)
+        events = counter.events
+    else:
+        events = [("end_forward", None, 0)]
+        for i in range(len(leaves)):
+            if trained[i]:
+                events.append(("grad", (i, math.prod(leaves[i].shape) * _itemsize(unit_dtype[i])), 0))
+        events.append(("end", None, 0))
+    member_group = {m: g for g, ms in enumerate(groups) for m in ms}
+    local = core.accumulation == "local"
+    largest: dict = {}
+    peak_sim = None
+    n_micro = min(k, 2)  # later micro-batches repeat the second
+    # The first step runs with an arena per unit (the slot plan is made from it: Note [unit plan]).
+    # It plans at the end of the first backward that reduces: the first micro-batch, or under local
+    # accumulation the last.
+    for first in ([True, False] if slot_of else [False]):
+        sim_state: dict = {}
+        for m in range(n_micro):
+            last = m == n_micro - 1
+            plan = {} if first and (m == 0 or local) else slot_of
+            sim = _Sim(gs, policy, plan, W, p2p, persistent, accumulate=m > 0 and not local, reduce_now=last or not local,
+                       leaf_group=leaf_group, order=order)
+            sim.first_step = first
+            sim.policy_offload = offload
+            sim.transient_grads = transient
+            sim.alloc.update(sim_state.get("alloc", {}))
+            sim.kept = dict(sim_state.get("kept", {}))
+            sim.run(events, member_group, names)
+            sim_state = {"alloc": {kk: v for kk, v in sim.alloc.items() if kk[0] == "gradshard"}, "kept": sim.kept}
+            if peak_sim is None or sim.peak > peak_sim.peak:
+                peak_sim = sim
+            for kk, v in sim.largest.items():
+                largest[kk] = max(largest.get(kk, 0), v)
+    # The optimizer: every gradient shard, the state and the update's temporaries.
+    opt_cats = dict(persistent)
+    opt_cats["grads"] = 0 if offload else sum((g.S + g.R) * _itemsize(g.master) for g in gs.values())
+    opt_cats["update"] = update_bytes
+    peak, at_peak, where, first = peak_sim.peak, peak_sim.at_peak, peak_sim.where, peak_sim.first_step
+    if sum(opt_cats.values()) > peak:
+        peak, at_peak, where, first = sum(opt_cats.values()), opt_cats, ("optimizer", ""), False
+    for kk, v in opt_cats.items():
+        largest[kk] = max(largest.get(kk, 0), v)
+    full = {key: at_peak.get(key, 0) for key, _ in CATEGORIES}
+    return MemoryEstimate(peak=int(peak), at_peak=full, largest={key: int(largest.get(key, 0)) for key, _ in CATEGORIES},
+                          phase=where[0], unit=where[1], world=W, rank=rank, batch_size=_batch_size(batch) if batch is not None else None,
+                          first_step=first, host=int(host))
+
+
+def _buffer_bytes(info, dtype) -> int:
+    if info is None:
+        return 0
+    seen, n = set(), 0
+    for b in info.module.buffers():
+        key = id(b)
+        if key in seen:
+            continue
+        seen.add(key)
+        dt = dtype if (dtype is not None and b.is_floating_point()) else b.dtype
+        n += b.numel() * _itemsize(dt)
+    return n
+
+
+def _optimizer_bytes(opt, treespec, shapes: list, probe_bytes: int) -> tuple[int, int]:
+    """The optimizer state's bytes for these shards (`opt.init` on meta tensors), and its update's
+    temporaries, measured on a real copy scaled down to about `probe_bytes` and scaled back."""
+    metas = [torch.empty(s[0], dtype=s[1], device="meta") if s is not None else None for s in shapes]
+    tree = optree.tree_unflatten(treespec, metas)
+    counter = _Counter()
+    with counter:
+        state = opt.init(tree)
+    state_bytes = counter.cur
+    del state
+    total = sum(math.prod(s[0]) * _itemsize(s[1]) for s in shapes if s is not None)
+    if not total or probe_bytes <= 0:
+        return state_bytes, 0
+    f = min(1.0, probe_bytes / total)
+    small = [torch.zeros(max(1, math.ceil(math.prod(s[0]) * f)), dtype=s[1]) if s is not None else None for s in shapes]
+    grads = [torch.ones_like(x) if x is not None else None for x in small]
+    ptree = optree.tree_unflatten(treespec, small)
+    gtree = optree.tree_unflatten(treespec, grads)
+    from .optim import apply_updates
+    from .optim._base import in_place
+
+    st = opt.init(ptree)
+    step_ = in_place(opt, "step_")
+    counter = _Counter()
+    try:
+        with counter, torch.no_grad():
+            if step_ is not None:
+                step_(gtree, st, ptree)
+            else:
+                updates, st2 = opt.update(gtree, st, ptree)
+                new = apply_updates(ptree, updates)
+                del updates, st2, new
+    except Exception:  # noqa: BLE001 - an optimizer that needs more than plain tensors: count one update's worth
+        return state_bytes, 2 * total
+    return state_bytes, int(counter.peak / f)
+
+
+# -- the check before a step allocates (`train_step(check_memory=...)`) ---------------------------
+
+
+def check_memory(step: Any, params: Any, batch: Any, setting: Any) -> None:
+    """Refuses, with `MemoryCheckError` and the estimate's table, a step whose estimated peak
+    exceeds the memory available: `setting` is the step's `check_memory` (True: the device's free
+    memory; an int: that many bytes). `batch` None checks the state alone (at `step.init`)."""
+    if setting is False:
+        return
+    budget = device_budget(step.mesh.device_type) if setting is True or setting is None else int(setting)
+    if step.mesh.device_type == "cuda":
+        budget += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # cached by the allocator, free to reuse
+    try:
+        est = _estimate(step, params, batch, step.core.shard_world, step.core.rank, 0)
+    except Exception:  # noqa: BLE001 - a model the estimate cannot run (e.g. it reads data): by default, no check
+        if setting is None:
+            return
+        raise
+    if est.peak > budget:
+        what = "its state alone (parameter and gradient shards, optimizer state)" if batch is None else "the step with this batch"
+        raise MemoryCheckError(
+            f"this train step would not fit: {what} is estimated at {_fmt(est.peak)} per rank, and "
+            f"{_fmt(budget)} {'is available' if setting in (True, None) else 'is the budget (check_memory=)'} on rank "
+            f"{step.core.rank} of the shard axis.\n{est}\n"
+            "Shard over more ranks, use remat=True, mixed precision or a smaller batch (sf.estimate_memory(step, params, "
+            "batch).max_batch() says which fits); sf.train_step(..., check_memory=False) skips this check"
+        )
+
+
+def check_setting(value: Any) -> Any:
+    """Validates `train_step(check_memory=...)`."""
+    if value is None or isinstance(value, bool) or (isinstance(value, int) and value > 0):
+        return value
+    raise ValueError(f"check_memory must be True, False, None (the default) or a budget in bytes > 0, got {value!r}")
+
+
+def checks_first_step(setting: Any, device_type: str) -> bool:
+    """Whether `check_memory=setting` checks the first step with its batch (see `train_step`)."""
+    return setting is True or (setting is not None and setting is not False) or (setting is None and device_type == "cuda")

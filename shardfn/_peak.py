@@ -1,0 +1,196 @@
+"""Measured peak memory of real code, independent of any estimate: what `sf.estimate_memory` is
+checked against (tests, `benchmarks/memory.py`, `benchmarks/scale.py`).
+
+Note [measured peak]
+--------------------
+Two witnesses on the CPU, one on CUDA:
+
+- Live tensor bytes (CPU): PyTorch's profiler, with `profile_memory=True`, reports every allocation
+  and free of the CPU allocator made while it runs, storage resizes included, in order. Summing
+  them in order gives the bytes live at every moment among the allocations made since the meter
+  started; the peak of a section is the largest such sum inside it. Memory allocated before the
+  meter started is not seen (start it before `step.init` to see the state too), nor is memory
+  allocated by threads the profiler does not follow (a collective library's own threads).
+- RSS growth (CPU): the kernel's high-water mark of the process's resident memory (`VmHWM`, reset
+  by writing 5 to `/proc/self/clear_refs`) minus the resident memory when the section starts. It
+  sees everything the process touches, the allocator's own caching and fragmentation too, so it
+  is a looser, independent check of the first. The meter sets glibc's mmap threshold to 64 KiB
+  (`mallopt`), so that large buffers go back to the system when freed, as the first witness
+  assumes; that changes where memory comes from, never what is computed.
+- CUDA: `torch.cuda.max_memory_allocated`, reset when the section starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import sys
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch._C._profiler import _EventType
+
+__all__ = ["PeakMeter", "Section", "rss_bytes"]
+
+_M_MMAP_THRESHOLD = -3
+
+
+def _status(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes() -> int | None:
+    """The process's resident memory now (Linux), or None."""
+    return _status("VmRSS")
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _low_mmap_threshold() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 65536)
+        except (OSError, AttributeError):
+            pass
+
+
+@dataclass
+class Section:
+    """What one measured section saw (bytes).
+
+    Attributes:
+        name: the section's name.
+        peak: the most live tensor bytes during the section, counting every allocation the meter
+            saw since it started (so with the meter started before `step.init`, the state too).
+        start: the live tensor bytes when the section began (same count).
+        rss_growth: the resident memory's high-water mark during the section minus the resident
+            memory at its start (CPU, Linux; None elsewhere).
+        cuda_peak: `torch.cuda.max_memory_allocated` over the section (CUDA only, else None).
+    """
+
+    name: str
+    peak: int = 0
+    start: int = 0
+    rss_growth: int | None = None
+    cuda_peak: int | None = None
+    _t0: int = 0
+    _t1: int = 0
+
+
+@dataclass
+class PeakMeter:
+    """Measures live tensor bytes over sections of real code (see Note [measured peak]).
+
+        meter = PeakMeter()
+        with meter:                       # start before step.init to count the state too
+            state = step.init(params)
+            state, _ = step(state, batch)
+            with meter.section("step"):
+                state, _ = step(state, batch)
+        meter["step"].peak                # bytes
+
+    `sections` holds every section in order; `meter[name]` is the last of that name.
+    """
+
+    sections: list[Section] = field(default_factory=list)
+    cuda: bool = False
+
+    def __post_init__(self) -> None:
+        self._prof = None
+
+    def __enter__(self) -> "PeakMeter":
+        from torch.profiler import ProfilerActivity, profile
+
+        _low_mmap_threshold()
+        self.cuda = torch.cuda.is_available()
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        prof, self._prof = self._prof, None
+        prof.__exit__(*exc)
+        if exc[0] is None:
+            self._settle(prof)
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[Section]:
+        """Measures the code inside: its peak is known once the meter has exited."""
+        if self._prof is None:
+            raise ValueError("PeakMeter.section runs inside `with meter:`")
+        sec = Section(name)
+        self.sections.append(sec)
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        hwm = _reset_hwm()
+        rss0 = rss_bytes()
+        with torch.profiler.record_function(f"shardfn.peak::{len(self.sections) - 1}"):
+            yield sec
+        if self.cuda:
+            torch.cuda.synchronize()
+            sec.cuda_peak = torch.cuda.max_memory_allocated()
+        top = _status("VmHWM")
+        if hwm and rss0 is not None and top is not None:
+            sec.rss_growth = top - rss0
+
+    def __getitem__(self, name: str) -> Section:
+        for sec in reversed(self.sections):
+            if sec.name == name:
+                return sec
+        raise KeyError(name)
+
+    def _settle(self, prof) -> None:
+        # The profiler's own sum of live bytes can count frees of blocks allocated before it
+        # started (at an address it saw in an earlier session): pair frees with allocations seen
+        # here by address instead.
+        spans: dict[int, tuple[int, int]] = {}
+        allocs: list[tuple[int, int, int]] = []
+        todo = list(prof.profiler.kineto_results.experimental_event_tree())
+        while todo:
+            e = todo.pop()
+            todo.extend(e.children)
+            if e.name.startswith("shardfn.peak::"):
+                spans[int(e.name.rpartition("::")[2])] = (e.start_time_ns, e.end_time_ns)
+            elif e.tag == _EventType.Allocation:
+                f = e.extra_fields
+                if f.device.type == "cpu":
+                    allocs.append((e.start_time_ns, f.ptr, f.alloc_size))
+        allocs.sort(key=lambda a: a[0])
+        deltas = []
+        live: dict[int, int] = {}
+        for t, ptr, n in allocs:
+            if n > 0:
+                live[ptr] = n
+                deltas.append((t, n))
+            elif ptr in live:
+                deltas.append((t, -live.pop(ptr)))
+        for k, sec in enumerate(self.sections):
+            sec._t0, sec._t1 = spans[k]
+        cur, j = 0, 0
+        for k in sorted(range(len(self.sections)), key=lambda k: self.sections[k]._t0):
+            sec = self.sections[k]
+            while j < len(deltas) and deltas[j][0] < sec._t0:
+                cur += deltas[j][1]
+                j += 1
+            sec.start = sec.peak = run = cur
+            jj = j
+            while jj < len(deltas) and deltas[jj][0] <= sec._t1:
+                run += deltas[jj][1]
+                sec.peak = max(sec.peak, run)
+                jj += 1

@@ -1,0 +1,230 @@
+"""Memory: the measured peak (`_peak.PeakMeter`) and `sf.estimate_memory` against it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardfn._peak import PeakMeter
+
+
+def test_peak_meter_counts_known_tensors():
+    meter = PeakMeter()
+    with meter:
+        keep = torch.empty(1 << 20)  # 4 MiB, live through both sections
+        with meter.section("alloc"):
+            a = torch.ones(4 << 20)  # 16 MiB
+            b = torch.ones(2 << 20)  # 8 MiB: the peak is 4 + 16 + 8
+            del a
+            c = torch.ones(1 << 20)
+            del b, c
+        with meter.section("resize"):
+            s = keep.untyped_storage()
+            s.resize_(0)
+            s.resize_(40 << 20)  # a storage resized in place, as the unit buffers are
+            s.resize_(0)
+    mib = 1 << 20
+    assert (meter["alloc"].start, meter["alloc"].peak) == (4 * mib, 28 * mib)
+    assert (meter["resize"].start, meter["resize"].peak) == (4 * mib, 40 * mib)
+    # RSS sees the pages written (ones), not those only reserved (resize_): 24 MiB and a little.
+    assert 24 * mib <= meter["alloc"].rss_growth < 26 * mib
+
+
+# -- the estimate against the measured peak ----------------------------------------------------------
+
+def _build(name: str, meta: bool = True):
+    """A tiny model (built on the meta device, or for real), apply, params, loss_fn, a batch."""
+    from contextlib import nullcontext
+
+    import shardfn as sf
+    from shardfn.models import GPT, GPTConfig
+    from torch.nn import functional as F
+
+    g = torch.Generator().manual_seed(0)
+    ctx = sf.meta_device() if meta else nullcontext()
+    if name == "gpt":
+        with ctx:
+            model = GPT(GPTConfig(vocab=256, block_size=32, n_layer=2, n_head=2, d=32))
+        units = r"blocks\.\d+"
+        batch = (torch.randint(0, 256, (4, 32), generator=g), torch.randint(0, 256, (4, 32), generator=g))
+
+        def loss_fn(params, b):
+            return F.cross_entropy(apply(params, b[0]).flatten(0, 1), b[1].flatten())
+    else:
+        import transformers as tf
+
+        cfg = tf.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="sdpa")
+        with ctx:
+            model = tf.LlamaForCausalLM(cfg)
+        units = r"model\.layers\.\d+"
+        batch = (torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 256, (4, 16), generator=g))
+
+        def loss_fn(params, b):
+            return apply(params, input_ids=b[0], labels=b[1], use_cache=False).loss
+    apply, params = sf.functionalize(model, units=units)
+    return apply, params, loss_fn, batch
+
+
+def _step(loss_fn, strategy: str, opts: dict):
+    import shardfn as sf
+
+    opts = dict(opts)
+    mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if opts.pop("bf16", False) else None
+    world = torch.distributed.get_world_size()
+    mesh = sf.mesh(replicate=2, shard=world // 2) if strategy == "hybrid_shard" else sf.mesh(dp=-1)
+    return sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, strategy=strategy, mixed_precision=mp, **opts)
+
+
+def rank_estimates(cases: list) -> list:
+    """Per case: (label, estimate, measured peak over two steps, estimate from real params)."""
+    import shardfn as sf
+
+    out = []
+    for name, strategy, opts, with_real in cases:
+        apply, params, loss_fn, batch = _build(name)
+        step = _step(loss_fn, strategy, opts)
+        est = sf.estimate_memory(step, params, batch=batch)
+        real = None
+        if with_real:  # the same step's estimate from real parameters: the same figures
+            _, real_params, _, _ = _build(name, meta=False)
+            real = sf.estimate_memory(step, real_params, batch=batch).peak
+        meter = PeakMeter()
+        with meter:
+            state = step.init(params)
+            for i in range(2):
+                with meter.section(f"step{i}"):
+                    state, _ = step(state, batch)
+        out.append((f"{name} {strategy} {opts}", est.peak, max(meter["step0"].peak, meter["step1"].peak), real))
+    return out
+
+
+ESTIMATE_CASES = {
+    1: [("gpt", "full_shard", {}, False), ("llama", "shard_grad_op", {"remat": True}, False)],
+    2: [("gpt", "full_shard", {"bf16": True, "accumulation_steps": 2}, True), ("llama", "hybrid_shard", {}, False),
+        ("gpt", "no_shard", {"accumulation_steps": 2, "accumulation": "local"}, False)],
+    3: [("gpt", "full_shard", {"remat": True}, False), ("llama", "full_shard", {"bf16": True}, False)],
+}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_estimate_within_10_percent_of_measured_peak(pools, world):
+    for rank, results in enumerate(pools(world).run(rank_estimates, ESTIMATE_CASES[world])):
+        for label, est, measured, real in results:
+            assert 0.9 <= est / measured <= 1.1, (rank, label, est, measured)
+            if real is not None:
+                assert real == est, (rank, label, "real params estimate differently", real, est)
+
+
+def rank_memory_check() -> dict:
+    """A budget that the state fits and the step does not: `init` passes, the first step is
+    refused before it allocates anything; one the state does not fit: `init` is refused."""
+    import shardfn as sf
+
+    out = {}
+    apply, params, loss_fn, batch = _build("gpt")
+    probe = _step(loss_fn, "full_shard", {})
+    state_only = sf.estimate_memory(probe, params).peak
+    whole = sf.estimate_memory(probe, params, batch=batch).peak
+    out["budgets"] = (state_only, whole)
+    step = _step(loss_fn, "full_shard", {"check_memory": (state_only + whole) // 2})
+    state = step.init(params)
+    meter = PeakMeter()
+    with meter:
+        with meter.section("refused"):
+            try:
+                step(state, batch)
+            except sf.MemoryCheckError as e:
+                out["step_refused"] = str(e)
+    out["allocated_while_refusing"] = meter["refused"].peak - meter["refused"].start
+    step = _step(loss_fn, "full_shard", {"check_memory": state_only // 2})
+    try:
+        step.init(params)
+    except MemoryError as e:
+        out["init_refused"] = (type(e).__name__, str(e), step.core.engine is None)
+    step = _step(loss_fn, "full_shard", {"check_memory": False})  # off: the same budget problem is not looked at
+    state = step.init(params)
+    step(state, batch)
+    # What fits: the largest batch under a budget, the smallest world size.
+    est = sf.estimate_memory(probe, params, batch=batch)
+    out["views"] = (est["peak"] == est.peak == sum(est.at_peak.values()), "<table>" in est._repr_html_(), str(est).splitlines()[-1])
+    budget = int(est.peak * 3)
+    b = est.max_batch(budget)
+    out["max_batch"] = [(n, sf.estimate_memory(probe, params, batch=tuple(x[:1].expand(n, -1) for x in batch)).fits(budget))
+                        for n in (b, b + 1)]
+    w = est.min_world(budget=int(est.peak * 0.8))
+    out["min_world"] = [(v, sf.estimate_memory(probe, params, batch=batch, world=v).fits(int(est.peak * 0.8))) for v in (w // 2, w)]
+    return out
+
+
+def test_memory_check_refuses_before_allocating(pools):
+    (out,) = pools(1).run(rank_memory_check)
+    state_only, whole = out["budgets"]
+    assert state_only < whole
+    assert "would not fit: the step with this batch" in out["step_refused"] and "check_memory=False" in out["step_refused"]
+    assert "peak" in out["step_refused"]  # the table
+    assert out["allocated_while_refusing"] < 64 << 10, out["allocated_while_refusing"]
+    sums, html, last_row = out["views"]
+    assert sums and html and last_row.startswith("peak"), out["views"]
+    (b, fits), (b1, fits1) = out["max_batch"]
+    assert b > 4 and fits and not fits1, out["max_batch"]
+    (w_half, fits_half), (w, fits) = out["min_world"]
+    assert w > 1 and fits and not fits_half, out["min_world"]
+    name, msg, nothing_built = out["init_refused"]
+    assert name == "MemoryCheckError" and "its state alone" in msg and nothing_built
+
+
+# -- a rank of a large job, simulated ---------------------------------------------------------------
+
+def simulated_rank(strategy: str, opts: dict) -> tuple[int, int]:
+    """Inside `sf.simulate`: the estimate and the measured peak (two steps) of this rank."""
+    import shardfn as sf
+
+    apply, params, loss_fn, batch = _build("gpt")
+    step = _step(loss_fn, strategy, opts)
+    est = sf.estimate_memory(step, params, batch=batch)
+    meter = PeakMeter()
+    with meter:
+        state = step.init(params)
+        for i in range(2):
+            with meter.section(f"step{i}"):
+                state, _ = step(state, batch)
+    return est.peak, max(meter["step0"].peak, meter["step1"].peak)
+
+
+def simulations() -> list:
+    """In a fresh process: ranks 0 of 64-, 256- and 1024-rank jobs, each started and torn down."""
+    import torch.distributed as dist
+
+    import shardfn as sf
+
+    out = []
+    for world, strategy, opts in [(64, "full_shard", {}), (256, "full_shard", {"remat": True}), (1024, "hybrid_shard", {}),
+                                  (1024, "full_shard", {"bf16": True, "accumulation_steps": 2})]:
+        est, measured = sf.simulate(simulated_rank, strategy, opts, world=world)
+        out.append((world, strategy, opts, est, measured, dist.is_initialized()))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sf.simulate(simulated_rank, "full_shard", {}, world=4)
+    except ValueError as e:
+        out.append(str(e))
+    dist.destroy_process_group()
+    return out
+
+
+def test_simulated_rank_of_a_large_job_matches_the_estimate():
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = "import pickle, sys, test_estimate; sys.stdout.buffer.write(pickle.dumps(test_estimate.simulations()))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    *runs, refused = pickle.loads(done.stdout)
+    for world, strategy, opts, est, measured, still_initialized in runs:
+        assert 0.9 <= est / measured <= 1.1, (world, strategy, opts, est, measured)
+        assert not still_initialized  # the fake process group is gone after each simulation
+    assert "already has one" in refused
