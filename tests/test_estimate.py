@@ -26,8 +26,9 @@ def test_peak_meter_counts_known_tensors():
     mib = 1 << 20
     assert (meter["alloc"].start, meter["alloc"].peak) == (4 * mib, 28 * mib)
     assert (meter["resize"].start, meter["resize"].peak) == (4 * mib, 40 * mib)
-    # RSS sees the pages written (ones), not those only reserved (resize_): 24 MiB and a little.
-    assert 24 * mib <= meter["alloc"].rss_growth < 26 * mib
+    # RSS sees the pages written (ones: 24 MiB), not those only reserved (resize_: 40 MiB); pages the
+    # allocator had already mapped before the section can hide a little of it, so about 24 MiB.
+    assert 20 * mib <= meter["alloc"].rss_growth < 28 * mib
 
 
 # -- the estimate against the measured peak ----------------------------------------------------------
