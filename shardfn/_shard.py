@@ -117,7 +117,7 @@ def _init_model(init: Any, paths: list[str], leaves: list[Any], first: str) -> A
     if found is None:
         raise ValueError(
             f"init= is a {type(init).__name__} whose functionalized parameters are not these: pass the module "
-            "sf.functionalize(module) turned into these params"
+            "sf.functionalize(module) turned into these params, with the whole tree it returned (not a subtree)"
         )
     return found
 
