@@ -27,7 +27,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _runtime, _watch
 from ._inference import ShardedForward
-from ._meta_init import capture
+from ._meta_init import capture, check_outside_block
 from ._models import ModelInfo, model_of, persistent_buffers, register
 from ._param import Param
 from ._shard import _holds_dtensor, gather
@@ -190,6 +190,7 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"functionalize takes an nn.Module, got {type(module).__name__}")
+    check_outside_block("sf.functionalize")
     if getattr(module, "_shardfn_functionalized", False):
         raise ValueError(
             f"this {type(module).__name__} was already functionalized (its parameters are on the meta "

@@ -32,7 +32,17 @@ What ATen alone would not record exactly:
 Whatever cannot be replayed exactly is refused while recording, naming the construction code (the
 innermost frame outside torch, and the module whose method runs it) and the operation: touching
 the generator's state or passing `generator=`, other devices, `resize_`, sizes that depend on
-values (`nonzero`).
+values (`nonzero`). The recording keeps the first refusal's message: a construction that catches
+it (torch's `ParametrizationList` catches `NotImplementedError` from `right_inverse` and goes on
+without it) is refused at replay, with that message.
+
+The generator after the block. An eager build advances the CPU generator; the block draws nothing
+for real, so at its end every recorded random operation runs again on a scratch tensor of its
+size (with what it reads computed, as a replay computes it), from the block's first state, and the
+generator is set to where that leaves it: a second block (a GAN's other model) or a draw after the
+block gets what it would get eagerly. This is exact whatever each kernel consumes, and costs the
+eager build's drawing time and one operation's scratch memory at a time. A block that raises
+leaves the generator where it began.
 
 Replay (`materialize`) runs on every rank from the recorded generator state, after deciding what
 to run. Going backwards from the wanted parameters and buffers, an operation runs if it writes a
@@ -96,8 +106,15 @@ _OVERWRITE = {
 }
 _UNINITIALIZED = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                   aten.new_empty.default, aten.new_empty_strided.default}
-_READS_VALUE = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
+_READS_VALUE = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.allclose.default}
 _METADATA_ONLY = {aten.set_.source_Tensor, aten.set_.source_Storage, aten.set_.source_Storage_storage_offset}
+
+
+def check_outside_block(what: str) -> None:
+    """Refuses `what` inside an `sf.meta_device()` block (it would be recorded as construction)."""
+    if _active() is not None:
+        raise ValueError(f"{what} is called inside an sf.meta_device() block: call it after the block (build the "
+                         "module inside it, then leave it)")
 
 
 def has_meta(leaves: list[Any]) -> bool:
@@ -148,6 +165,7 @@ class _Record:
     problem: str | None = None  # why this recording cannot be replayed
     values: dict[int, tuple[Any, int]] = field(default_factory=dict)  # storage -> (its value read, len(ops) then)
     random_reads: bool = False  # the construction read a value that depends on random draws
+    refused: str | None = None  # a refusal raised while recording (the construction may have caught it)
 
     def __deepcopy__(self, memo: dict) -> "_Record":
         return self  # a module deep-copied in the block (nn.Transformer's clones) keeps its recording
@@ -211,10 +229,14 @@ def _where() -> str:
 
 
 def _refuse(what: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"sf.meta_device() cannot record this construction exactly{_where()}: {what}. Build the module eagerly, "
-        "or move this out of the module's construction (Note [meta init] in shardfn/_meta_init.py)"
-    )
+    """The refusal to raise; the recording keeps its message, so that a construction that catches
+    it (torch's parametrizations catch NotImplementedError) is still refused at replay."""
+    message = (f"sf.meta_device() cannot record this construction exactly{_where()}: {what}. Build the module "
+               "eagerly, or move this out of the module's construction (Note [meta init] in shardfn/_meta_init.py)")
+    rec = _active()
+    if rec is not None and rec.refused is None:
+        rec.refused = message
+    return NotImplementedError(message)
 
 
 class _Recorder(TorchDispatchMode):
@@ -367,8 +389,10 @@ def meta_device() -> Iterator[None]:
     init=model)` then replay the recording unit by unit and give the parameters and buffers
     exactly the values an eager build of the same code would give, on the CPU, with the CPU
     generator in the state it had when the block began, at any world size (rank 0's state is
-    used on every rank). Do every change to the module (casts, custom init, ties) inside the
-    block. Constructions that cannot be replayed exactly are refused with `NotImplementedError`
+    used on every rank). After the block the CPU generator is where the eager build would leave it
+    (every recorded draw is made again into scratch tensors at the block's end). Do every change to
+    the module (casts, custom init, ties) inside the block, and call `sf.functionalize` after it.
+    Constructions that cannot be replayed exactly are refused with `NotImplementedError`
     (Note [meta init] in `shardfn/_meta_init.py`).
 
     Example:
@@ -433,6 +457,7 @@ def meta_device() -> Iterator[None]:
         patched.append((torch.nn.init, attr, fn))
         setattr(torch.nn.init, attr, _whole_op(rec, fn, public))
     _state.record = rec
+    moved = False  # the generator's state changed inside the block (outside the recording)
     try:
         with fake, _Recorder(rec):
             yield
@@ -444,9 +469,19 @@ def meta_device() -> Iterator[None]:
             setattr(mod, name, fn)
         for h in hooks:
             h.remove()
-        if not torch.equal(torch.random.get_rng_state(), rec.rng):
+        moved = not torch.equal(torch.random.get_rng_state(), rec.rng)
+        if moved:
             rec.problem = "the CPU generator's state changed inside the block (a real draw or a seed outside torch's operations)"
         _to_meta(rec, [(m, name) for mref, name in tagged if (m := mref()) is not None])
+    if not moved:
+        torch.random.set_rng_state(_end_state(rec))  # (not when the block raised: an eager build stops there too)
+
+
+def _end_state(rec: _Record) -> torch.Tensor:
+    """The CPU generator's state after the recorded construction (Note [meta init]): every recorded
+    draw made again, into a scratch tensor of its operation's size."""
+    order, _ = _plan(rec, set(), draw_all=True)
+    return _execute(rec, order, rec.rng, lambda s, storage: None)
 
 
 def _to_meta(rec: _Record, tagged: list[tuple[nn.Module, str]]) -> None:
@@ -506,6 +541,8 @@ def capture(module: nn.Module, params: dict[str, torch.Tensor]) -> Capture | Non
     if len(records) > 1:
         return Capture(None, {}, "parts of it were built in different sf.meta_device() blocks: build it in one")
     rec = next(iter(records.values()))
+    if rec.refused is not None:
+        return Capture(rec, {}, rec.refused)
     if rec.problem is not None:
         return Capture(rec, {}, rec.problem)
     if rec.open:
@@ -517,7 +554,9 @@ def capture(module: nn.Module, params: dict[str, torch.Tensor]) -> Capture | Non
         r = rec.known(p)
         if r is None:
             return Capture(rec, {}, f"parameter {path!r} was not made inside the sf.meta_device() block (e.g. a "
-                                    "cast or a new tensor after it): do every change to the module inside the block")
+                                    "cast, a new tensor or a deep copy of the module after it): do every change to "
+                                    "the module inside the block; for a copy (an EMA), copy.deepcopy the module "
+                                    "inside the block, or copy the initialized params")
         seen = rec.versions.get(id(p))
         if seen is not None and seen[0]() is p and seen[1] != p._version:
             return Capture(rec, {}, f"parameter {path!r} was changed after the sf.meta_device() block (an in-place "
@@ -536,8 +575,9 @@ def check_init(init: Any, where: str, module: bool = True) -> bool:
         return init is not None
     if isinstance(init, str) or not module:
         other = " or the meta-device module" if module else " or nothing (the module is found from apply= or the params)"
+        got = repr(init) if isinstance(init, str) else f"a {type(init).__name__}"
         raise ValueError(f"{where} takes init={EMPTY!r} (uninitialized shards, where values do not matter){other}; "
-                         f"got {init!r}")
+                         f"got {got}")
     return False
 
 
@@ -576,13 +616,14 @@ def _rng_state(rec: _Record) -> torch.Tensor:
     return state
 
 
-def _plan(rec: _Record, targets: set[int]) -> tuple[list[tuple[int, str]], list[int]]:
+def _plan(rec: _Record, targets: set[int], draw_all: bool = False) -> tuple[list[tuple[int, str]], list[int]]:
     """Which operations run, and how (Note [meta init]): [(op index, "run" | "rng")] in order,
-    and the uninitialized (torch.empty) storages some target depends on."""
+    and the uninitialized (torch.empty) storages some target depends on. `draw_all`: every random
+    operation draws (the generator's end state), whatever reads outside the block give."""
     needed = set(targets)
     kind: dict[int, str] = {}
     garbage: list[int] = []
-    drawing = False  # a later random operation runs: draws before it must happen
+    drawing = draw_all  # a later random operation runs: draws before it must happen
     for i in range(len(rec.ops) - 1, -1, -1):
         op = rec.ops[i]
         if op.writes & needed:
@@ -596,7 +637,7 @@ def _plan(rec: _Record, targets: set[int]) -> tuple[list[tuple[int, str]], list[
             kind[i] = "rng"
             needed |= op.reads - op.writes
     foreign = needed - rec.created
-    if foreign:
+    if foreign and not draw_all:
         raise ValueError(
             "the meta-device module's values depend on a meta tensor made outside its sf.meta_device() block "
             "(its values were never recorded): create every tensor the module uses inside the block"
@@ -648,9 +689,11 @@ def _extent(r: _Ref) -> int:
     return (r.offset + sum((n - 1) * st for n, st in zip(r.size, r.stride)) + 1) * r.dtype.itemsize
 
 
-def _execute(rec: _Record, order: list[tuple[int, str]], rng: torch.Tensor, done: Callable[[int, Any], None]) -> None:
+def _execute(rec: _Record, order: list[tuple[int, str]], rng: torch.Tensor,
+             done: Callable[[int, Any], None]) -> torch.Tensor:
     """Runs the planned operations (`_plan`) from generator state `rng`, on real CPU storages;
-    `done(s, storage)` when storage `s` is used for the last time, then drops it."""
+    `done(s, storage)` when storage `s` is used for the last time, then drops it. Returns the
+    generator's state after the last operation (the default generator is left as it was)."""
     last: dict[int, int] = {}
     for pos, (i, k) in enumerate(order):
         op = rec.ops[i]
@@ -694,6 +737,7 @@ def _execute(rec: _Record, order: list[tuple[int, str]], rng: torch.Tensor, done
                 for s in [s for s in op.reads | op.writes if last.get(s) == pos]:
                     done(s, real[s])
                     real.pop(s, None)
+        return gen.get_state()
     finally:
         gen.set_state(saved)
         torch.set_default_dtype(default)
@@ -744,6 +788,11 @@ def materialize(info: Any, wanted: set[str], emit: Callable[[str, torch.Tensor],
     """
     module = info.module
     cap: Capture | None = info.meta_init
+    if cap is not None and cap.record is not None and cap.record.refused is not None:
+        raise NotImplementedError(
+            f"{cap.record.refused} (raised while the meta-device {type(module).__name__} was built, and caught by "
+            "its construction code, so the recording is incomplete)"
+        )
     if cap is None or cap.record is None or cap.problem is not None:
         why = cap.problem if cap is not None and cap.problem else (
             "it was built on the meta device without a recording of its construction (plain torch.device(\"meta\"))")

@@ -88,6 +88,12 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
                 continue
             placements = placements_for(spec, mesh, leaf.shape)
             if isinstance(leaf, DTensor):
+                if leaf.device_mesh != mesh:
+                    raise ValueError(
+                        f"leaf {paths[i]!r} is sharded over another mesh ({leaf.device_mesh}) than the one given "
+                        f"({mesh}): move a tree to a new mesh through its full values, `full = sf.gather(tree)` then "
+                        "`sf.shard(full, specs, mesh)`, or `sf.save` then `sf.load` onto the new mesh"
+                    )
                 out[i] = C.redistribute(leaf, mesh, placements, "sf.shard")
                 continue
             t = leaf.detach().to(mesh.device_type)
@@ -111,7 +117,7 @@ def _init_model(init: Any, paths: list[str], leaves: list[Any], first: str) -> A
     if found is None:
         raise ValueError(
             f"init= is a {type(init).__name__} whose functionalized parameters are not these: pass the module "
-            "sf.functionalize(module) turned into these params"
+            "sf.functionalize(module) turned into these params, with the whole tree it returned (not a subtree)"
         )
     return found
 

@@ -7,8 +7,10 @@ a tied head, Hugging Face Llama, GPT-2, T5, ViT, DINOv2, CLIP and ConvNeXt, a na
 that re-initializes itself with `self.apply(self._init_weights)`, a random draw in `__init__` that
 is no parameter, a cast to bfloat16 at the end of construction, tensors made from data
 (`torch.tensor`, numpy, `.data[...] =`, `sparse_`), `trunc_normal_` (replayed whole), values read
-into Python (computed while recording) and deep copies. A rank seeded otherwise than rank 0 is
-refused where the construction read a drawn value. What cannot be replayed is refused while
+into Python (computed while recording), deep copies and an orthogonal parametrization. The block
+leaves the generator where the eager build does (a draw after it, and a second block, get eager's
+values). A rank seeded otherwise than rank 0 is refused where the construction read a drawn value.
+A refusal that the construction catches still refuses the module at replay. What cannot be replayed is refused while
 recording or before any value is given, naming the construction code. A plain meta-device model is
 accepted where values do not matter (`init="empty"`: uninitialized shards laid out as a real
 model's). Memory: on a model whose whole size exceeds what the check allows, each rank's peak RSS
@@ -98,6 +100,8 @@ def build(kind: str) -> nn.Module:
         return Net()
     if kind == "net-bf16":
         return Net().to(torch.bfloat16)
+    if kind == "orthogonal":  # a parametrization: right_inverse reads a value (allclose), a buffer set from it
+        return nn.Sequential(*(nn.utils.parametrizations.orthogonal(nn.Linear(4, 4)) for _ in range(2)))
     if kind == "gpt":  # nanoGPT style: self.apply(self._init_weights) in __init__, a causal-mask buffer
         from shardfn.models import GPT, GPTConfig
 
@@ -132,7 +136,7 @@ def build(kind: str) -> nn.Module:
 UNITS = {"data": r"blocks\.\d+", "convnext": r"encoder\.stages\.\d+", "vit": r"vit\.layers\.\d+",
          "dinov2": r"encoder\.layer\.\d+", "clip": r"(text|vision)_model\.encoder\.layers\.\d+",
          "net": r"blocks\.\d+", "net-bf16": r"blocks\.\d+", "gpt": r"blocks\.\d+", "llama": r"model\.layers\.\d+",
-         "gpt2": r"transformer\.h\.\d+", "t5": r"(en|de)coder\.block\.\d+"}
+         "gpt2": r"transformer\.h\.\d+", "t5": r"(en|de)coder\.block\.\d+", "orthogonal": r"\d+"}
 
 
 def _differ(model: nn.Module, got: dict, want: dict) -> list[str]:
@@ -146,9 +150,12 @@ def rank_equal_to_eager() -> dict:
     for kind in UNITS:
         torch.manual_seed(0)
         want = {k: v.clone() for k, v in build(kind).state_dict().items()}
+        want_next = torch.randn(3)
         torch.manual_seed(0)
         with sf.meta_device():
             model = build(kind)
+        # The block leaves the generator where the eager build does.
+        out[kind, "generator"] = [] if torch.equal(torch.randn(3), want_next) else ["the generator after the block"]
         apply, params = sf.functionalize(model, units=UNITS[kind])
         torch.manual_seed(123)  # later draws do not change the values
         sharded = sf.shard(params, sf.specs(params, mesh), mesh, init=model)
@@ -158,6 +165,20 @@ def rank_equal_to_eager() -> dict:
         out[kind, "init"] = _differ(model, sf.to_state_dict(sf.gather(state.params)), want)
         out[kind, "buffers"] = all(not b.is_meta for b in model.buffers())
     out["empty"] = rank_empty(mesh)
+    # Two blocks one after the other (a GAN's two models): the second draws where the first ended.
+    torch.manual_seed(0)
+    eager = [nn.Linear(4, 4), nn.Linear(4, 4), torch.randn(2)]
+    torch.manual_seed(0)
+    built = []
+    for _ in range(2):
+        with sf.meta_device():
+            built.append(nn.Linear(4, 4))
+    after = torch.randn(2)
+    out["two", "blocks"] = [] if torch.equal(after, eager[2]) else ["the generator after both blocks"]
+    for i, lin in enumerate(built):
+        _, params = sf.functionalize(lin)
+        got = sf.gather(sf.shard(params, sf.specs(params, mesh), mesh, init=lin))
+        out["two", "blocks"] += [f"{i}.{k}" for k in got if not torch.equal(got[k], getattr(eager[i], k))]
     torch.manual_seed(dist.get_rank())  # last: rank 0 goes on alone where another rank refuses
     with sf.meta_device():
         model = ReadsValue()
@@ -242,7 +263,7 @@ def test_plain_meta_is_refused():
         sf.shard(params, sf.specs(params, mesh), mesh, init="zeros")
     with pytest.raises(ValueError, match="init='empty'"):
         step.init(params, init="zeros")
-    with pytest.raises(ValueError, match=r"init='empty'.* or nothing"):
+    with pytest.raises(ValueError, match=r"init='empty'.* or nothing.*; got a Net$"):  # its type, not its repr
         step.init(params, init=net)
 
 
@@ -274,6 +295,17 @@ class Uninitialized(nn.Module):
         self.w = nn.Parameter(torch.empty(3))
 
 
+class ToNumpy(nn.Module):
+    """A parametrization whose right_inverse is refused: torch's ParametrizationList catches it."""
+
+    def forward(self, x):
+        return x
+
+    def right_inverse(self, x):
+        x.detach().numpy()
+        return x
+
+
 class OwnGenerator(nn.Module):
     def __init__(self):
         super().__init__()
@@ -300,6 +332,13 @@ def test_what_cannot_be_replayed_is_refused():
         _init(m)
     with pytest.raises(ValueError, match="do not nest"), sf.meta_device(), sf.meta_device():
         pass
+    with sf.meta_device():  # the refusal is caught by the construction: refused at replay, with its message
+        caught = nn.utils.parametrize.register_parametrization(nn.Linear(2, 2), "weight", ToNumpy())
+    with pytest.raises(NotImplementedError, match=r"in ToNumpy.right_inverse .*\.numpy\(\) of a recorded tensor.*"
+                                                  r"caught by its construction code"):
+        _init(caught)
+    with pytest.raises(ValueError, match="sf.functionalize is called inside an sf.meta_device"), sf.meta_device():
+        sf.functionalize(nn.Linear(2, 2))
 
 
 def test_changes_after_the_block_are_refused():
@@ -313,6 +352,14 @@ def test_changes_after_the_block_are_refused():
     b.to(torch.bfloat16)  # new tensors, not recorded
     with pytest.raises(ValueError, match="'weight' was not made inside the sf.meta_device"):
         _init(b)
+    with sf.meta_device():
+        c = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="'0.weight' was not made inside.*deep copy.*copy.deepcopy the module inside"):
+        _init(copy.deepcopy(c))
+    _, params = sf.functionalize(c)
+    mesh = sf.mesh(dp=-1)
+    with pytest.raises(ValueError, match=r"whole tree it returned \(not a subtree\)"):
+        sf.shard({"1": params["1"]}, sf.specs({"1": params["1"]}, mesh), mesh, init=c)
 
 
 # -- memory --------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import optree
 import pytest
 import torch
@@ -203,6 +205,14 @@ def rank_layouts() -> dict:
     for p, x, y in zip(paths, optree.tree_leaves(plain), optree.tree_leaves(back)):
         check(f"reshard {p}", x.to_local(), flat[p][local_slices(sf.P("dp"), mesh, x.shape)])
         check(f"reshard back {p}", y.to_local(), dts[p].to_local())
+    if mesh.ndim == 2:  # another mesh: refused, naming the leaf and the way through full values
+        other = sf.mesh(dp=-1)
+        try:
+            sf.shard(sharded, sf.specs(params, other), other)
+            out["bad"].append("reshard to another mesh")
+        except ValueError as e:
+            if not re.search(r"leaf '[\w.]+' is sharded over another mesh", str(e)) or "sf.gather(tree)" not in str(e):
+                out["bad"].append(f"reshard to another mesh: {e}")
 
     # Meta-device init straight into every layout.
     torch.manual_seed(0)
