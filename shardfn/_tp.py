@@ -80,7 +80,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._spec import P
 
-__all__ = ["TensorParallel", "split_specs", "state_spec", "local_part", "FallbackWarning"]
+__all__ = ["TensorParallel", "split_specs", "dp_dim", "state_spec", "local_part", "FallbackWarning"]
 
 
 class FallbackWarning(UserWarning):
@@ -88,29 +88,34 @@ class FallbackWarning(UserWarning):
 
 
 def split_specs(path: str, shape: torch.Size, spec: P, dp: str, tp: str) -> int | None:
-    """The dim `spec` splits over `tp` (None: whole on tp), checking that `dp` appears only on dim 0
-    (FSDP splits dim 0 anyway) and `tp` on at most one dim."""
+    """The dim `spec` splits over `tp` (None: whole on tp), checking that `dp` on a dim other than 0
+    shares it with `tp` only as FSDP within the tp shard does (`(tp, dp)`)."""
     tp_dim = None
     for d in range(len(spec)):
         axes = spec.axes_of(d)
-        if dp in axes and d != 0:
+        if dp in axes and d != 0 and axes not in ((dp,), (tp, dp)):
             raise NotImplementedError(
                 f"leaf {path!r} (shape {tuple(shape)}) has spec {spec!r}: on a ({dp}, {tp}) mesh the train step "
-                f"FSDP-shards dim 0 over {dp!r} itself; name only {tp!r} in specs (e.g. P({tp!r}, None) or P(None, {tp!r}))"
+                f"FSDP-shards over {dp!r} within the {tp!r} shard; on dim {d} list them as ({tp!r}, {dp!r})"
             )
         if tp in axes:
             tp_dim = d
     return tp_dim
 
 
-def state_spec(tp_dim: int | None, fsdp: bool, ndim: int, dp: str, tp: str) -> P:
-    """The spec of a leaf split on `tp_dim` over tp and FSDP'd over dp on dim 0 within its tp shard
-    (Note [tensor parallel forward]): `P(("tp", "dp"), None)`, `P("dp", "tp")`, `P("dp")`, ..."""
+def dp_dim(spec: P, dp: str) -> int:
+    """The dim a leaf is FSDP'd on over `dp`: the one `spec` names `dp` on, else dim 0."""
+    return next((d for d in range(len(spec)) if dp in spec.axes_of(d)), 0)
+
+
+def state_spec(tp_dim: int | None, fsdp: bool, ndim: int, dp: str, tp: str, fsdp_dim: int = 0) -> P:
+    """The spec of a leaf split on `tp_dim` over tp and FSDP'd over dp on `fsdp_dim` within its tp
+    shard (Note [tensor parallel forward]): `P(("tp", "dp"), None)`, `P("dp", "tp")`, `P("tp", "dp")`, ..."""
     entries: list = [None] * ndim
     if tp_dim is not None:
         entries[tp_dim] = tp
     if fsdp:
-        entries[0] = (tp, dp) if tp_dim == 0 else dp
+        entries[fsdp_dim] = (tp, dp) if tp_dim == fsdp_dim else dp
     while entries and entries[-1] is None:
         entries.pop()
     return P(*entries)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 import shardfn as sf
 from shardfn import _collectives as C
 from shardfn import _flat
-from reference import OPT, Reference, backward_on_another_thread, compare_params, global_batch, local_batch, loss_of, make_loss_fn, make_model, units_of
+from shardfn._tree import tree_flatten_with_paths
+from reference import OPT, Reference, backward_on_another_thread, compare_params, global_batch, local_batch, loss_of, make_loss_fn, make_model, rel_err, units_of
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
 STEPS = 4
@@ -542,3 +545,121 @@ def test_group_members_in_another_order_on_another_rank(pools):
     for out in pools(2).run(rank_group_members_in_any_order):
         assert out["groups"] == [[0, 1], [2, 3]], out
         assert out["err"] < 1e-6, out
+
+
+def _dim1_specs(params, mesh):
+    """`P(None, "dp")` (DTensor's `Shard(1)`) on every 2-D leaf, `P("dp")` on the others."""
+    paths, leaves, _ = tree_flatten_with_paths(params)
+    return sf.specs(params, mesh, rules=[(re.escape(p), sf.P(None, "dp")) for p, x in zip(paths, leaves) if x.dim() == 2])
+
+
+def _dim1_run(kind: str, strategy: str, steps: int, rank: int, world: int, save: str | None = None, bf16: bool = False,
+              frozen: str | None = None, **kw) -> dict:
+    """`steps` AdamW steps with 2-D leaves split on dim 1, against the reference; the worst errors,
+    and the layout the state's leaves have."""
+    model = make_model(kind)
+    ref = Reference(model, kind, max_grad_norm=kw.get("max_grad_norm"), frozen=frozen, bf16=bf16)
+    apply, params = sf.functionalize(model, units=units_of(kind))
+    mesh = sf.mesh(dp=-1)
+    mixed = sf.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
+    step = sf.train_step(make_loss_fn(kind, apply), sf.optim.adamw(**OPT), mesh, strategy=strategy, specs=_dim1_specs(params, mesh),
+                         mixed_precision=mixed, frozen=frozen, **kw)
+    state = step.init(params)
+    loss_err = param_err = 0.0
+    for i in range(steps):
+        batch = global_batch(kind, i, 12, per_rank=1)  # the same global batch at any world size
+        state, m = step(state, local_batch(batch, rank, world))
+        ref_loss, _ = ref.step(batch)
+        loss_err = max(loss_err, abs(m["loss"].item() - ref_loss) / abs(ref_loss))
+        param_err = max(param_err, compare_params(state.params, apply, ref, per_leaf=not bf16))
+        if save is not None and i == steps - 2:
+            sf.save(state, save)
+    layout = []
+    mu = state.opt_state[0].mu if isinstance(state.opt_state, tuple) else None
+    for tree in (state.params, mu):
+        if tree is None:
+            continue
+        for path, x in zip(*tree_flatten_with_paths(tree)[:2]):
+            if x.dim() == 2:
+                n = x.shape[1]
+                c = -(-n // world)
+                layout.append((path, tuple(x.placements), tuple(x._local_tensor.shape), (x.shape[0], max(0, min(n - rank * c, c))),
+                               x._local_tensor.is_contiguous()))
+    return dict(loss=loss_err, params=param_err, layout=layout, full=sf.to_state_dict(sf.gather(state.params), apply))
+
+
+def rank_other_dim(save: str | None = None, load: str | None = None) -> dict:
+    """2-D leaves split on dim 1 (`Shard(1)`): train steps under every option against the
+    reference, value_and_grad, the state's layout, a checkpoint saved here or loaded at another
+    world size (then one more step, against the reference's third)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    with _small_segment(0):  # the dim-0 leaves received in place, the dim-1 ones through `gathered`
+        out["remat_frozen"] = _dim1_run("gpt", "full_shard", 3, rank, world, remat=True, frozen=r"blocks\.0\..*", group_bytes=0)
+    out["accum_clip"] = _dim1_run("gpt", "shard_grad_op", 3, rank, world, accumulation_steps=2, max_grad_norm=0.5)
+    out["mlp"] = _dim1_run("mlp", "full_shard", 3, rank, world, group_bytes=0, save=save)
+    out["bf16"] = _dim1_run("gpt", "full_shard", 3, rank, world, bf16=True)
+    # The same in bf16 with every leaf on dim 0: the layout changes at most the rounding of the sums.
+    model = make_model("gpt")
+    apply, params = sf.functionalize(model, units=units_of("gpt"))
+    step = sf.train_step(make_loss_fn("gpt", apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1),
+                         mixed_precision=sf.MixedPrecision(torch.bfloat16, torch.float32))
+    state = step.init(params)
+    for i in range(3):
+        state, _ = step(state, local_batch(global_batch("gpt", i, 12, per_rank=1), rank, world))
+    dim0 = sf.to_state_dict(sf.gather(state.params), apply)
+    out["bf16_vs_dim0"] = max(rel_err(out["bf16"]["full"][n], dim0[n]) for n in dim0)
+    for r in out.values():
+        if isinstance(r, dict):
+            r.pop("full")
+    # value_and_grad on a tree sf.shard laid out so.
+    model, ref_model = make_model("gpt"), make_model("gpt")
+    apply, params = sf.functionalize(model, units=units_of("gpt"))
+    mesh = sf.mesh(dp=-1)
+    sharded = sf.shard(params, _dim1_specs(params, mesh), mesh)
+    batch = global_batch("gpt", 0, 12, per_rank=1)
+    loss, grads = sf.value_and_grad(make_loss_fn("gpt", apply), apply=apply)(sharded, local_batch(batch, rank, world))
+    ref_loss = loss_of("gpt", ref_model(batch[0]), batch[1])
+    ref_loss.backward()
+    got = sf.to_state_dict(sf.gather(grads))
+    out["value_and_grad"] = (rel_err(loss, ref_loss), max(rel_err(got[n], p.grad) for n, p in ref_model.named_parameters()),
+                             sorted({str(g.placements) for g in torch.utils._pytree.tree_leaves(grads) if g.dim() == 2}))
+    if load is not None:  # the checkpoint of "mlp" after two steps, then its third step here
+        model = make_model("mlp")
+        ref = Reference(model, "mlp")
+        apply, params = sf.functionalize(model, units=units_of("mlp"))
+        mesh = sf.mesh(dp=-1)
+        step = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), mesh, specs=_dim1_specs(params, mesh), group_bytes=0)
+        state = sf.load(load, like=step.init(params))
+        out["loaded"] = sf.to_state_dict(sf.gather(state.params), apply)
+        for i in range(3):
+            batch = global_batch("mlp", i, 12, per_rank=1)
+            ref.step(batch)
+            if i == 1:
+                out["loaded_ref_err"] = compare_params(state.params, apply, ref)
+        state, _ = step(state, local_batch(global_batch("mlp", 2, 12, per_rank=1), rank, world))
+        out["resumed"] = compare_params(state.params, apply, ref)
+        out["loaded_layout"] = sorted({str(x.placements) for x in torch.utils._pytree.tree_leaves(state.params) if x.dim() == 2})
+    return out
+
+
+def test_leaves_split_on_another_dim_train_as_the_reference(pools, tmp_path):
+    """`P(None, "dp")` on every 2-D leaf: FSDP over dim 1, uneven at 3 ranks, exact under both
+    sharding strategies with remat, frozen leaves, accumulation, clipping; bf16 as close to the
+    reference as dim 0's layout; value_and_grad; a checkpoint resumes at another world size."""
+    path = str(tmp_path / "dim1")
+    for world, save, load in ((3, path, None), (2, None, path)):
+        for r in pools(world).run(rank_other_dim, save, load):
+            for case in ("remat_frozen", "accum_clip", "mlp"):
+                assert r[case]["loss"] < 1e-5 and r[case]["params"] < 1e-5, (world, case, r[case])
+            assert r["bf16"]["params"] < 1e-2 and r["bf16_vs_dim0"] < 1e-6, (world, r["bf16"], r["bf16_vs_dim0"])
+            for case in ("remat_frozen", "accum_clip", "mlp", "bf16"):
+                layout = r[case]["layout"]
+                assert layout, case
+                for path_, placements, local, want, contiguous in layout:
+                    assert placements == (Shard(1),) and local == want and contiguous, (world, case, path_, placements, local, want)
+            loss_err, grad_err, placements = r["value_and_grad"]
+            assert loss_err < 1e-5 and grad_err < 1e-5 and placements == ["(Shard(dim=1),)"], r["value_and_grad"]
+            if load is not None:
+                assert r["loaded_ref_err"] < 1e-5 and r["resumed"] < 1e-5, (r["loaded_ref_err"], r["resumed"])
+                assert r["loaded_layout"] == ["(Shard(dim=1),)"], r["loaded_layout"]
