@@ -6,7 +6,9 @@ On a mesh `(dp, tp)` (the first axis is FSDP's, the second tensor-parallel) a le
 it is split over `tp`: `P("tp", None)` splits the rows of a `[out, in]` weight (column-parallel:
 each rank computes a slice of the outputs), `P(None, "tp")` its columns (row-parallel: each rank
 computes a partial sum of the outputs); `P()` (or `P("dp")`) keeps it whole on every tp rank.
-Every leaf is also FSDP-sharded over `dp`, within its tp shard.
+Every leaf is also FSDP-sharded over `dp`, within its tp shard: on dim 0, or on the dim its spec names
+`dp` on (`P("tp", "dp")`: FSDP on dim 1 of a column-parallel weight; a dim split over both lists them
+`("tp", "dp")`, FSDP within the tp shard; Note [leaves split on another dim] in `_flat.py`).
 
 Layout. The flat engine (Note [flat unit layout] in `_flat.py`) knows nothing of `tp`: a leaf's
 "full" value, for it, is this rank's tp shard, split over dim 0 across the `dp` group only,
