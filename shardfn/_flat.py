@@ -51,8 +51,9 @@ is the one above. What differs is the copies: rank r's block is not a run of row
 but a slab `full[..., r*c : r*c + width_r, ...]`. So such a leaf is always gathered with the small
 leaves, through `gathered` (never received in place), and copied into `full` by one copy per rank's
 chunk (a second `_foreach_copy_`, so that the dim-0 leaves' list keeps its contiguous fast path);
-its reduce input is laid out by `_chunk_cat` over a zero stand-in of its size (which zeros the
-padding), then one copy per rank's chunk of its gradient overwrites the real part. Clipping's norm,
+its reduce input is laid out by `_chunk_cat` over a stand-in, one row of zeros as long as its
+segment (which zeros its segment on every rank), then one copy per rank's chunk of its gradient
+overwrites the real part. Clipping's norm,
 accumulation, casts and the replicate all-reduce work on whole segments, padding included, and see
 nothing of the dim. On one rank every split is the whole leaf: the layout is dim 0's.
 
@@ -630,12 +631,15 @@ class FlatUnit:
 
     def _chunks_k(self, grads: dict, sh: list, inp: torch.Tensor) -> None:
         """The rank-major reduce-scatter input (W, S_t) of a unit with leaves split on another dim
-        than 0: `_chunk_cat` lays out the dim-0 leaves and zeros the others' segments (a zero-stride
-        stand-in of their size), then one copy per rank's chunk fills those (Note [leaves split on
-        another dim])."""
+        than 0: `_chunk_cat` lays out the dim-0 leaves and zeros the others' segments, then one copy
+        per rank's chunk fills those (Note [leaves split on another dim])."""
         W, base = self.world, self.S_frozen
         segs = self.segments
-        stand_in = {i: torch.zeros((), dtype=grads[i].dtype, device=inp.device).expand(W * segs[i].seg_numel) for i in self._sh_trained_k}
+        # A stand-in of one row of seg_numel zeros takes a leaf's place: chunked in W it is one row
+        # for rank 0 and padding (zeros) for the others. Contiguous, in the gradients' dtype, so
+        # `_chunk_cat` keeps its fast path.
+        zeros = torch.zeros(max(segs[i].seg_numel for i in self._sh_trained_k), dtype=sh[0].dtype, device=inp.device)
+        stand_in = {i: zeros[: segs[i].seg_numel].view(1, segs[i].seg_numel) for i in self._sh_trained_k}
         torch._chunk_cat([stand_in.get(i, g) for i, g in zip(self._sh_trained, sh)], dim=0, num_chunks=W, out=inp)
         dst, src = [], []
         for i in self._sh_trained_k:

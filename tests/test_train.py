@@ -642,6 +642,30 @@ def rank_other_dim(save: str | None = None, load: str | None = None) -> dict:
     got = sf.to_state_dict(sf.gather(grads))
     out["value_and_grad"] = (rel_err(loss, ref_loss), max(rel_err(got[n], p.grad) for n, p in ref_model.named_parameters()),
                              sorted({str(g.placements) for g in torch.utils._pytree.tree_leaves(grads) if g.dim() == 2}))
+    # 3-D leaves split on their middle and last dims (whole dims before and after the split one).
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 7, 5), "u": torch.randn(5, 3, 8), "b": torch.randn(8)}
+    specs = {"w": sf.P(None, "dp"), "u": sf.P(None, None, "dp"), "b": sf.P("dp")}
+    ref = {k: v.clone().requires_grad_() for k, v in params.items()}
+    x, y = torch.randn(6 * world, 4, 7), torch.randn(6 * world, 3, 8)
+
+    def loss_fn(p, batch):
+        xb, yb = batch
+        return ((torch.einsum("nij,ijk,kal->nal", xb, p["w"], p["u"]) + p["b"] - yb) ** 2).mean()
+
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.01, momentum=0.9), sf.mesh(dp=-1), specs=specs)
+    state = step.init(params)
+    opt = torch.optim.SGD(ref.values(), lr=0.01, momentum=0.9)
+    for _ in range(3):
+        state, _ = step(state, (x.chunk(world)[rank], y.chunk(world)[rank]))
+        opt.zero_grad()
+        loss_fn(ref, (x, y)).backward()
+        opt.step()
+    full = sf.gather(state.params)
+    c7, c8 = -(-7 // world), -(-8 // world)
+    want = {"w": ((Shard(1),), (4, max(0, min(c7, 7 - rank * c7)), 5)), "u": ((Shard(2),), (5, 3, max(0, min(c8, 8 - rank * c8))))}
+    got = {k: (tuple(state.params[k].placements), tuple(state.params[k]._local_tensor.shape)) for k in want}
+    out["3d"] = (max(rel_err(full[k], ref[k]) for k in full), got, want)
     # What is not supported yet is refused before anything is computed, naming the leaf and the spec.
     refused = []
     for axes, options, specs in ((dict(dp=-1), dict(offload="cpu"), _dim1_specs),
@@ -689,6 +713,8 @@ def test_leaves_split_on_another_dim_train_as_the_reference(pools, tmp_path):
                     assert placements == Shard(1) and local == want and contiguous, (world, case, path_, placements, local, want)
             loss_err, grad_err, placements = r["value_and_grad"]
             assert loss_err < 1e-5 and grad_err < 1e-5 and placements == ["(Shard(dim=1),)"], r["value_and_grad"]
+            err, got, want = r["3d"]
+            assert err < 1e-5 and got == want, r["3d"]
             assert len(r["refused"]) == 2 and "offload" in r["refused"][0] and "0.weight" in r["refused"][0], r["refused"]
             assert "spec P('replicate'" in r["refused"][1] and "nothing else on this mesh" in r["refused"][1], r["refused"]
             if load is not None:
