@@ -53,9 +53,9 @@ leaves, through `gathered` (never received in place), and copied into `full` by 
 chunk (a second `_foreach_copy_`, so that the dim-0 leaves' list keeps its contiguous fast path);
 its reduce input is laid out by `_chunk_cat` over a stand-in, one row of zeros as long as its
 segment (which zeros its segment on every rank), then one copy per rank's chunk of its gradient
-overwrites the real part. Clipping's norm,
-accumulation, casts and the replicate all-reduce work on whole segments, padding included, and see
-nothing of the dim. On one rank every split is the whole leaf: the layout is dim 0's.
+overwrites the real part. Clipping's norm, accumulation, casts and the replicate all-reduce work on
+whole segments, padding included, and see nothing of the dim. On one rank every split is the whole
+leaf: the layout is dim 0's.
 
 Note [slot arenas]
 ------------------
