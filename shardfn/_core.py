@@ -33,7 +33,7 @@ from ._param import OffSchedule
 from ._remat import install as install_remat
 from ._remat import select_units
 from ._shard import gather
-from ._tp import TensorParallel, local_part, local_shape, split_specs, state_spec
+from ._tp import TensorParallel, dp_dim, local_part, local_shape, split_specs, state_spec
 from ._spec import P, match_specs, placements_for, specs as make_specs
 from .optim._norm import local_sumsq
 
@@ -233,24 +233,43 @@ class GradientCore:
         return self.tree()
 
     def _leaf_specs(self, params: Any) -> tuple[list[str], list, list[P], Any]:
-        """The tree's paths, leaves, one `P` per leaf (checked: dim 0 over the shard axis), structure."""
+        """The tree's paths, leaves, one `P` per leaf (checked: one dim over the shard axis), structure;
+        sets `_dims`, the dim each leaf is split on over the shard axis (None: replicated over it)."""
         spec_tree = self.specs if self.specs is not None else make_specs(params, self.mesh, default=P(self.shard_axis))
         paths, leaves, spec_list, treespec = match_specs(params, spec_tree, self.mesh)
         if self.tp_axis is not None:
             self._tp_dims = [split_specs(p, x.shape, s, self.shard_axis, self.tp_axis) for p, x, s in zip(paths, leaves, spec_list)]
-            self._fsdp = [x.dim() > 0 for x in leaves]  # every leaf FSDP'd over dp on dim 0 of its tp shard
+            # Every leaf is FSDP'd over dp, within its tp shard: on the dim its spec names dp on, else dim 0.
+            self._dims = [dp_dim(s, self.shard_axis) if x.dim() > 0 else None for x, s in zip(leaves, spec_list)]
+            self._fsdp = [d is not None for d in self._dims]
             self._shapes = [local_shape(x.shape, d, self.tp_rank, self.tp_size) for x, d in zip(leaves, self._tp_dims)]
+            self._refuse_offload_off_dim0(paths, leaves, spec_list)
             return paths, leaves, spec_list, treespec
         if self.strategy == "no_shard":
             spec_list = [P() for _ in leaves]
+        self._dims = []
         for path, leaf, spec in zip(paths, leaves, spec_list):
-            bad_dim = any(spec.axes_of(d) for d in range(1, len(spec)))
-            if bad_dim or spec.axes_of(0) not in ((), (self.shard_axis,)):
+            split = [d for d in range(len(spec)) if spec.axes_of(d)]
+            if len(split) > 1 or (split and spec.axes_of(split[0]) != (self.shard_axis,)):
                 raise NotImplementedError(
-                    f"leaf {path!r} (shape {tuple(leaf.shape)}) has spec {spec!r}: the train step shards dim 0 over "
-                    f"{self.shard_axis!r} only for now; use P({self.shard_axis!r}) or P()"
+                    f"leaf {path!r} (shape {tuple(leaf.shape)}) has spec {spec!r}: the train step shards one dim over "
+                    f"{self.shard_axis!r} and nothing else on this mesh; use e.g. P({self.shard_axis!r}), "
+                    f"P(None, {self.shard_axis!r}) or P()"
                 )
+            self._dims.append(split[0] if split else None)
+        self._refuse_offload_off_dim0(paths, leaves, spec_list)
         return paths, leaves, spec_list, treespec
+
+    def _refuse_offload_off_dim0(self, paths: list[str], leaves: list, spec_list: list) -> None:
+        """CPU offload keeps leaves split on dim 0 only, for now."""
+        if self.offload is None:
+            return
+        for path, leaf, spec, d in zip(paths, leaves, spec_list, self._dims):
+            if d not in (None, 0):
+                raise NotImplementedError(
+                    f"leaf {path!r} (shape {tuple(leaf.shape)}) has spec {spec!r}: offload={self.offload!r} keeps leaves "
+                    f"split on dim 0 only for now; split it on dim 0 (P({self.shard_axis!r})) or leave offload off"
+                )
 
     def unit_layout(self, info: Any, paths: list[str], leaves: list, spec_list: list, trained: list[bool]):
         """What `_flat_units` lays out, without any buffer: each unit group's leaf indices and
@@ -264,10 +283,13 @@ class GradientCore:
             members[u].append(i)
 
         if self.tp_axis is not None:  # a leaf, for the flat engine, is this rank's tp shard of it
-            shape_of, sharded = self._shapes, self._fsdp
+            shape_of = self._shapes
         else:
-            shape_of, sharded = [x.shape for x in leaves], [bool(s.axes_of(0)) for s in spec_list]
-        specs_of = {u: [LeafSpec(i, paths[i], shape_of[i], sharded[i], trained[i]) for i in idx] for u, idx in members.items()}
+            shape_of = [x.shape for x in leaves]
+        specs_of = {
+            u: [LeafSpec(i, paths[i], shape_of[i], self._dims[i] is not None, trained[i], self._dims[i] or 0) for i in idx]
+            for u, idx in members.items()
+        }
         model_dtypes = [leaf.dtype for leaf in leaves]
         model_dtype = max(set(model_dtypes), key=model_dtypes.count) if leaves else torch.float32
         dtype_of = {}
@@ -355,10 +377,10 @@ class GradientCore:
                 units[u].fill(j, self._tp_local(i, C.full_tensor(leaf, "the train step's init") if isinstance(leaf, DTensor) else leaf))
             local, grad, shape = units[u].shard(j)
             if self.tp_axis is not None:
-                own = state_spec(self._tp_dims[i], self._fsdp[i], leaf.dim(), self.shard_axis, self.tp_axis)
+                own = state_spec(self._tp_dims[i], self._fsdp[i], leaf.dim(), self.shard_axis, self.tp_axis, self._dims[i] or 0)
                 placements, shape = placements_for(own, self.mesh, leaf.shape), leaf.shape
             else:
-                placements = placements_for(spec, self.mesh)
+                placements = placements_for(spec, self.mesh, leaf.shape)
             flat_views.append(local)  # the step's own; users get aliases (Note [donated state])
             dt_params.append(self.dtensor(_donate.alias(local), placements, shape))
             dt_grads.append(self.dtensor(grad, placements, shape) if grad is not None else None)

@@ -40,6 +40,23 @@ gradient buffer `grad` (or into `rs_out` first, when a cast, an accumulation or 
 Trained replicated leaves are all-reduced in their segment. Because the trained segments touch, a
 hybrid mesh's replicate-axis all-reduce covers both in ONE call. Frozen leaves are never reduced.
 
+Note [leaves split on another dim]
+----------------------------------
+A spec may split a leaf over the shard axis on another dim k than 0 (`P(None, "dp")`, DTensor's
+`Shard(k)`). Its segment is c = ceil(n_k / W) slices along k long, and this rank's shard, all the
+dims but k whole and width_r = min(n_k, (r+1)*c) - r*c along k, lies CONTIGUOUS in its natural
+shape at the start of the segment (the rest is padding, at zero), so the DTensor's local tensor and
+the optimizer see an ordinary tensor, and the rank-major layout of `gathered` and of the reduce input
+is the one above. What differs is the copies: rank r's block is not a run of rows of the full leaf
+but a slab `full[..., r*c : r*c + width_r, ...]`. So such a leaf is always gathered with the small
+leaves, through `gathered` (never received in place), and copied into `full` by one copy per rank's
+chunk (a second `_foreach_copy_`, so that the dim-0 leaves' list keeps its contiguous fast path);
+its reduce input is laid out by `_chunk_cat` over a stand-in, one row of zeros as long as its
+segment (which zeros its segment on every rank), then one copy per rank's chunk of its gradient
+overwrites the real part. Clipping's norm, accumulation, casts and the replicate all-reduce work on
+whole segments, padding included, and see nothing of the dim. On one rank every split is the whole
+leaf: the layout is dim 0's.
+
 Note [slot arenas]
 ------------------
 Allocating and freeing a unit-sized buffer for every gather costs page faults (on CPU with glibc's
@@ -98,6 +115,7 @@ class Segment:
     local_rows: int  # rows this rank really holds
     offset: int  # start of its segment in `local`
     full_offset: int  # start in `full` (sharded leaves)
+    dim: int = 0  # the dim it is split on (sharded leaves; Note [leaves split on another dim])
 
     @property
     def seg_numel(self) -> int:
@@ -105,7 +123,19 @@ class Segment:
 
     @property
     def local_shape(self) -> torch.Size:
-        return torch.Size((self.local_rows, *self.shape[1:])) if self.sharded else self.shape
+        if not self.sharded:
+            return self.shape
+        return torch.Size((*self.shape[: self.dim], self.local_rows, *self.shape[self.dim + 1 :]))
+
+    def rank_chunks(self, world: int) -> list[tuple[int, int, int]]:
+        """(rank, first index, width) along `dim` of every rank's non-empty chunk."""
+        n = self.shape[self.dim]
+        return [(r, r * self.chunk, min(n, (r + 1) * self.chunk) - r * self.chunk) for r in range(world) if r * self.chunk < n]
+
+    def as_3d(self, t: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """`t` (the leaf, or a chunk `width` wide along `dim`) viewed as (before, dim, after)."""
+        before = self.shape[: self.dim].numel()
+        return t.view(before, self.shape[self.dim] if width is None else width, self.row_numel // max(before, 1))
 
 
 @dataclass(frozen=True)
@@ -117,6 +147,7 @@ class LeafSpec:
     shape: torch.Size
     sharded: bool
     trained: bool
+    dim: int = 0  # the dim a sharded leaf is split on
 
 
 def _storage_free(t: torch.Tensor) -> None:
@@ -199,8 +230,21 @@ _set_versions = torch._C._autograd._unsafe_set_version_counter
 SMALL_SEGMENT = 1 << 20
 
 
+def _split_dim(x: LeafSpec, world: int) -> int:
+    """The dim the layout splits `x` on: on one rank every split is the whole leaf, as dim 0's."""
+    return x.dim if world > 1 else 0
+
+
 def _segment_numel(x: LeafSpec, world: int) -> int:
-    return -(-x.shape[0] // world) * x.shape[1:].numel()
+    d = _split_dim(x, world)
+    n = x.shape[d]
+    return -(-n // world) * (x.shape.numel() // n if n else x.shape[:d].numel() * x.shape[d + 1 :].numel())
+
+
+def _together(x: LeafSpec | Segment, world: int) -> bool:
+    """Whether sharded `x` is gathered with the small leaves, through `gathered` (a leaf split on
+    another dim than 0 always is: its block is not the full leaf, Note [leaves split on another dim])."""
+    return _segment_numel(x, world) < SMALL_SEGMENT or _split_dim(x, world) != 0
 
 
 def buffer_sizes(leaves: list[LeafSpec], world: int, rank: int, direct: bool = False) -> dict[str, int]:
@@ -210,7 +254,7 @@ def buffer_sizes(leaves: list[LeafSpec], world: int, rank: int, direct: bool = F
     """
     segs = place(leaves, world, rank)
     S = sum(s.seg_numel for s in segs if s.sharded)
-    S_small = sum(s.seg_numel for s in segs if s.sharded and s.seg_numel < SMALL_SEGMENT)
+    S_small = sum(s.seg_numel for s in segs if s.sharded and _together(s, world))
     R = sum(s.seg_numel for s in segs if not s.sharded)
     trained = sum(s.seg_numel for s in segs if s.trained)
     S_trained = sum(s.seg_numel for s in segs if s.sharded and s.trained)
@@ -222,7 +266,7 @@ def place(leaves: list[LeafSpec], world: int, rank: int) -> list[Segment]:
     """Lays leaves out in the order of Note [flat unit layout] and computes their offsets."""
 
     def small(x: LeafSpec) -> bool:
-        return _segment_numel(x, world) < SMALL_SEGMENT
+        return _together(x, world)
 
     sharded = [x for x in leaves if x.sharded]
     order = (
@@ -235,14 +279,16 @@ def place(leaves: list[LeafSpec], world: int, rank: int) -> list[Segment]:
     )
     segs, off, full_off = [], 0, 0
     for x in order:
+        d = _split_dim(x, world) if x.sharded else 0
         if x.sharded:
-            rows, row_numel = x.shape[0], x.shape[1:].numel()
+            rows = x.shape[d]
+            row_numel = x.shape[:d].numel() * x.shape[d + 1 :].numel()
             chunk = -(-rows // world)
             local_rows = max(0, min(rows - rank * chunk, chunk))
         else:
             chunk, row_numel = 1, x.shape.numel()
             local_rows = 1
-        s = Segment(x.index, x.path, x.shape, x.sharded, x.trained, chunk, row_numel, local_rows, off, full_off)
+        s = Segment(x.index, x.path, x.shape, x.sharded, x.trained, chunk, row_numel, local_rows, off, full_off, d)
         off += s.seg_numel
         if x.sharded:
             full_off += world * s.seg_numel
@@ -303,7 +349,7 @@ class FlatUnit:
         # Gradient shards are dropped between steps when parameters are sharded (as FSDP's
         # zero_grad(set_to_none=True)); replicated (DDP-like) and offloaded ones stay.
         self._grad_transient = not offload and self.S > 0
-        small = [s for s in sh if s.seg_numel < SMALL_SEGMENT]
+        small = [s for s in sh if _together(s, world)]
         self.direct_gather = direct_gather and world > 1
         # Its gather writes `full` as soon as it starts (not only when it finishes).
         self.gathers_in_place = self.direct_gather and len(small) < len(sh)
@@ -314,6 +360,7 @@ class FlatUnit:
         self.direct = reduce_dtype == dtype and not offload  # reduce straight into `grad`
         self.n_trained = self.S_trained + self.R_trained
         self._sh_trained = [i for i, s in enumerate(segs) if s.sharded and s.trained]
+        self._sh_trained_k = [i for i in self._sh_trained if segs[i].dim != 0]  # Note [leaves split on another dim]
         self._rep_trained = [i for i, s in enumerate(segs) if not s.sharded and s.trained]
         self.num_trained = len(self._sh_trained) + len(self._rep_trained)
         self.arenas: dict[str, Arena] = {}
@@ -380,7 +427,7 @@ class FlatUnit:
             if self._small:
                 self._gather_pieces.append((self.gathered, src_flat[self._small_lo : self._small_hi]))
             for s in sh:
-                if s.seg_numel >= SMALL_SEGMENT:
+                if not _together(s, world):
                     self._gather_pieces.append(
                         (full_w[s.full_offset : s.full_offset + world * s.seg_numel], src_flat[s.offset : s.offset + s.seg_numel])
                     )
@@ -388,8 +435,16 @@ class FlatUnit:
             src, lo, copied = gathered_w.view(world, self.S), 0, sh
             if self.S:
                 self._gather_pieces.append((self.gathered, src_flat[: self.S]))
-        self._copy_dst = [full_w[s.full_offset : s.full_offset + world * s.seg_numel].view(world, s.seg_numel) for s in copied]
-        self._copy_src = [src[:, s.offset - lo : s.offset - lo + s.seg_numel] for s in copied]
+        self._copy_dst = [full_w[s.full_offset : s.full_offset + world * s.seg_numel].view(world, s.seg_numel) for s in copied if s.dim == 0]
+        self._copy_src = [src[:, s.offset - lo : s.offset - lo + s.seg_numel] for s in copied if s.dim == 0]
+        # Leaves split on another dim: one copy per rank's chunk (Note [leaves split on another dim]).
+        self._copy_dst_k, self._copy_src_k = [], []
+        for s in copied:
+            if s.dim != 0:
+                full_leaf = s.as_3d(full_w[s.full_offset : s.full_offset + s.shape.numel()])
+                for r, first, width in s.rank_chunks(world):
+                    self._copy_dst_k.append(full_leaf[:, first : first + width])
+                    self._copy_src_k.append(s.as_3d(src[r, s.offset - lo : s.offset - lo + width * s.row_numel], width))
         for a in arenas.values():
             a.owner = None
             a.release()
@@ -406,7 +461,7 @@ class FlatUnit:
         s = self.segments[j]
         src = full.detach()
         if s.sharded:
-            src = src[self.rank * s.chunk : self.rank * s.chunk + s.local_rows]
+            src = src.narrow(s.dim, min(self.rank * s.chunk, s.shape[s.dim]), s.local_rows)
         with torch.no_grad():
             self.local_views[j].copy_(src)
 
@@ -420,7 +475,13 @@ class FlatUnit:
             return seg[: s.shape.numel()].view(s.shape)
         out = torch.empty(self.world * s.seg_numel, dtype=self.compute_dtype, device=seg.device)
         C.all_gather(out, seg.contiguous(), self.group, async_op=False)
-        return out[: s.shape.numel()].view(s.shape)
+        if s.dim == 0:
+            return out[: s.shape.numel()].view(s.shape)
+        full = torch.empty(s.shape, dtype=self.compute_dtype, device=seg.device)
+        blocks = out.view(self.world, s.seg_numel)
+        for r, first, width in s.rank_chunks(self.world):
+            s.as_3d(full)[:, first : first + width].copy_(s.as_3d(blocks[r, : width * s.row_numel], width))
+        return full
 
     def shard(self, j: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Size]:
         """Leaf `j`'s local shard, its gradient shard (None when frozen), and its global shape."""
@@ -458,9 +519,11 @@ class FlatUnit:
         """Waits for the all-gather and copies the rank-major result into the full parameters."""
         if work is not None:
             C.wait(work, timeout)
-        if self._copy_dst:
+        if self._copy_dst or self._copy_dst_k:
             with torch.no_grad():
-                torch._foreach_copy_(self._copy_dst, self._copy_src)
+                for dst, src in ((self._copy_dst, self._copy_src), (self._copy_dst_k, self._copy_src_k)):
+                    if dst:
+                        torch._foreach_copy_(dst, src)
         self.mark_valid()
         if not self.arenas["gathered"].shared:
             self.arenas["gathered"].release()
@@ -554,7 +617,10 @@ class FlatUnit:
                     else:
                         rs_in.alloc()
                         inp = rs_in.base[: self.world * self.S_trained]
-                    torch._chunk_cat(sh, dim=0, num_chunks=self.world, out=inp.view(self.world, -1))
+                    if self._sh_trained_k:
+                        self._chunks_k(grads, sh, inp.view(self.world, -1))
+                    else:
+                        torch._chunk_cat(sh, dim=0, num_chunks=self.world, out=inp.view(self.world, -1))
                 del sh
             del grads  # the full gradients are spent: free them before the collectives allocate
             if inp is not None:
@@ -562,6 +628,27 @@ class FlatUnit:
             if self.R_trained and self.world > 1:
                 works.append(C.all_reduce(rep, self.group, async_op=True))
         return [works, out, direct, accumulate, self.replicate_group]
+
+    def _chunks_k(self, grads: dict, sh: list, inp: torch.Tensor) -> None:
+        """The rank-major reduce-scatter input (W, S_t) of a unit with leaves split on another dim
+        than 0: `_chunk_cat` lays out the dim-0 leaves and zeros the others' segments, then one copy
+        per rank's chunk fills those (Note [leaves split on another dim])."""
+        W, base = self.world, self.S_frozen
+        segs = self.segments
+        # A stand-in of one row of seg_numel zeros takes a leaf's place: chunked in W it is one row
+        # for rank 0 and padding (zeros) for the others. Contiguous, in the gradients' dtype, so
+        # `_chunk_cat` keeps its fast path.
+        zeros = torch.zeros(max(segs[i].seg_numel for i in self._sh_trained_k), dtype=sh[0].dtype, device=inp.device)
+        stand_in = {i: zeros[: segs[i].seg_numel].view(1, segs[i].seg_numel) for i in self._sh_trained_k}
+        torch._chunk_cat([stand_in.get(i, g) for i, g in zip(self._sh_trained, sh)], dim=0, num_chunks=W, out=inp)
+        dst, src = [], []
+        for i in self._sh_trained_k:
+            s, g = segs[i], grads[i].contiguous()
+            for r, first, width in s.rank_chunks(W):
+                dst.append(s.as_3d(inp[r, s.offset - base : s.offset - base + width * s.row_numel], width))
+                src.append(s.as_3d(g)[:, first : first + width])
+        if dst:
+            torch._foreach_copy_(dst, src)
 
     def finish_reduce(self, pending, timeout: float | None = None) -> list | None:
         """Waits for a reduction. Returns a new pending state if a hybrid all-reduce was started."""

@@ -6,7 +6,9 @@ On a mesh `(dp, tp)` (the first axis is FSDP's, the second tensor-parallel) a le
 it is split over `tp`: `P("tp", None)` splits the rows of a `[out, in]` weight (column-parallel:
 each rank computes a slice of the outputs), `P(None, "tp")` its columns (row-parallel: each rank
 computes a partial sum of the outputs); `P()` (or `P("dp")`) keeps it whole on every tp rank.
-Every leaf is also FSDP-sharded over `dp`, within its tp shard.
+Every leaf is also FSDP-sharded over `dp`, within its tp shard: on dim 0, or on the dim its spec names
+`dp` on (`P("tp", "dp")`: FSDP on dim 1 of a column-parallel weight; a dim split over both lists them
+`("tp", "dp")`, FSDP within the tp shard; Note [leaves split on another dim] in `_flat.py`).
 
 Layout. The flat engine (Note [flat unit layout] in `_flat.py`) knows nothing of `tp`: a leaf's
 "full" value, for it, is this rank's tp shard, split over dim 0 across the `dp` group only,
@@ -80,7 +82,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._spec import P
 
-__all__ = ["TensorParallel", "split_specs", "state_spec", "local_part", "FallbackWarning"]
+__all__ = ["TensorParallel", "split_specs", "dp_dim", "state_spec", "local_part", "FallbackWarning"]
 
 
 class FallbackWarning(UserWarning):
@@ -88,29 +90,37 @@ class FallbackWarning(UserWarning):
 
 
 def split_specs(path: str, shape: torch.Size, spec: P, dp: str, tp: str) -> int | None:
-    """The dim `spec` splits over `tp` (None: whole on tp), checking that `dp` appears only on dim 0
-    (FSDP splits dim 0 anyway) and `tp` on at most one dim."""
+    """The dim `spec` splits over `tp` (None: whole on tp), checking that `dp` on a dim other than 0
+    shares it with `tp` only as FSDP within the tp shard does (`(tp, dp)`)."""
     tp_dim = None
     for d in range(len(spec)):
         axes = spec.axes_of(d)
-        if dp in axes and d != 0:
+        if dp in axes and axes not in ((dp,), (tp, dp)):
+            # (dp, tp) on one dim is dp-major: a tp rank's rows would be strided, not the block the
+            # tensor-parallel forward computes on; laying it out as (tp, dp) instead would silently
+            # give another layout than the spec says.
             raise NotImplementedError(
                 f"leaf {path!r} (shape {tuple(shape)}) has spec {spec!r}: on a ({dp}, {tp}) mesh the train step "
-                f"FSDP-shards dim 0 over {dp!r} itself; name only {tp!r} in specs (e.g. P({tp!r}, None) or P(None, {tp!r}))"
+                f"FSDP-shards over {dp!r} within the {tp!r} shard; on dim {d} list them as ({tp!r}, {dp!r})"
             )
         if tp in axes:
             tp_dim = d
     return tp_dim
 
 
-def state_spec(tp_dim: int | None, fsdp: bool, ndim: int, dp: str, tp: str) -> P:
-    """The spec of a leaf split on `tp_dim` over tp and FSDP'd over dp on dim 0 within its tp shard
-    (Note [tensor parallel forward]): `P(("tp", "dp"), None)`, `P("dp", "tp")`, `P("dp")`, ..."""
+def dp_dim(spec: P, dp: str) -> int:
+    """The dim a leaf is FSDP'd on over `dp`: the one `spec` names `dp` on, else dim 0."""
+    return next((d for d in range(len(spec)) if dp in spec.axes_of(d)), 0)
+
+
+def state_spec(tp_dim: int | None, fsdp: bool, ndim: int, dp: str, tp: str, fsdp_dim: int = 0) -> P:
+    """The spec of a leaf split on `tp_dim` over tp and FSDP'd over dp on `fsdp_dim` within its tp
+    shard (Note [tensor parallel forward]): `P(("tp", "dp"), None)`, `P("dp", "tp")`, `P("tp", "dp")`, ..."""
     entries: list = [None] * ndim
     if tp_dim is not None:
         entries[tp_dim] = tp
     if fsdp:
-        entries[0] = (tp, dp) if tp_dim == 0 else dp
+        entries[fsdp_dim] = (tp, dp) if tp_dim == fsdp_dim else dp
     while entries and entries[-1] is None:
         entries.pop()
     return P(*entries)

@@ -141,6 +141,7 @@ def rank_train(name: str, axes: dict, cases: list[dict], steps: int = 3, rules: 
         last = dict(calls=dict(C.STATS.calls), bytes=dict(C.STATS.bytes_sent), tp=dict(tp.stats) if tp else {})
         last["held"] = sum(x._local_tensor.numel() for x in optree.tree_leaves(state.params))
         last["total"] = sum(x.numel() for x in optree.tree_leaves(state.params))
+        last["layout"] = {n: (tuple(x.placements), tuple(x._local_tensor.shape)) for n, x in sf.to_state_dict(state.params, apply).items() if hasattr(x, "placements")}
         full = sf.to_state_dict(sf.gather(state.params), apply)
         out.append(dict(err=max((_rel(full[n], ref[n]), n) for n in ref), **last))
     return out
@@ -195,6 +196,23 @@ def test_2d_mesh_trains_as_the_reference(pools):
         dict(max_grad_norm=0.05, frozen=r"blocks\.0\..*", penalty=True),
     ])
     _check(gpt[0], "gpt")
+    # FSDP over dp on the dim the spec names: within the tp shard of a column-parallel weight
+    # (P("tp", "dp")) and of a row-parallel one (P(None, ("tp", "dp"))), on a leaf whole on tp.
+    dim_k = [
+        (r"blocks\.\d+\.fc\.weight", sf.P("tp", "dp")),
+        (r"blocks\.\d+\.out\.weight", sf.P(None, ("tp", "dp"))),
+        (r"blocks\.\d+\.attn\.qkv\.weight", sf.P(None, "dp")),
+        *sf.rules.GPT,
+    ]
+    gpt_k = pool.run(rank_train, "gpt", axes, [dict(), dict(strategy="shard_grad_op", remat=True, accumulation_steps=2)], rules=dim_k)
+    _check(gpt_k[0], "gpt, dp on another dim")
+    S = torch.distributed.tensor.Shard
+    for rank in gpt_k:
+        layout = rank[0]["layout"]
+        assert layout["blocks.0.fc.weight"] == ((S(1), S(0)), (64, 16)), layout["blocks.0.fc.weight"]
+        assert layout["blocks.0.attn.qkv.weight"] == ((S(1), torch.distributed.tensor.Replicate()), (96, 16)), layout
+        out_w = layout["blocks.1.out.weight"]
+        assert out_w[1] == (32, 32) and [type(p).__name__ for p in out_w[0]] == ["_StridedShard", "Shard"], out_w
     # Per column -> row pair one tp all-reduce in the forward and one in the backward, and the
     # vocabulary-parallel embedding's; in the backward the head's input gradient: Llama 2 layers x 2
     # pairs + 1 each way.
@@ -324,7 +342,8 @@ def rank_fallback_and_refusals() -> dict:
     for options, specs in (
         (dict(strategy="no_shard"), None),
         (dict(offload="cpu"), None),
-        (dict(), sf.specs(params, mesh, rules=[(r".*fc\.weight", sf.P(None, "dp"))])),
+        (dict(), sf.specs(params, mesh, rules=[(r".*fc\.weight", sf.P(None, ("dp", "tp")))])),
+        (dict(), sf.specs(params, mesh, rules=[(r".*fc\.weight", sf.P(("dp", "tp"), None))])),  # dp-major rows
     ):
         try:
             sf.train_step(_loss_fn("gpt", apply), sf.optim.sgd(0.1), mesh, specs=specs, **options).init(params)
@@ -344,7 +363,8 @@ def test_fallback_gathers_are_reported_and_unsupported_options_refused(pools):
     assert got["err"][0] < TOL, got
     assert got["reports"] and all("c_attn" in r or "attn" in r for r in got["reports"]), got["reports"]
     assert len(got["reports"]) == len(set(got["reports"])), got["reports"]  # each once
-    assert len(got["refused"]) == 4 and "different batches" in got["refused"][-1], got["refused"]
+    assert len(got["refused"]) == 5 and "different batches" in got["refused"][-1], got["refused"]
+    assert "list them as ('tp', 'dp')" in got["refused"][3], got["refused"]
 
 
 def _resume(path: str, axes: dict, steps: range, load: bool):

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 import shardfn as sf
 from shardfn import _collectives as C
 from shardfn import _flat
-from reference import OPT, Reference, backward_on_another_thread, compare_params, global_batch, local_batch, loss_of, make_loss_fn, make_model, units_of
+from shardfn._tree import tree_flatten_with_paths
+from reference import OPT, Reference, backward_on_another_thread, compare_params, global_batch, local_batch, loss_of, make_loss_fn, make_model, rel_err, units_of
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
 STEPS = 4
@@ -98,13 +101,25 @@ def test_parity_with_leaves_gathered_into_place(pools, world, small_segment):
                 assert max(loss_err, norm_err, param_err) < 1e-5, (strategy, kind, loss_err, norm_err, param_err)
 
 
+def rank_hybrid_other_dim() -> dict:
+    """hybrid_shard on (replicate=2, shard=2) with 2-D leaves split on dim 1 over `shard`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = _dim1_run("gpt", "hybrid_shard", 3, rank, world, axes=dict(replicate=2, shard=2), max_grad_norm=0.5)
+    out.pop("full")
+    return out
+
+
 def test_parity_at_four_ranks(pools):
     """W > 3: each reduce-scatter (whose input is scratch) runs as an in-place all-reduce instead of
-    point to point (Note [gloo collectives]); gathers stay point to point, in place or not."""
+    point to point (Note [gloo collectives]); gathers stay point to point, in place or not. And
+    hybrid sharding of leaves split on dim 1 (Note [leaves split on another dim])."""
     for small_segment in (None, 0):
         for rank_result in pools(4).run(rank_parity, "full_shard", small_segment=small_segment):
             for kind, (loss_err, norm_err, param_err, _) in rank_result.items():
                 assert max(loss_err, norm_err, param_err) < 1e-5, (small_segment, kind, loss_err, norm_err, param_err)
+    for r in pools(4).run(rank_hybrid_other_dim):
+        assert r["loss"] < 1e-5 and r["params"] < 1e-5, r
+        assert r["layout"] and all(p == Shard(1) and local == want for _, p, local, want, _ in r["layout"]), r["layout"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -542,3 +557,166 @@ def test_group_members_in_another_order_on_another_rank(pools):
     for out in pools(2).run(rank_group_members_in_any_order):
         assert out["groups"] == [[0, 1], [2, 3]], out
         assert out["err"] < 1e-6, out
+
+
+def _dim1_specs(params, mesh):
+    """`P(None, ax)` (DTensor's `Shard(1)`) on every 2-D leaf, `P(ax)` on the others; `ax` the
+    mesh's last axis (the shard axis)."""
+    ax = mesh.mesh_dim_names[-1]
+    paths, leaves, _ = tree_flatten_with_paths(params)
+    rules = [(re.escape(p), sf.P(None, ax)) for p, x in zip(paths, leaves) if x.dim() == 2]
+    return sf.specs(params, mesh, rules=rules, default=sf.P(ax))
+
+
+def _dim1_run(kind: str, strategy: str, steps: int, rank: int, world: int, save: str | None = None, bf16: bool = False,
+              frozen: str | None = None, axes: dict | None = None, **kw) -> dict:
+    """`steps` AdamW steps with 2-D leaves split on dim 1, against the reference; the worst errors,
+    and the layout the state's leaves have."""
+    model = make_model(kind)
+    ref = Reference(model, kind, max_grad_norm=kw.get("max_grad_norm"), frozen=frozen, bf16=bf16)
+    apply, params = sf.functionalize(model, units=units_of(kind))
+    mesh = sf.mesh(**(axes or dict(dp=-1)))
+    mixed = sf.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
+    step = sf.train_step(make_loss_fn(kind, apply), sf.optim.adamw(**OPT), mesh, strategy=strategy, specs=_dim1_specs(params, mesh),
+                         mixed_precision=mixed, frozen=frozen, **kw)
+    state = step.init(params)
+    loss_err = param_err = 0.0
+    for i in range(steps):
+        batch = global_batch(kind, i, 12, per_rank=1)  # the same global batch at any world size
+        state, m = step(state, local_batch(batch, rank, world))
+        ref_loss, _ = ref.step(batch)
+        loss_err = max(loss_err, abs(m["loss"].item() - ref_loss) / abs(ref_loss))
+        param_err = max(param_err, compare_params(state.params, apply, ref, per_leaf=not bf16))
+        if save is not None and i == steps - 2:
+            sf.save(state, save)
+    layout = []
+    mu = state.opt_state[0].mu if isinstance(state.opt_state, tuple) else None
+    for tree in (state.params, mu):
+        if tree is None:
+            continue
+        for path, x in zip(*tree_flatten_with_paths(tree)[:2]):
+            if x.dim() == 2:
+                n, w, r = x.shape[1], mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+                c = -(-n // w)
+                layout.append((path, tuple(x.placements)[-1], tuple(x._local_tensor.shape), (x.shape[0], max(0, min(n - r * c, c))),
+                               x._local_tensor.is_contiguous()))
+    return dict(loss=loss_err, params=param_err, layout=layout, full=sf.to_state_dict(sf.gather(state.params), apply))
+
+
+def rank_other_dim(save: str | None = None, load: str | None = None) -> dict:
+    """2-D leaves split on dim 1 (`Shard(1)`): train steps under every option against the
+    reference, value_and_grad, the state's layout, a checkpoint saved here or loaded at another
+    world size (then one more step, against the reference's third)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    with _small_segment(0):  # the dim-0 leaves received in place, the dim-1 ones through `gathered`
+        out["remat_frozen"] = _dim1_run("gpt", "full_shard", 3, rank, world, remat=True, frozen=r"blocks\.0\..*", group_bytes=0)
+    out["accum_clip"] = _dim1_run("gpt", "shard_grad_op", 3, rank, world, accumulation_steps=2, max_grad_norm=0.5)
+    out["mlp"] = _dim1_run("mlp", "full_shard", 3, rank, world, group_bytes=0, save=save)
+    out["bf16"] = _dim1_run("gpt", "full_shard", 3, rank, world, bf16=True)
+    # The same in bf16 with every leaf on dim 0: the layout changes at most the rounding of the sums.
+    model = make_model("gpt")
+    apply, params = sf.functionalize(model, units=units_of("gpt"))
+    step = sf.train_step(make_loss_fn("gpt", apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1),
+                         mixed_precision=sf.MixedPrecision(torch.bfloat16, torch.float32))
+    state = step.init(params)
+    for i in range(3):
+        state, _ = step(state, local_batch(global_batch("gpt", i, 12, per_rank=1), rank, world))
+    dim0 = sf.to_state_dict(sf.gather(state.params), apply)
+    out["bf16_vs_dim0"] = max(rel_err(out["bf16"]["full"][n], dim0[n]) for n in dim0)
+    for r in out.values():
+        if isinstance(r, dict):
+            r.pop("full")
+    # value_and_grad on a tree sf.shard laid out so.
+    model, ref_model = make_model("gpt"), make_model("gpt")
+    apply, params = sf.functionalize(model, units=units_of("gpt"))
+    mesh = sf.mesh(dp=-1)
+    sharded = sf.shard(params, _dim1_specs(params, mesh), mesh)
+    batch = global_batch("gpt", 0, 12, per_rank=1)
+    # A leaf split on dim 1 also read outside apply (Note [parameters outside apply]).
+    loss_fn = make_loss_fn("gpt", apply)
+    penalized = lambda p, b: loss_fn(p, b) + 0.1 * (p["blocks"]["0"]["fc"]["weight"] ** 2).sum()  # noqa: E731
+    loss, grads = sf.value_and_grad(penalized, apply=apply)(sharded, local_batch(batch, rank, world))
+    ref_loss = loss_of("gpt", ref_model(batch[0]), batch[1]) + 0.1 * (ref_model.blocks[0].fc.weight ** 2).sum()
+    ref_loss.backward()
+    got = sf.to_state_dict(sf.gather(grads))
+    out["value_and_grad"] = (rel_err(loss, ref_loss), max(rel_err(got[n], p.grad) for n, p in ref_model.named_parameters()),
+                             sorted({str(g.placements) for g in torch.utils._pytree.tree_leaves(grads) if g.dim() == 2}))
+    # 3-D leaves split on their middle and last dims (whole dims before and after the split one).
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 7, 5), "u": torch.randn(5, 3, 8), "b": torch.randn(8)}
+    specs = {"w": sf.P(None, "dp"), "u": sf.P(None, None, "dp"), "b": sf.P("dp")}
+    ref = {k: v.clone().requires_grad_() for k, v in params.items()}
+    x, y = torch.randn(6 * world, 4, 7), torch.randn(6 * world, 3, 8)
+
+    def loss_fn(p, batch):
+        xb, yb = batch
+        return ((torch.einsum("nij,ijk,kal->nal", xb, p["w"], p["u"]) + p["b"] - yb) ** 2).mean()
+
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.01, momentum=0.9), sf.mesh(dp=-1), specs=specs)
+    state = step.init(params)
+    opt = torch.optim.SGD(ref.values(), lr=0.01, momentum=0.9)
+    for _ in range(3):
+        state, _ = step(state, (x.chunk(world)[rank], y.chunk(world)[rank]))
+        opt.zero_grad()
+        loss_fn(ref, (x, y)).backward()
+        opt.step()
+    full = sf.gather(state.params)
+    c7, c8 = -(-7 // world), -(-8 // world)
+    want = {"w": ((Shard(1),), (4, max(0, min(c7, 7 - rank * c7)), 5)), "u": ((Shard(2),), (5, 3, max(0, min(c8, 8 - rank * c8))))}
+    got = {k: (tuple(state.params[k].placements), tuple(state.params[k]._local_tensor.shape)) for k in want}
+    out["3d"] = (max(rel_err(full[k], ref[k]) for k in full), got, want)
+    # What is not supported yet is refused before anything is computed, naming the leaf and the spec.
+    refused = []
+    for axes, options, specs in ((dict(dp=-1), dict(offload="cpu"), _dim1_specs),
+                                 (dict(replicate=1, shard=-1), dict(strategy="hybrid_shard"), lambda p, m: sf.specs(p, m, default=sf.P("replicate", "shard")))):
+        apply, params = sf.functionalize(make_model("mlp"), units=units_of("mlp"))
+        mesh = sf.mesh(**axes)
+        try:
+            sf.train_step(make_loss_fn("mlp", apply), sf.optim.sgd(0.1), mesh, specs=specs(params, mesh), **options).init(params)
+        except NotImplementedError as e:
+            refused.append(str(e))
+    out["refused"] = refused
+    if load is not None:  # the checkpoint of "mlp" after two steps, then its third step here
+        model = make_model("mlp")
+        ref = Reference(model, "mlp")
+        apply, params = sf.functionalize(model, units=units_of("mlp"))
+        mesh = sf.mesh(dp=-1)
+        step = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), mesh, specs=_dim1_specs(params, mesh), group_bytes=0)
+        state = sf.load(load, like=step.init(params))
+        out["loaded"] = sf.to_state_dict(sf.gather(state.params), apply)
+        for i in range(3):
+            batch = global_batch("mlp", i, 12, per_rank=1)
+            ref.step(batch)
+            if i == 1:
+                out["loaded_ref_err"] = compare_params(state.params, apply, ref)
+        state, _ = step(state, local_batch(global_batch("mlp", 2, 12, per_rank=1), rank, world))
+        out["resumed"] = compare_params(state.params, apply, ref)
+        out["loaded_layout"] = sorted({str(x.placements) for x in torch.utils._pytree.tree_leaves(state.params) if x.dim() == 2})
+    return out
+
+
+def test_leaves_split_on_another_dim_train_as_the_reference(pools, tmp_path):
+    """`P(None, "dp")` on every 2-D leaf: FSDP over dim 1, uneven at 3 ranks, exact under both
+    sharding strategies with remat, frozen leaves, accumulation, clipping; bf16 as close to the
+    reference as dim 0's layout; value_and_grad; a checkpoint resumes at another world size."""
+    path = str(tmp_path / "dim1")
+    for world, save, load in ((3, path, None), (2, None, path)):
+        for r in pools(world).run(rank_other_dim, save, load):
+            for case in ("remat_frozen", "accum_clip", "mlp"):
+                assert r[case]["loss"] < 1e-5 and r[case]["params"] < 1e-5, (world, case, r[case])
+            assert r["bf16"]["params"] < 1e-2 and r["bf16_vs_dim0"] < 1e-6, (world, r["bf16"], r["bf16_vs_dim0"])
+            for case in ("remat_frozen", "accum_clip", "mlp", "bf16"):
+                layout = r[case]["layout"]
+                assert layout, case
+                for path_, placements, local, want, contiguous in layout:
+                    assert placements == Shard(1) and local == want and contiguous, (world, case, path_, placements, local, want)
+            loss_err, grad_err, placements = r["value_and_grad"]
+            assert loss_err < 1e-5 and grad_err < 1e-5 and placements == ["(Shard(dim=1),)"], r["value_and_grad"]
+            err, got, want = r["3d"]
+            assert err < 1e-5 and got == want, r["3d"]
+            assert len(r["refused"]) == 2 and "offload" in r["refused"][0] and "0.weight" in r["refused"][0], r["refused"]
+            assert "spec P('replicate'" in r["refused"][1] and "nothing else on this mesh" in r["refused"][1], r["refused"]
+            if load is not None:
+                assert r["loaded_ref_err"] < 1e-5 and r["resumed"] < 1e-5, (r["loaded_ref_err"], r["resumed"])
+                assert r["loaded_layout"] == ["(Shard(dim=1),)"], r["loaded_layout"]
