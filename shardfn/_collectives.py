@@ -11,6 +11,7 @@ as point-to-point exchanges: see Note [gloo collectives].
 from __future__ import annotations
 
 import contextlib
+import math
 import pickle
 import threading
 import datetime
@@ -417,6 +418,12 @@ def redistribute(x, mesh, placements, what: str):
     an all-to-all between two layouts of as many shards, nothing for a finer sharding (a slice)."""
     before, after = _shards(x.placements, x.device_mesh), _shards(placements, mesh)
     local = x.numel() * x.element_size() // before
+    summed = [i for i, p in enumerate(x.placements) if p.is_partial() and not placements[i].is_partial()]
+    if summed:  # partial sums made whole: an all-reduce over those mesh dims
+        n = math.prod(mesh.size(i) for i in summed)
+        STATS.add("all_reduce", 2 * local * (n - 1) // n)
+        with watching(what):
+            return x.redistribute(mesh, placements)
     if before > after:
         nbytes = local * (before // after - 1)
     elif before == after and tuple(x.placements) != tuple(placements):

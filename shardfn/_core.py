@@ -69,7 +69,7 @@ def _split_loss(out: Any) -> tuple[torch.Tensor, Any]:
     else:
         loss, aux = out, None
     if isinstance(loss, DTensor):  # tensor parallel: the loss every tp rank computed
-        loss = loss.full_tensor()
+        loss = C.full_tensor(loss, "the loss")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"loss_fn must return a scalar tensor (or (loss, aux)), got {type(loss).__name__} {getattr(loss, 'shape', '')}")
     loss = loss.reshape(())

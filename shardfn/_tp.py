@@ -80,6 +80,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import _collectives as C
 from ._spec import P
 
 __all__ = ["TensorParallel", "split_specs", "dp_dim", "state_spec", "local_part", "FallbackWarning"]
@@ -164,7 +165,7 @@ def _register_strategies() -> None:
         R = Replicate()
         mask = [] if attn_mask is None else [R]
         out = [([R, R], [R, R, R, None, None, *mask])]
-        if attn_mask is None:
+        if attn_mask is None and not dropout_p:  # dropout drawn per shard: Note [randomness on tp peers]
             out += [([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), None, None]) for d in (0, 1)]
         return out
 
@@ -173,7 +174,7 @@ def _register_strategies() -> None:
         R = Replicate()
         mask = [] if attn_mask is None else [R]
         strategies = [([R, R, R], [R, R, R, R, R, R, None, None, *mask])]
-        if attn_mask is None:
+        if attn_mask is None and not dropout_p:
             strategies += [([Shard(d)] * 3, [Shard(d)] * 6 + [None, None]) for d in (0, 1)]
         return strategies
 
@@ -238,19 +239,38 @@ class TensorParallel:
         plain = all(type(p) is Partial or not p.is_partial() for p in x.placements)
         if self.reduce_dtype is not None and self.reduce_dtype != dtype and plain:
             x = x.to(self.reduce_dtype)
-        x = x.redistribute(placements=[Replicate()] * x.device_mesh.ndim)
+        x = C.redistribute(x, x.device_mesh, [Replicate()] * x.device_mesh.ndim, "the tensor-parallel forward")
         return x.to(dtype) if x.dtype != dtype else x
 
     @contextmanager
     def context(self) -> Iterator[None]:
         """The context a forward and its backward run in: plain tensors count as replicated;
         cross-entropy on vocabulary-sharded logits stays sharded; the fallback watch (first step)."""
+        self.same_randomness()
         with ExitStack() as stack:
             stack.enter_context(implicit_replication())
             stack.enter_context(_loss_parallel())
+            stack.enter_context(_dropout_whole(self))
             if self.watch:
                 stack.enter_context(_GatherWatch(self))
             yield
+
+    def same_randomness(self) -> None:
+        """Gives every rank of this tp group the generator state of its tp rank 0 (Note [randomness
+        on tp peers])."""
+        if self.size == 1:
+            return
+        src = int(self.mesh.mesh.flatten()[0])
+        group = self.mesh.get_group()
+        device = self.mesh.device_type
+        state = torch.get_rng_state()
+        t = state.to(device) if device != "cpu" else state
+        C.broadcast(t, src, group)
+        torch.set_rng_state(t.cpu())
+        if device == "cuda":
+            dev = torch.cuda.get_rng_state().cuda()
+            C.broadcast(dev, src, group)
+            torch.cuda.set_rng_state(dev.cpu())
 
     def report(self, op: str, module: str) -> None:
         if (op, module) in self._reported:
@@ -340,6 +360,79 @@ def _loss_parallel() -> Iterator[None]:
 
     for op, (handler, arg, dim_arg) in ops.items():
         handlers[op] = guarded(op, handler, arg, dim_arg)
+    try:
+        yield
+    finally:
+        for op, h in saved.items():
+            if h is None:
+                handlers.pop(op, None)
+            else:
+                handlers[op] = h
+
+
+# -- dropout on tp-sharded activations ---------------------------------------------------------------
+# Note [randomness on tp peers]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Ranks that differ only in their tp coordinate compute one forward: a replicated activation must
+# get the same dropout mask on each, or the copies of the leaves that are whole on tp (norms, a
+# whole head) are updated from different forwards and drift apart, silently. So each step starts
+# by giving the tp group its tp rank 0's generator state (one small broadcast), and a dropout on a
+# tp-sharded activation draws the mask of the WHOLE activation on every rank and keeps its own
+# part: every rank draws as many numbers, so the generators stay in step (uneven shards would
+# otherwise draw different counts), and the shards' masks are parts of one mask, as on one process,
+# not copies of one pattern. Other random ops on sharded DTensors (`rand_like` of an activation)
+# are the user's; dropout is what models call.
+
+def _shard_dim(x: Any) -> int | None:
+    """The dim a DTensor on a 1-D mesh is sharded on (None: not sharded, or not that kind)."""
+    if not isinstance(x, DTensor) or x.device_mesh.ndim != 1 or not x.placements[0].is_shard():
+        return None
+    return x.placements[0].dim
+
+
+@contextmanager
+def _dropout_whole(tp: "TensorParallel") -> Iterator[None]:
+    """Random fills and dropout on tp-sharded DTensors draw the whole tensor's numbers on every rank
+    and keep their own part (Note [randomness on tp peers])."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    aten = torch.ops.aten
+    fills = [aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default]  # CPU's dropout: bernoulli_
+    saved = {op: handlers.get(op) for op in (*fills, aten.native_dropout.default)}
+
+    def default(op_call, args, kwargs, me):
+        handlers.pop(op_call, None)
+        try:
+            return op_call(*args, **kwargs)
+        finally:
+            handlers[op_call] = me
+
+    def fill(op_call, args, kwargs):
+        x = args[0]
+        dim = _shard_dim(x)
+        if dim is None:
+            return default(op_call, args, kwargs, fill)
+        local = x._local_tensor
+        whole = torch.empty(x.shape, dtype=local.dtype, device=local.device)
+        op_call(whole, *args[1:], **kwargs)
+        local.copy_(local_part(whole, dim, x.device_mesh.get_local_rank(), x.device_mesh.size()))
+        return x
+
+    def dropout(op_call, args, kwargs):
+        x, p = args[0], args[1]
+        train = args[2] if len(args) > 2 else kwargs.get("train")  # None: training, as ATen reads it
+        dim = _shard_dim(x)
+        if dim is None or train is False or p == 0:
+            return default(op_call, args, kwargs, dropout)
+        local = x._local_tensor
+        mask = torch.empty(x.shape, dtype=torch.bool, device=local.device).bernoulli_(1 - p)
+        mask = local_part(mask, dim, x.device_mesh.get_local_rank(), x.device_mesh.size())
+        out = local * mask * (1.0 / (1 - p) if p < 1 else 0.0)
+        spec = dict(device_mesh=x.device_mesh, placements=x.placements, run_check=False, shape=x.shape, stride=x.stride())
+        return DTensor.from_local(out, **spec), DTensor.from_local(mask, **spec)
+
+    for op in fills:
+        handlers[op] = fill
+    handlers[aten.native_dropout.default] = dropout
     try:
         yield
     finally:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
+from torch.distributed.tensor import DTensor
 
 import shardfn as sf
 from shardfn import _collectives as C
@@ -423,3 +424,49 @@ def test_a_2d_checkpoint_resumes_exactly(pools, tmp_path):
     with torch.no_grad():
         got, want = model(input_ids=ids).logits, reference(input_ids=ids).logits
     assert _rel(got, want) < TOL, _rel(got, want)
+
+
+class _DropNet(torch.nn.Module):
+    """Column -> dropout -> row -> dropout, on an uneven hidden size (13 = 7 + 6 on tp=2)."""
+
+    def __init__(self, d: int = 8, h: int = 13):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict(dict(fc=torch.nn.Linear(d, h), out=torch.nn.Linear(h, d))) for _ in range(2))
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + F.dropout(b["out"](F.dropout(F.gelu(b["fc"](x)), 0.5, True)), 0.5, True)
+        return self.head(x)
+
+
+def rank_dropout_on_tp_peers() -> dict:
+    """Each rank seeds its own generator: tp peers must still draw the same masks for a replicated
+    activation, and uneven shards must not put their generators out of step."""
+    mesh = sf.mesh(dp=1, tp=2)
+    torch.manual_seed(0)
+    apply, params = sf.functionalize(_DropNet(), units=r"blocks\.\d+")
+    rules = [(r".*fc\.weight", sf.P("tp", None)), (r".*fc\.bias", sf.P("tp")), (r".*out\.weight", sf.P(None, "tp"))]
+
+    def loss_fn(p, batch):
+        loss = F.cross_entropy(apply(p, batch[0]), batch[1])
+        return loss, loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
+
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.1), mesh, specs=sf.specs(params, mesh, rules=rules))
+    state = step.init(params)
+    torch.manual_seed(100 + dist.get_rank())
+    losses = []
+    for s in range(2):
+        g = torch.Generator().manual_seed(s)
+        state, m = step(state, (torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)))
+        losses.append(float(m["aux"]))
+    whole = {k: v.to_local().clone() for k, v in sf.to_state_dict(state.params).items() if "head" in k}
+    return dict(losses=losses, whole=whole, after=torch.rand(3))
+
+
+def test_dropout_masks_agree_on_tp_peers(pools):
+    a, b = pools(2).run(rank_dropout_on_tp_peers)
+    assert a["losses"] == b["losses"], (a["losses"], b["losses"])
+    for k in a["whole"]:  # whole on tp: each peer's copy, updated from its own forward
+        assert torch.equal(a["whole"][k], b["whole"][k]), k
+    assert torch.equal(a["after"], b["after"])  # the generators stay in step
