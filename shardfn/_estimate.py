@@ -45,6 +45,7 @@ only what exceeds the budget itself.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from typing import Any, Callable
 
 import optree
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -219,6 +221,16 @@ def device_budget(device: str | torch.device | None = None) -> int:
 # -- counting tensors on the meta device ----------------------------------------------------------
 
 
+def _wrappers() -> tuple[type, ...]:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    return (DTensor, AsyncCollectiveTensor)
+
+
+_WRAPPERS = _wrappers()
+
+
 class _Counter(TorchDispatchMode):
     """Counts the bytes of every storage an op creates, until it is freed; a timeline of marks."""
 
@@ -232,6 +244,11 @@ class _Counter(TorchDispatchMode):
         self.events: list[tuple] = []  # (kind, arg, bytes live after)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, _WRAPPERS) for t in types):
+            # A DTensor (tensor parallel) holds no storage of its own: it runs the op on its local
+            # tensors, which come back through this mode and are counted at their local size, with
+            # the collectives' buffers.
+            return NotImplemented
         if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
             # A model's check on its data (Hugging Face's "are these packed sequences?" reads
             # `bool(...)`): no data here, so a truth test reads true and a number is refused.
@@ -249,6 +266,8 @@ class _Counter(TorchDispatchMode):
         return out
 
     def track(self, t: torch.Tensor) -> None:
+        if isinstance(t, FakeTensor):  # DTensor's sharding propagation computes shapes on fake tensors: no memory
+            return
         st = t.untyped_storage()
         key = st._cdata
         if key in self.live or key in self.excluded or key in self.untracked:
@@ -303,6 +322,13 @@ class _Probe:
     def _cast(self, tree):
         dt = self.cast_dtype
         return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dt) if t.is_floating_point() else t, tree)
+
+    tree: Any = None  # the parameter tree handed to loss_fn
+
+    def flat_params(self, apply, params):
+        """`apply` computes on the tree as handed to it (with tensor parallel: its meta DTensors, which
+        `apply` would gather whole without a runtime that owns them)."""
+        return apply.flat_params(params) if params is self.tree and apply.info is self.info else None
 
     def cast_inputs(self, info, args, kwargs):
         if self.cast_dtype is None or info is not self.info:
@@ -411,13 +437,14 @@ def _swap_buffers(module: torch.nn.Module, dtype) -> list:
     return saved
 
 
-def _run_meta(core, info, treespec, leaves, trained, unit_dtype, micro) -> _Counter:
-    """Runs `loss_fn` forward and backward on meta tensors; returns the counter (its timeline)."""
+def _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, micro) -> _Counter:
+    """Runs `loss_fn` forward and backward on meta tensors; returns the counter (its timeline).
+    With tensor parallel, on meta DTensors over the step's tp mesh, steered as the step steers them."""
     counter = _Counter()
     cast = core.mp.param_dtype
     metas = []
     for i, leaf in enumerate(leaves):
-        t = torch.empty(leaf.shape, dtype=unit_dtype[i], device="meta")
+        t = torch.empty(core._shapes[i] if core.tp_axis is not None else leaf.shape, dtype=unit_dtype[i], device="meta")
         if trained[i]:
             t.requires_grad_(True)
 
@@ -428,7 +455,8 @@ def _run_meta(core, info, treespec, leaves, trained, unit_dtype, micro) -> _Coun
 
             t.register_post_accumulate_grad_hook(hook)
         metas.append(t)
-    tree = optree.tree_unflatten(treespec, metas)
+    tp, own_tp = _tensor_parallel(core, info, paths, leaves)
+    tree = optree.tree_unflatten(treespec, [tp.leaf(i, t) for i, t in enumerate(metas)] if tp is not None else metas)
     remat = set()
     if core.remat and info is not None:
         from ._remat import install, select_units
@@ -437,6 +465,7 @@ def _run_meta(core, info, treespec, leaves, trained, unit_dtype, micro) -> _Coun
         for u in remat:
             install(info, u)
     probe = _Probe(info, counter, cast, remat)
+    probe.tree = tree
     saved = _swap_buffers(info.module, core.mp.buffer_dtype) if info is not None else []
     from . import _runtime
 
@@ -445,8 +474,16 @@ def _run_meta(core, info, treespec, leaves, trained, unit_dtype, micro) -> _Coun
     if info is not None:
         counter.known(info.module.buffers())
         counter.known(info.module.parameters())
+    stats = (tp.stats.copy(), tp.watch) if tp is not None else None
     try:
-        with _AttentionAsOn(core.mesh.device_type), counter, _runtime.activate(probe, info), torch.enable_grad():
+        with contextlib.ExitStack() as stack:
+            if tp is not None:
+                tp.watch = False  # the step's first step reports what gathers
+                stack.enter_context(tp.context())
+            stack.enter_context(_AttentionAsOn(core.mesh.device_type))
+            stack.enter_context(counter)
+            stack.enter_context(_runtime.activate(probe, info))
+            stack.enter_context(torch.enable_grad())
             out = core.loss_fn(tree, micro)
             loss = out[0] if isinstance(out, tuple) and len(out) == 2 else out
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -460,7 +497,30 @@ def _run_meta(core, info, treespec, leaves, trained, unit_dtype, micro) -> _Coun
     finally:
         for mod, name, b in saved:
             mod._buffers[name] = b
+        if tp is not None:
+            if own_tp:
+                tp.remove()
+            else:  # the step's own: its counts and watch are the step's
+                tp.stats.clear()
+                tp.stats.update(stats[0])
+                tp.watch = stats[1]
     return counter
+
+
+def _tensor_parallel(core, info, paths, leaves):
+    """The tensor-parallel side the meta run computes with (None without tensor parallel): the
+    step's own once it is built (its hooks are on the module), else one made and hooked as
+    `step.init` would (taken off after the run); and whether it is the estimate's own."""
+    if core.tp_axis is None:
+        return None, False
+    if core.tp is not None:
+        return core.tp, False
+    from ._tp import TensorParallel
+
+    tp = TensorParallel(core.mesh, core.tp_axis, core._tp_dims, [x.shape for x in leaves], core.mp.reduce_dtype)
+    if info is not None:
+        tp.install(info.module, {n for p, d in zip(paths, core._tp_dims) if d is not None for n in info.aliases[p]})
+    return tp, True
 
 
 # -- the plan of one step ---------------------------------------------------------------------------
@@ -951,13 +1011,14 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
     k = core.accumulation_steps
     if batch is not None:
         mb = _split_batch(optree.tree_map(lambda x: _meta_like(x) if isinstance(x, torch.Tensor) else x, batch), k)[0]
-        counter = _run_meta(core, info, treespec, leaves, trained, unit_dtype, mb)
+        counter = _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, mb)
         events = counter.events
     else:
         events = [("end_forward", None, 0)]
         for i in range(len(leaves)):
             if trained[i]:
-                events.append(("grad", (i, math.prod(leaves[i].shape) * _itemsize(unit_dtype[i])), 0))
+                shape = core._shapes[i] if core.tp_axis is not None else leaves[i].shape  # this rank's tp shard
+                events.append(("grad", (i, math.prod(shape) * _itemsize(unit_dtype[i])), 0))
         events.append(("end", None, 0))
     member_group = {m: g for g, ms in enumerate(groups) for m in ms}
     local = core.accumulation == "local"
