@@ -354,9 +354,21 @@ class _Probe:
         if info is not self.info or self.phase != Phase.FORWARD:
             return None
         self.counter.mark("fwd", u)
+        self._fresh_views(u)
         if self.cast_dtype is not None:
             return self._cast(args), self._cast(kwargs)
         return None
+
+    swaps: dict = {}  # tensor parallel: unit -> [(module, attribute, leaf)]
+    view: Any = None  # leaf -> a new DTensor over its meta shard
+
+    def _fresh_views(self, u) -> None:
+        """Tensor parallel: the unit computes on DTensor views made as it starts, as the engine makes
+        them (Note [tensor parallel forward]). Autograd runs ready nodes newest first, so views made
+        before the forward would hold every gradient until the end of the backward."""
+        for mod, attr, i in self.swaps.pop(u, ()):
+            if mod._parameters.get(attr) is self.tree_leaves[i]:
+                mod._parameters[attr] = self.view(i)
 
     def post_forward(self, info, u, output):
         if info is not self.info or self.phase != Phase.FORWARD:
@@ -489,6 +501,15 @@ def _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, micro) -
             install(info, u)
     probe = _Probe(info, counter, cast, remat)
     probe.tree = tree
+    if tp is not None and info is not None:
+        probe.tree_leaves = optree.tree_leaves(tree)
+        probe.view = lambda i: tp.leaf(i, metas[i])
+        probe.swaps = {}
+        for i, path in enumerate(paths):
+            if info.unit_of[path] >= 0:
+                for name in info.aliases[path]:
+                    owner, _, attr = name.rpartition(".")
+                    probe.swaps.setdefault(info.unit_of[path], []).append((info.module.get_submodule(owner), attr, i))
     saved = _swap_buffers(info.module, core.mp.buffer_dtype) if info is not None else []
     from . import _runtime
 
