@@ -29,7 +29,9 @@ The estimate replays one step of the engine's plan on paper, in the order the en
 - Tensor parallel (a (dp, tp) mesh, Note [tensor parallel forward] in `_tp.py`): for the plan a
   leaf is this rank's tp shard, so parameter, gradient and optimizer shards are the tp shards split
   over dp. The meta run computes on meta DTensors over the step's own tp mesh, with the step's
-  steering hooks and context, so DTensor runs every op on the local meta shards: the counter lets
+  steering hooks and context, each unit's views made as the unit starts, as the engine makes them
+  (autograd runs the ready node made last first: views made before the forward would hold every
+  gradient to the end of the backward), so DTensor runs every op on the local meta shards: the counter lets
   DTensor dispatch and counts the local tensors it computes, so activations count at their local
   size and the collectives' outputs (the tp all-reduces, the vocabulary-parallel cross-entropy's)
   as any tensor. The fake tensors DTensor's sharding propagation computes global shapes on hold no
