@@ -12,6 +12,10 @@ ratio is farthest from 1 is kept. A Markdown table for
 `benchmarks/README.md` with `--markdown`.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/memory.py [--worlds 1 2 4] [--models mlp gpt llama] [--markdown]
+
+`--tp 2` runs the same on a (dp, tp) mesh instead (FSDP x tensor parallel, `sf.rules.GPT` /
+`sf.rules.LLAMA`; the MLP has no ready rules): (dp=1, tp=2) at 2 ranks, (dp=2, tp=2) at 4, the
+options that mesh takes (full_shard, shard_grad_op; remat, bf16, accumulation).
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def build(name: str):
     return apply, params, loss_fn, batch
 
 
-def rank_case(name: str, strategy: str, opts: dict) -> dict:
+def rank_case(name: str, strategy: str, opts: dict, tp: int = 1) -> dict:
     """On every rank: estimate, then measure init and two steps; bytes."""
     import torch
     import torch.distributed as dist
@@ -89,11 +93,14 @@ def rank_case(name: str, strategy: str, opts: dict) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     opts = dict(opts)
     mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if opts.pop("bf16", False) else None
-    if strategy == "hybrid_shard":
+    apply, params, loss_fn, batch = build(name)
+    if tp > 1:  # every rank builds the same batch: ranks that differ only in tp hold the same one
+        mesh = sf.mesh(dp=world // tp, tp=tp)
+        opts["specs"] = sf.specs(params, mesh, rules={"gpt": sf.rules.GPT, "llama": sf.rules.LLAMA}[name], default=sf.P("dp"))
+    elif strategy == "hybrid_shard":
         mesh = sf.mesh(replicate=2, shard=world // 2)
     else:
         mesh = sf.mesh(dp=-1)
-    apply, params, loss_fn, batch = build(name)
     step = sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, strategy=strategy, mixed_precision=mp, **opts)
     t0 = time.perf_counter()
     est = sf.estimate_memory(step, params, batch=batch)
@@ -115,7 +122,10 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--models", nargs="+", default=["mlp", "gpt", "llama"])
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: a (world / tp, tp) mesh")
     args = ap.parse_args()
+    if args.tp > 1 and "mlp" in args.models:
+        args.models = [m for m in args.models if m != "mlp"]  # no ready rules
     sys.path.insert(0, __file__.rpartition("/")[0])
     import warnings
 
@@ -130,9 +140,13 @@ def main() -> None:
                 for strategy, opts in CASES:
                     if strategy == "hybrid_shard" and world % 2:
                         continue
-                    res = pool.run(rank_case, name, strategy, opts)
+                    if args.tp > 1 and (strategy not in ("full_shard", "shard_grad_op") or world % args.tp):
+                        continue  # what a (dp, tp) mesh takes
+                    res = pool.run(rank_case, name, strategy, opts, args.tp)
                     worst = max(res, key=lambda r: abs(r["estimate"] / r["measured"] - 1))
                     label = strategy + "".join(f" {k}={v}" for k, v in opts.items())
+                    if args.tp > 1:
+                        label = f"(dp={world // args.tp}, tp={args.tp}) " + label
                     ratio = worst["estimate"] / worst["measured"]
                     rows.append((name, world, label, worst["estimate"], worst["measured"], ratio, worst["rise"], worst["rss_growth"], worst["where"]))
                     print(f"{name:6} W={world} {label:52} est {worst['estimate'] / 2**20:8.2f} MiB  measured {worst['measured'] / 2**20:8.2f} MiB"

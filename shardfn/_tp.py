@@ -444,6 +444,29 @@ def _dropout_whole(tp: "TensorParallel") -> Iterator[None]:
 
 
 # -- the fallback watch --------------------------------------------------------------------------
+def _module_tracker() -> Any:
+    """torch's `ModuleTracker`, which names the modules running, minus the gradient hooks it puts on
+    what a recompute (remat) computes inside the backward: each hook and the recomputed graph
+    reference each other, so every recomputed unit's activations would stay alive until the step
+    ends. A fallback in a recompute is still named by the module the recompute runs."""
+    from torch.utils.module_tracker import ModuleTracker
+
+    class Tracker(ModuleTracker):
+        def _fw_pre_hook(self, mod, input):  # noqa: A002 - torch's signature
+            if torch._C._current_graph_task_id() == -1:
+                return super()._fw_pre_hook(mod, input)
+            self._get_append_fn(self._get_mod_name(mod), True)()
+            return None
+
+        def _fw_post_hook(self, mod, input, output):  # noqa: A002
+            if torch._C._current_graph_task_id() == -1:
+                return super()._fw_post_hook(mod, input, output)
+            self._get_pop_fn(self._get_mod_name(mod), True)()
+            return None
+
+    return Tracker()
+
+
 class _GatherWatch(TorchDispatchMode):
     """Sees the all-gathers DTensor issues to compute an op, and which op and module asked."""
 
@@ -451,9 +474,7 @@ class _GatherWatch(TorchDispatchMode):
         super().__init__()
         self.tp = tp
         self.op = None
-        from torch.utils.module_tracker import ModuleTracker
-
-        self.modules = ModuleTracker()
+        self.modules = _module_tracker()
 
     def __enter__(self):
         self.modules.__enter__()

@@ -67,13 +67,19 @@ def _build(name: str, meta: bool = True):
     return apply, params, loss_fn, batch
 
 
-def _step(loss_fn, strategy: str, opts: dict):
+def _step(loss_fn, strategy: str, opts: dict, params=None, name: str = "gpt"):
+    """The step of these options; `tp` in them: on a (dp, tp) mesh with the model's ready rules."""
     import shardfn as sf
 
     opts = dict(opts)
     mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if opts.pop("bf16", False) else None
     world = torch.distributed.get_world_size()
-    mesh = sf.mesh(replicate=2, shard=world // 2) if strategy == "hybrid_shard" else sf.mesh(dp=-1)
+    tp = opts.pop("tp", None)
+    if tp:
+        mesh = sf.mesh(dp=world // tp, tp=tp)
+        opts["specs"] = sf.specs(params, mesh, rules=sf.rules.GPT if name == "gpt" else sf.rules.LLAMA, default=sf.P("dp"))
+    else:
+        mesh = sf.mesh(replicate=2, shard=world // 2) if strategy == "hybrid_shard" else sf.mesh(dp=-1)
     return sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, strategy=strategy, mixed_precision=mp, **opts)
 
 
@@ -84,7 +90,7 @@ def rank_estimates(cases: list) -> list:
     out = []
     for name, strategy, opts, with_real in cases:
         apply, params, loss_fn, batch = _build(name)
-        step = _step(loss_fn, strategy, opts)
+        step = _step(loss_fn, strategy, opts, params, name)
         est = sf.estimate_memory(step, params, batch=batch)
         real = None
         if with_real:  # the same step's estimate from real parameters: the same figures
@@ -103,18 +109,60 @@ def rank_estimates(cases: list) -> list:
 ESTIMATE_CASES = {
     1: [("gpt", "full_shard", {}, False), ("llama", "shard_grad_op", {"remat": True}, False)],
     2: [("gpt", "full_shard", {"bf16": True, "accumulation_steps": 2}, True), ("llama", "hybrid_shard", {}, False),
-        ("gpt", "no_shard", {"accumulation_steps": 2, "accumulation": "local"}, False)],
+        ("gpt", "no_shard", {"accumulation_steps": 2, "accumulation": "local"}, False),
+        # (dp=1, tp=2): tp-sharded activations at their local size; remat's first step as its next
+        ("gpt", "full_shard", {"tp": 2, "remat": True}, False), ("llama", "full_shard", {"tp": 2, "accumulation_steps": 2}, True)],
     3: [("gpt", "full_shard", {"remat": True}, False), ("llama", "full_shard", {"bf16": True}, False)],
+    4: [("gpt", "shard_grad_op", {"tp": 2}, False),  # (dp=2, tp=2)
+        ("llama", "full_shard", {"tp": 2, "remat": True, "bf16": True, "accumulation_steps": 2}, False)],
 }
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_estimate_within_10_percent_of_measured_peak(pools, world):
     for rank, results in enumerate(pools(world).run(rank_estimates, ESTIMATE_CASES[world])):
         for label, est, measured, real in results:
             assert 0.9 <= est / measured <= 1.1, (rank, label, est, measured)
             if real is not None:
                 assert real == est, (rank, label, "real params estimate differently", real, est)
+    if world == 2:
+        out = pools(2).run(rank_tp_not_estimated)
+        for refused, warned, stats in out:
+            assert "scaled_dot_product_attention on tensor-parallel shards on 'cuda'" in refused, refused
+            assert "skipped its memory check" in warned and "tensor-parallel shards" in warned, warned
+            assert stats == (True, {}), stats  # the step's own tp side: its watch and counts untouched
+
+
+def rank_tp_not_estimated() -> tuple:
+    """What the estimate cannot count yet refuses clearly (fused attention over DTensors off the
+    CPU), and the default memory check skips it with a word why; an estimate made after `init` leaves
+    the step's tensor-parallel side (its fallback watch, its counts) as it found it."""
+    import warnings
+
+    import shardfn as sf
+    from shardfn import _estimate as E
+    from torch.distributed.tensor import DTensor, Replicate
+
+    apply, params, loss_fn, batch = _build("llama")
+    step = _step(loss_fn, "full_shard", {"tp": 2}, params, "llama")
+    q = DTensor.from_local(torch.empty(1, 2, 4, 8, device="meta"), step.mesh["tp"], [Replicate()], run_check=False)
+    try:
+        with E._AttentionAsOn("cuda"):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        refused = ""
+    except E.NotEstimated as e:
+        refused = str(e)
+    real = E._estimate
+    E._estimate = lambda *a: (_ for _ in ()).throw(E.NotEstimated("fused attention over tensor-parallel shards"))
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            E.check_memory(step, params, batch, None)
+    finally:
+        E._estimate = real
+    step.init(params)
+    sf.estimate_memory(step, params, batch=batch)
+    return refused, " ".join(str(w.message) for w in seen), (step.core.tp.watch, dict(step.core.tp.stats))
 
 
 def rank_memory_check() -> dict:
