@@ -90,13 +90,13 @@ class FallbackWarning(UserWarning):
     """An op gathered a tensor-parallel activation whole (exact, but slower): Note [tensor parallel forward]."""
 
 
-def split_specs(path: str, shape: torch.Size, spec: P, dp: str, tp: str) -> int | None:
-    """The dim `spec` splits over `tp` (None: whole on tp), checking that `dp` on a dim other than 0
-    shares it with `tp` only as FSDP within the tp shard does (`(tp, dp)`)."""
+def split_specs(path: str, shape: torch.Size, spec: P, dp: str, tp: str, dp_size: int) -> int | None:
+    """The dim `spec` splits over `tp` (None: whole on tp), checking that `dp` shares a dim with `tp`
+    only as FSDP within the tp shard does (`(tp, dp)`; either order when `dp` has one rank)."""
     tp_dim = None
     for d in range(len(spec)):
         axes = spec.axes_of(d)
-        if dp in axes and axes not in ((dp,), (tp, dp)):
+        if dp in axes and axes not in ((dp,), (tp, dp)) and not (dp_size == 1 and axes == (dp, tp)):
             # (dp, tp) on one dim is dp-major: a tp rank's rows would be strided, not the block the
             # tensor-parallel forward computes on; laying it out as (tp, dp) instead would silently
             # give another layout than the spec says.
@@ -160,22 +160,28 @@ def _register_strategies() -> None:
     if not ops or not bwd:
         return
 
+    def mask_for(attn_mask: Any, d: int | None) -> list:
+        # The mask's placement when q/k/v split on dim d (None: all whole). It broadcasts against
+        # (batch, heads, q, k) from the right: a dim it lacks, or holds once, stays whole.
+        if attn_mask is None:
+            return []
+        i = None if d is None else d - (4 - len(attn_mask.shape))
+        return [Shard(i) if i is not None and i >= 0 and attn_mask.shape[i] > 1 else Replicate()]
+
     @register_sharding(ops[0])
     def _sdpa(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
         R = Replicate()
-        mask = [] if attn_mask is None else [R]
-        out = [([R, R], [R, R, R, None, None, *mask])]
-        if attn_mask is None and not dropout_p:  # dropout drawn per shard: Note [randomness on tp peers]
-            out += [([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), None, None]) for d in (0, 1)]
+        out = [([R, R], [R, R, R, None, None, *mask_for(attn_mask, None)])]
+        if not dropout_p:  # dropout drawn per shard: Note [randomness on tp peers]
+            out += [([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), None, None, *mask_for(attn_mask, d)]) for d in (0, 1)]
         return out
 
     @register_sharding(bwd[0])
     def _sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
         R = Replicate()
-        mask = [] if attn_mask is None else [R]
-        strategies = [([R, R, R], [R, R, R, R, R, R, None, None, *mask])]
-        if attn_mask is None and not dropout_p:
-            strategies += [([Shard(d)] * 3, [Shard(d)] * 6 + [None, None]) for d in (0, 1)]
+        strategies = [([R, R, R], [R, R, R, R, R, R, None, None, *mask_for(attn_mask, None)])]
+        if not dropout_p:
+            strategies += [([Shard(d)] * 3, [Shard(d)] * 6 + [None, None, *mask_for(attn_mask, d)]) for d in (0, 1)]
         return strategies
 
 
