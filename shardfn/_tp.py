@@ -24,9 +24,11 @@ the gathered shards (`DTensor.from_local`, no copy, no check): Shard(d) for tp-s
 Replicate for the others, with autograd from the DTensor back to the engine's full parameter, so
 gradients land where the engine reduces them. Plain tensors the model makes (inputs, masks,
 rotary tables) count as replicated (`implicit_replication`). DTensor's sharding propagation then
-computes every op exactly on the shards, whatever the model does between a column- and a
-row-parallel layer (a norm over a sharded dim, a reshape into heads): where an op needs a
+computes each op on the shards by its rule for that op, whatever the model does between a column-
+and a row-parallel layer (a norm over a sharded dim, a reshape into heads): where an op needs a
 sharded operand whole, DTensor gathers it, so the result is exact, only slower (reported below).
+An op DTensor has no rule for, or cannot apply to these shards (a reshape of unevenly split heads,
+some loss variants on vocabulary-sharded logits), raises DTensor's error: it never computes wrong.
 
 Collectives from the specs. Left alone, DTensor chooses where to reduce partial sums, and often
 chooses badly (gathers of weights in the backward). So the modules that hold a tp-split leaf
@@ -41,7 +43,10 @@ steer it at their boundaries, as a tensor-parallel plan does, but derived from t
 A vocabulary-parallel embedding (`P("tp", None)` on `nn.Embedding`) gives a masked partial sum,
 all-reduced the same way; a vocabulary-parallel head gives logits sharded on the vocabulary, and a
 cross-entropy of them (`F.cross_entropy`, what Hugging Face's losses call) runs on the shards
-(three small all-reduces, as `loss_parallel` does) without gathering them.
+(three small all-reduces, as `loss_parallel` does) without gathering them. `loss_parallel`'s rules
+cover the plain cross-entropy (`ignore_index`, `reduction`); label smoothing, class weights together
+with ignored labels, and per-token log-probabilities read with `torch.gather` are refused by them
+(keep the head whole on tp for those losses).
 
 Mixed precision: `reduce_dtype` holds for the tp all-reduces too: a partial sum is cast to it before
 its all-reduce and back after, in the forward and in the backward. (The embedding's masked sum adds
