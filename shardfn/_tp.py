@@ -335,42 +335,12 @@ def _post_hook(ref: Any):
     return post
 
 
-# -- cross-entropy on vocabulary-sharded logits ---------------------------------------------------
 @contextmanager
-def _loss_parallel() -> Iterator[None]:
-    """`torch.distributed.tensor.parallel.loss_parallel`'s handlers, taken only where the logits are
-    sharded on the class dim (DTensor's own rules elsewhere)."""
-    from torch.distributed.tensor.parallel import loss as lp
-
-    dispatcher = DTensor._op_dispatcher
-    handlers = dispatcher._custom_op_handlers
-    ops = {
-        torch.ops.aten._log_softmax.default: (lp._log_softmax_handler, 0, 1),
-        torch.ops.aten._log_softmax_backward_data.default: (lp._log_softmax_backward_handler, 0, 2),
-        torch.ops.aten.nll_loss_forward.default: (lp._nll_loss_forward_handler, 0, None),
-        torch.ops.aten.nll_loss2d_forward.default: (lp._nll_loss_forward_handler, 0, None),
-        torch.ops.aten.nll_loss_backward.default: (lp._nll_loss_backward_handler, 1, None),
-        torch.ops.aten.nll_loss2d_backward.default: (lp._nll_loss_backward_handler, 1, None),
-    }
+def _op_handlers(ops: dict) -> Iterator[None]:
+    """DTensor's custom handlers for `ops` (op -> handler) inside the block, the previous ones after."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
     saved = {op: handlers.get(op) for op in ops}
-
-    def guarded(op, handler, arg, dim_arg):
-        def run(op_call, args, kwargs):
-            x = args[arg]
-            dim = args[dim_arg] if dim_arg is not None else (1 if x.dim() > 1 else 0)
-            dim = dim % max(x.dim(), 1)
-            if isinstance(x, DTensor) and any(p.is_shard(dim) for p in x.placements):
-                return handler(op_call, args, kwargs)
-            handlers.pop(op_call, None)
-            try:
-                return op_call(*args, **kwargs)
-            finally:
-                handlers[op_call] = run
-
-        return run
-
-    for op, (handler, arg, dim_arg) in ops.items():
-        handlers[op] = guarded(op, handler, arg, dim_arg)
+    handlers.update(ops)
     try:
         yield
     finally:
@@ -379,6 +349,47 @@ def _loss_parallel() -> Iterator[None]:
                 handlers.pop(op, None)
             else:
                 handlers[op] = h
+
+
+def _by_default(op_call, args, kwargs, handler):
+    """`op_call` by DTensor's own rule, from inside `handler`, its custom handler."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers.pop(op_call, None)
+    try:
+        return op_call(*args, **kwargs)
+    finally:
+        handlers[op_call] = handler
+
+
+# -- cross-entropy on vocabulary-sharded logits ---------------------------------------------------
+@contextmanager
+def _loss_parallel() -> Iterator[None]:
+    """`torch.distributed.tensor.parallel.loss_parallel`'s handlers, taken only where the logits are
+    sharded on the class dim (DTensor's own rules elsewhere)."""
+    from torch.distributed.tensor.parallel import loss as lp
+
+    ops = {
+        torch.ops.aten._log_softmax.default: (lp._log_softmax_handler, 0, 1),
+        torch.ops.aten._log_softmax_backward_data.default: (lp._log_softmax_backward_handler, 0, 2),
+        torch.ops.aten.nll_loss_forward.default: (lp._nll_loss_forward_handler, 0, None),
+        torch.ops.aten.nll_loss2d_forward.default: (lp._nll_loss_forward_handler, 0, None),
+        torch.ops.aten.nll_loss_backward.default: (lp._nll_loss_backward_handler, 1, None),
+        torch.ops.aten.nll_loss2d_backward.default: (lp._nll_loss_backward_handler, 1, None),
+    }
+
+    def guarded(op, handler, arg, dim_arg):
+        def run(op_call, args, kwargs):
+            x = args[arg]
+            dim = args[dim_arg] if dim_arg is not None else (1 if x.dim() > 1 else 0)
+            dim = dim % max(x.dim(), 1)
+            if isinstance(x, DTensor) and any(p.is_shard(dim) for p in x.placements):
+                return handler(op_call, args, kwargs)
+            return _by_default(op_call, args, kwargs, run)
+
+        return run
+
+    with _op_handlers({op: guarded(op, handler, arg, dim_arg) for op, (handler, arg, dim_arg) in ops.items()}):
+        yield
 
 
 # -- dropout on tp-sharded activations ---------------------------------------------------------------
@@ -405,23 +416,14 @@ def _shard_dim(x: Any) -> int | None:
 def _dropout_whole(tp: "TensorParallel") -> Iterator[None]:
     """Random fills and dropout on tp-sharded DTensors draw the whole tensor's numbers on every rank
     and keep their own part (Note [randomness on tp peers])."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
     aten = torch.ops.aten
     fills = [aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default]  # CPU's dropout: bernoulli_
-    saved = {op: handlers.get(op) for op in (*fills, aten.native_dropout.default)}
-
-    def default(op_call, args, kwargs, me):
-        handlers.pop(op_call, None)
-        try:
-            return op_call(*args, **kwargs)
-        finally:
-            handlers[op_call] = me
 
     def fill(op_call, args, kwargs):
         x = args[0]
         dim = _shard_dim(x)
         if dim is None:
-            return default(op_call, args, kwargs, fill)
+            return _by_default(op_call, args, kwargs, fill)
         local = x._local_tensor
         whole = torch.empty(x.shape, dtype=local.dtype, device=local.device)
         op_call(whole, *args[1:], **kwargs)
@@ -433,7 +435,7 @@ def _dropout_whole(tp: "TensorParallel") -> Iterator[None]:
         train = args[2] if len(args) > 2 else kwargs.get("train")  # None: training, as ATen reads it
         dim = _shard_dim(x)
         if dim is None or train is False or p == 0:
-            return default(op_call, args, kwargs, dropout)
+            return _by_default(op_call, args, kwargs, dropout)
         local = x._local_tensor
         mask = torch.empty(x.shape, dtype=torch.bool, device=local.device).bernoulli_(1 - p)
         mask = local_part(mask, dim, x.device_mesh.get_local_rank(), x.device_mesh.size())
@@ -441,17 +443,8 @@ def _dropout_whole(tp: "TensorParallel") -> Iterator[None]:
         spec = dict(device_mesh=x.device_mesh, placements=x.placements, run_check=False, shape=x.shape, stride=x.stride())
         return DTensor.from_local(out, **spec), DTensor.from_local(mask, **spec)
 
-    for op in fills:
-        handlers[op] = fill
-    handlers[aten.native_dropout.default] = dropout
-    try:
+    with _op_handlers({**{op: fill for op in fills}, aten.native_dropout.default: dropout}):
         yield
-    finally:
-        for op, h in saved.items():
-            if h is None:
-                handlers.pop(op, None)
-            else:
-                handlers[op] = h
 
 
 # -- the fallback watch --------------------------------------------------------------------------
