@@ -238,7 +238,7 @@ class GradientCore:
         spec_tree = self.specs if self.specs is not None else make_specs(params, self.mesh, default=P(self.shard_axis))
         paths, leaves, spec_list, treespec = match_specs(params, spec_tree, self.mesh)
         if self.tp_axis is not None:
-            self._tp_dims = [split_specs(p, x.shape, s, self.shard_axis, self.tp_axis) for p, x, s in zip(paths, leaves, spec_list)]
+            self._tp_dims = [split_specs(p, x.shape, s, self.shard_axis, self.tp_axis, self.shard_world) for p, x, s in zip(paths, leaves, spec_list)]
             # Every leaf is FSDP'd over dp, within its tp shard: on the dim its spec names dp on, else dim 0.
             self._dims = [dp_dim(s, self.shard_axis) if x.dim() > 0 else None for x, s in zip(leaves, spec_list)]
             self._fsdp = [d is not None for d in self._dims]

@@ -24,9 +24,11 @@ the gathered shards (`DTensor.from_local`, no copy, no check): Shard(d) for tp-s
 Replicate for the others, with autograd from the DTensor back to the engine's full parameter, so
 gradients land where the engine reduces them. Plain tensors the model makes (inputs, masks,
 rotary tables) count as replicated (`implicit_replication`). DTensor's sharding propagation then
-computes every op exactly on the shards, whatever the model does between a column- and a
-row-parallel layer (a norm over a sharded dim, a reshape into heads): where an op needs a
+computes each op on the shards by its rule for that op, whatever the model does between a column-
+and a row-parallel layer (a norm over a sharded dim, a reshape into heads): where an op needs a
 sharded operand whole, DTensor gathers it, so the result is exact, only slower (reported below).
+An op DTensor has no rule for, or cannot apply to these shards (a reshape of unevenly split heads,
+some loss variants on vocabulary-sharded logits), raises DTensor's error: it never computes wrong.
 
 Collectives from the specs. Left alone, DTensor chooses where to reduce partial sums, and often
 chooses badly (gathers of weights in the backward). So the modules that hold a tp-split leaf
@@ -41,7 +43,10 @@ steer it at their boundaries, as a tensor-parallel plan does, but derived from t
 A vocabulary-parallel embedding (`P("tp", None)` on `nn.Embedding`) gives a masked partial sum,
 all-reduced the same way; a vocabulary-parallel head gives logits sharded on the vocabulary, and a
 cross-entropy of them (`F.cross_entropy`, what Hugging Face's losses call) runs on the shards
-(three small all-reduces, as `loss_parallel` does) without gathering them.
+(three small all-reduces, as `loss_parallel` does) without gathering them. `loss_parallel`'s rules
+cover the plain cross-entropy (`ignore_index`, `reduction`); label smoothing, class weights together
+with ignored labels, and per-token log-probabilities read with `torch.gather` are refused by them
+(keep the head whole on tp for those losses).
 
 Mixed precision: `reduce_dtype` holds for the tp all-reduces too: a partial sum is cast to it before
 its all-reduce and back after, in the forward and in the backward. (The embedding's masked sum adds
@@ -90,13 +95,13 @@ class FallbackWarning(UserWarning):
     """An op gathered a tensor-parallel activation whole (exact, but slower): Note [tensor parallel forward]."""
 
 
-def split_specs(path: str, shape: torch.Size, spec: P, dp: str, tp: str) -> int | None:
-    """The dim `spec` splits over `tp` (None: whole on tp), checking that `dp` on a dim other than 0
-    shares it with `tp` only as FSDP within the tp shard does (`(tp, dp)`)."""
+def split_specs(path: str, shape: torch.Size, spec: P, dp: str, tp: str, dp_size: int) -> int | None:
+    """The dim `spec` splits over `tp` (None: whole on tp), checking that `dp` shares a dim with `tp`
+    only as FSDP within the tp shard does (`(tp, dp)`; either order when `dp` has one rank)."""
     tp_dim = None
     for d in range(len(spec)):
         axes = spec.axes_of(d)
-        if dp in axes and axes not in ((dp,), (tp, dp)):
+        if dp in axes and axes not in ((dp,), (tp, dp)) and not (dp_size == 1 and axes == (dp, tp)):
             # (dp, tp) on one dim is dp-major: a tp rank's rows would be strided, not the block the
             # tensor-parallel forward computes on; laying it out as (tp, dp) instead would silently
             # give another layout than the spec says.
@@ -160,22 +165,28 @@ def _register_strategies() -> None:
     if not ops or not bwd:
         return
 
+    def mask_for(attn_mask: Any, d: int | None) -> list:
+        # The mask's placement when q/k/v split on dim d (None: all whole). It broadcasts against
+        # (batch, heads, q, k) from the right: a dim it lacks, or holds once, stays whole.
+        if attn_mask is None:
+            return []
+        i = None if d is None else d - (4 - len(attn_mask.shape))
+        return [Shard(i) if i is not None and i >= 0 and attn_mask.shape[i] > 1 else Replicate()]
+
     @register_sharding(ops[0])
     def _sdpa(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
         R = Replicate()
-        mask = [] if attn_mask is None else [R]
-        out = [([R, R], [R, R, R, None, None, *mask])]
-        if attn_mask is None and not dropout_p:  # dropout drawn per shard: Note [randomness on tp peers]
-            out += [([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), None, None]) for d in (0, 1)]
+        out = [([R, R], [R, R, R, None, None, *mask_for(attn_mask, None)])]
+        if not dropout_p:  # dropout drawn per shard: Note [randomness on tp peers]
+            out += [([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), None, None, *mask_for(attn_mask, d)]) for d in (0, 1)]
         return out
 
     @register_sharding(bwd[0])
     def _sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
         R = Replicate()
-        mask = [] if attn_mask is None else [R]
-        strategies = [([R, R, R], [R, R, R, R, R, R, None, None, *mask])]
-        if attn_mask is None and not dropout_p:
-            strategies += [([Shard(d)] * 3, [Shard(d)] * 6 + [None, None]) for d in (0, 1)]
+        strategies = [([R, R, R], [R, R, R, R, R, R, None, None, *mask_for(attn_mask, None)])]
+        if not dropout_p:
+            strategies += [([Shard(d)] * 3, [Shard(d)] * 6 + [None, None, *mask_for(attn_mask, d)]) for d in (0, 1)]
         return strategies
 
 
@@ -324,42 +335,12 @@ def _post_hook(ref: Any):
     return post
 
 
-# -- cross-entropy on vocabulary-sharded logits ---------------------------------------------------
 @contextmanager
-def _loss_parallel() -> Iterator[None]:
-    """`torch.distributed.tensor.parallel.loss_parallel`'s handlers, taken only where the logits are
-    sharded on the class dim (DTensor's own rules elsewhere)."""
-    from torch.distributed.tensor.parallel import loss as lp
-
-    dispatcher = DTensor._op_dispatcher
-    handlers = dispatcher._custom_op_handlers
-    ops = {
-        torch.ops.aten._log_softmax.default: (lp._log_softmax_handler, 0, 1),
-        torch.ops.aten._log_softmax_backward_data.default: (lp._log_softmax_backward_handler, 0, 2),
-        torch.ops.aten.nll_loss_forward.default: (lp._nll_loss_forward_handler, 0, None),
-        torch.ops.aten.nll_loss2d_forward.default: (lp._nll_loss_forward_handler, 0, None),
-        torch.ops.aten.nll_loss_backward.default: (lp._nll_loss_backward_handler, 1, None),
-        torch.ops.aten.nll_loss2d_backward.default: (lp._nll_loss_backward_handler, 1, None),
-    }
+def _op_handlers(ops: dict) -> Iterator[None]:
+    """DTensor's custom handlers for `ops` (op -> handler) inside the block, the previous ones after."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
     saved = {op: handlers.get(op) for op in ops}
-
-    def guarded(op, handler, arg, dim_arg):
-        def run(op_call, args, kwargs):
-            x = args[arg]
-            dim = args[dim_arg] if dim_arg is not None else (1 if x.dim() > 1 else 0)
-            dim = dim % max(x.dim(), 1)
-            if isinstance(x, DTensor) and any(p.is_shard(dim) for p in x.placements):
-                return handler(op_call, args, kwargs)
-            handlers.pop(op_call, None)
-            try:
-                return op_call(*args, **kwargs)
-            finally:
-                handlers[op_call] = run
-
-        return run
-
-    for op, (handler, arg, dim_arg) in ops.items():
-        handlers[op] = guarded(op, handler, arg, dim_arg)
+    handlers.update(ops)
     try:
         yield
     finally:
@@ -368,6 +349,47 @@ def _loss_parallel() -> Iterator[None]:
                 handlers.pop(op, None)
             else:
                 handlers[op] = h
+
+
+def _by_default(op_call, args, kwargs, handler):
+    """`op_call` by DTensor's own rule, from inside `handler`, its custom handler."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers.pop(op_call, None)
+    try:
+        return op_call(*args, **kwargs)
+    finally:
+        handlers[op_call] = handler
+
+
+# -- cross-entropy on vocabulary-sharded logits ---------------------------------------------------
+@contextmanager
+def _loss_parallel() -> Iterator[None]:
+    """`torch.distributed.tensor.parallel.loss_parallel`'s handlers, taken only where the logits are
+    sharded on the class dim (DTensor's own rules elsewhere)."""
+    from torch.distributed.tensor.parallel import loss as lp
+
+    ops = {
+        torch.ops.aten._log_softmax.default: (lp._log_softmax_handler, 0, 1),
+        torch.ops.aten._log_softmax_backward_data.default: (lp._log_softmax_backward_handler, 0, 2),
+        torch.ops.aten.nll_loss_forward.default: (lp._nll_loss_forward_handler, 0, None),
+        torch.ops.aten.nll_loss2d_forward.default: (lp._nll_loss_forward_handler, 0, None),
+        torch.ops.aten.nll_loss_backward.default: (lp._nll_loss_backward_handler, 1, None),
+        torch.ops.aten.nll_loss2d_backward.default: (lp._nll_loss_backward_handler, 1, None),
+    }
+
+    def guarded(op, handler, arg, dim_arg):
+        def run(op_call, args, kwargs):
+            x = args[arg]
+            dim = args[dim_arg] if dim_arg is not None else (1 if x.dim() > 1 else 0)
+            dim = dim % max(x.dim(), 1)
+            if isinstance(x, DTensor) and any(p.is_shard(dim) for p in x.placements):
+                return handler(op_call, args, kwargs)
+            return _by_default(op_call, args, kwargs, run)
+
+        return run
+
+    with _op_handlers({op: guarded(op, handler, arg, dim_arg) for op, (handler, arg, dim_arg) in ops.items()}):
+        yield
 
 
 # -- dropout on tp-sharded activations ---------------------------------------------------------------
@@ -394,23 +416,14 @@ def _shard_dim(x: Any) -> int | None:
 def _dropout_whole(tp: "TensorParallel") -> Iterator[None]:
     """Random fills and dropout on tp-sharded DTensors draw the whole tensor's numbers on every rank
     and keep their own part (Note [randomness on tp peers])."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
     aten = torch.ops.aten
     fills = [aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default]  # CPU's dropout: bernoulli_
-    saved = {op: handlers.get(op) for op in (*fills, aten.native_dropout.default)}
-
-    def default(op_call, args, kwargs, me):
-        handlers.pop(op_call, None)
-        try:
-            return op_call(*args, **kwargs)
-        finally:
-            handlers[op_call] = me
 
     def fill(op_call, args, kwargs):
         x = args[0]
         dim = _shard_dim(x)
         if dim is None:
-            return default(op_call, args, kwargs, fill)
+            return _by_default(op_call, args, kwargs, fill)
         local = x._local_tensor
         whole = torch.empty(x.shape, dtype=local.dtype, device=local.device)
         op_call(whole, *args[1:], **kwargs)
@@ -422,7 +435,7 @@ def _dropout_whole(tp: "TensorParallel") -> Iterator[None]:
         train = args[2] if len(args) > 2 else kwargs.get("train")  # None: training, as ATen reads it
         dim = _shard_dim(x)
         if dim is None or train is False or p == 0:
-            return default(op_call, args, kwargs, dropout)
+            return _by_default(op_call, args, kwargs, dropout)
         local = x._local_tensor
         mask = torch.empty(x.shape, dtype=torch.bool, device=local.device).bernoulli_(1 - p)
         mask = local_part(mask, dim, x.device_mesh.get_local_rank(), x.device_mesh.size())
@@ -430,17 +443,8 @@ def _dropout_whole(tp: "TensorParallel") -> Iterator[None]:
         spec = dict(device_mesh=x.device_mesh, placements=x.placements, run_check=False, shape=x.shape, stride=x.stride())
         return DTensor.from_local(out, **spec), DTensor.from_local(mask, **spec)
 
-    for op in fills:
-        handlers[op] = fill
-    handlers[aten.native_dropout.default] = dropout
-    try:
+    with _op_handlers({**{op: fill for op in fills}, aten.native_dropout.default: dropout}):
         yield
-    finally:
-        for op, h in saved.items():
-            if h is None:
-                handlers.pop(op, None)
-            else:
-                handlers[op] = h
 
 
 # -- the fallback watch --------------------------------------------------------------------------
