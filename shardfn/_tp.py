@@ -419,12 +419,17 @@ def _dropout_whole(tp: "TensorParallel") -> Iterator[None]:
     aten = torch.ops.aten
     fills = [aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default]  # CPU's dropout: bernoulli_
 
+    # Every random op here runs on the local tensors, never through DTensor's own random path (its
+    # generator tracker does not support CPU meshes, and would replace the generator state tp peers share).
     def fill(op_call, args, kwargs):
         x = args[0]
-        dim = _shard_dim(x)
-        if dim is None:
+        if not isinstance(x, DTensor) or x.device_mesh.ndim != 1:
             return _by_default(op_call, args, kwargs, fill)
         local = x._local_tensor
+        dim = _shard_dim(x)
+        if dim is None:  # whole on tp: every peer draws the same numbers from the same state
+            op_call(local, *args[1:], **kwargs)
+            return x
         whole = torch.empty(x.shape, dtype=local.dtype, device=local.device)
         op_call(whole, *args[1:], **kwargs)
         local.copy_(local_part(whole, dim, x.device_mesh.get_local_rank(), x.device_mesh.size()))
@@ -432,14 +437,17 @@ def _dropout_whole(tp: "TensorParallel") -> Iterator[None]:
 
     def dropout(op_call, args, kwargs):
         x, p = args[0], args[1]
+        if not isinstance(x, DTensor) or x.device_mesh.ndim != 1:
+            return _by_default(op_call, args, kwargs, dropout)
         train = args[2] if len(args) > 2 else kwargs.get("train")  # None: training, as ATen reads it
+        local = x._local_tensor
         dim = _shard_dim(x)
         if dim is None or train is False or p == 0:
-            return _by_default(op_call, args, kwargs, dropout)
-        local = x._local_tensor
-        mask = torch.empty(x.shape, dtype=torch.bool, device=local.device).bernoulli_(1 - p)
-        mask = local_part(mask, dim, x.device_mesh.get_local_rank(), x.device_mesh.size())
-        out = local * mask * (1.0 / (1 - p) if p < 1 else 0.0)
+            out, mask = op_call(local, p, train)
+        else:
+            mask = torch.empty(x.shape, dtype=torch.bool, device=local.device).bernoulli_(1 - p)
+            mask = local_part(mask, dim, x.device_mesh.get_local_rank(), x.device_mesh.size())
+            out = local * mask * (1.0 / (1 - p) if p < 1 else 0.0)
         spec = dict(device_mesh=x.device_mesh, placements=x.placements, run_check=False, shape=x.shape, stride=x.stride())
         return DTensor.from_local(out, **spec), DTensor.from_local(mask, **spec)
 
