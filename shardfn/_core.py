@@ -686,6 +686,13 @@ def _explain(e: BaseException) -> BaseException | None:
             "on units that call no other unit, and turn the model's own checkpointing off (Hugging Face "
             "decoders also need use_cache=False under remat)"
         )
+    if isinstance(e, RuntimeError) and ("unflatten unevenly sharded" in msg or "flatten unevenly sharded" in msg):
+        return ValueError(
+            "tensor parallel: a view of a tp-sharded activation splits a dim that tp does not divide "
+            "evenly (e.g. attention heads or key/value heads not a multiple of the tp size), which DTensor "
+            "cannot lay out on the shards: give that projection's rule a size tp divides (heads % tp == 0), "
+            "or keep its leaves whole on tp (drop their rules). DTensor said: " + msg
+        )
     if isinstance(e, torch.utils.checkpoint.CheckpointError):
         return NotImplementedError(
             "remat of a unit whose forward runs other units (nested units, or a unit calling another) is "

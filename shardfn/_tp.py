@@ -27,8 +27,9 @@ rotary tables) count as replicated (`implicit_replication`). DTensor's sharding 
 computes each op on the shards by its rule for that op, whatever the model does between a column-
 and a row-parallel layer (a norm over a sharded dim, a reshape into heads): where an op needs a
 sharded operand whole, DTensor gathers it, so the result is exact, only slower (reported below).
-An op DTensor has no rule for, or cannot apply to these shards (a reshape of unevenly split heads,
-some loss variants on vocabulary-sharded logits), raises DTensor's error: it never computes wrong.
+An op DTensor has no rule for, or cannot apply to these shards, raises: it never computes wrong (a
+split into heads that tp does not divide is a ValueError saying so; some loss variants on
+vocabulary-sharded logits raise DTensor's own error).
 
 Collectives from the specs. Left alone, DTensor chooses where to reduce partial sums, and often
 chooses badly (gathers of weights in the backward). So the modules that hold a tp-split leaf

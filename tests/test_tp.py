@@ -360,6 +360,18 @@ def rank_fallback_and_refusals() -> dict:
             sf.train_step(_loss_fn("gpt", apply), sf.optim.sgd(0.1), mesh, specs=specs, **options).init(params)
         except NotImplementedError as e:
             refused.append(str(e))
+    # Three heads on two tp ranks: the split into heads cannot be laid out on the shards.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=3,
+                      num_key_value_heads=3, max_position_embeddings=32, attn_implementation="eager", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    apply3, params3 = sf.functionalize(LlamaForCausalLM(cfg), units=r"model\.layers\.\d+")
+    step = sf.train_step(_loss_fn("llama", apply3), sf.optim.sgd(0.1), mesh, specs=sf.specs(params3, mesh, rules=sf.rules.LLAMA))
+    try:
+        step(step.init(params3), _batch(0, 2))
+    except ValueError as e:
+        refused.append(str(e))
     # Ranks that differ only in tp must get the same batch: a batch split over every rank is refused.
     step = sf.train_step(_loss_fn("gpt", apply), sf.optim.sgd(0.1), mesh, specs=sf.specs(params, mesh, rules=sf.rules.GPT))
     try:
@@ -374,7 +386,8 @@ def test_fallback_gathers_are_reported_and_unsupported_options_refused(pools):
     assert got["err"][0] < TOL, got
     assert got["reports"] and all("c_attn" in r or "attn" in r for r in got["reports"]), got["reports"]
     assert len(got["reports"]) == len(set(got["reports"])), got["reports"]  # each once
-    assert len(got["refused"]) == 3 and "different batches" in got["refused"][-1], got["refused"]
+    assert len(got["refused"]) == 4 and "different batches" in got["refused"][-1], got["refused"]
+    assert "heads % tp == 0" in got["refused"][2], got["refused"]
 
 
 @pytest.mark.parametrize("spec", [sf.P(("dp", "tp"), None), sf.P(None, ("dp", "tp"))])
