@@ -88,7 +88,7 @@ def rank_case(name: str, strategy: str, opts: dict, tp: int = 1) -> dict:
     import torch.distributed as dist
 
     import shardfn as sf
-    from shardfn._peak import PeakMeter
+    from shardfn._peak import step_peak
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     opts = dict(opts)
@@ -105,14 +105,7 @@ def rank_case(name: str, strategy: str, opts: dict, tp: int = 1) -> dict:
     t0 = time.perf_counter()
     est = sf.estimate_memory(step, params, batch=batch)
     t_est = time.perf_counter() - t0
-    meter = PeakMeter()
-    with meter:
-        state = step.init(params)
-        del params
-        for i in range(2):
-            with meter.section(f"step{i}"):
-                state, _ = step(state, batch)
-    s = max((meter["step0"], meter["step1"]), key=lambda x: x.peak)
+    s = step_peak(step, params, batch)
     return {"estimate": est.peak, "measured": s.peak, "rss_growth": s.rss_growth, "rise": s.peak - s.start,
             "where": f"{est.phase} {est.unit}".strip(), "estimate_s": t_est}
 

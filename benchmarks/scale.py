@@ -71,23 +71,15 @@ def _estimate(strategy: str, seq: int) -> dict:
 
 
 def _simulated(seq: int) -> dict:
-    from shardfn._peak import PeakMeter
+    from shardfn._peak import step_peak
 
     import shardfn as sf
 
     step, params, batch = _step_and_params("full_shard", seq, recorded=True)
     est = sf.estimate_memory(step, params, batch=batch)
-    meter = PeakMeter()
     t0 = time.perf_counter()
-    with meter:
-        state = step.init(params)
-        del params
-        for i in range(2):
-            with meter.section(f"step{i}"):
-                state, _ = step(state, batch)
-    peak = max(meter["step0"].peak, meter["step1"].peak)
-    return {"estimate": est.peak, "measured": peak, "steps": [meter["step0"].peak, meter["step1"].peak],
-            "rss_growth": [meter["step0"].rss_growth, meter["step1"].rss_growth], "seconds": time.perf_counter() - t0}
+    top = step_peak(step, params, batch)
+    return {"estimate": est.peak, "measured": top.peak, "rss_growth": top.rss_growth, "seconds": time.perf_counter() - t0}
 
 
 def _fsdp2(seq: int) -> dict:
@@ -174,23 +166,15 @@ def main() -> None:
                 results[key].setdefault(strategy, {})[w] = r
                 print(f"estimate {strategy:13} seq {seq:5} world {w:5}: {r['peak'] / gib:8.2f} GiB ({r['where']}, {time.perf_counter() - t0:.1f} s)",
                       flush=True)
-    for w in args.simulate:
-        try:
-            r = _run_child("simulated", w, args.seq)
-        except RuntimeError as e:
-            print(e, flush=True)
-            continue
-        results["simulated"][w] = r
-        print(f"simulated full_shard world {w}: measured {r['measured'] / gib:.3f} GiB, estimate {r['estimate'] / gib:.3f} GiB, "
-              f"ratio {r['estimate'] / r['measured']:.3f} ({r['seconds']:.0f} s)", flush=True)
-    for w in args.fsdp2:
-        try:
-            r = _run_child("fsdp2", w, args.seq)
-        except RuntimeError as e:
-            print(e, flush=True)
-            continue
-        results["fsdp2"][w] = r
-        print(f"FSDP2 world {w}: measured {r['measured'] / gib:.3f} GiB ({r['seconds']:.0f} s)", flush=True)
+    for kind, worlds in (("simulated", args.simulate), ("fsdp2", args.fsdp2)):
+        for w in worlds:
+            try:
+                r = results[kind][w] = _run_child(kind, w, args.seq)
+            except RuntimeError as e:
+                print(e, flush=True)
+                continue
+            vs = f", estimate {r['estimate'] / gib:.3f} GiB, ratio {r['estimate'] / r['measured']:.3f}" if "estimate" in r else ""
+            print(f"{kind} world {w}: measured {r['measured'] / gib:.3f} GiB{vs} ({r['seconds']:.0f} s)", flush=True)
     act = results["estimate"]["no_shard"][1]["at_peak"]["activations"]
     ddp = 16 * n_params + act
     print(f"DDP (formula: 16 B/param + activations): {ddp / gib:.2f} GiB at every world size")

@@ -26,12 +26,12 @@ import contextlib
 import ctypes
 import sys
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch._C._profiler import _EventType
 
-__all__ = ["PeakMeter", "Section", "rss_bytes"]
+__all__ = ["PeakMeter", "Section", "rss_bytes", "step_peak"]
 
 _M_MMAP_THRESHOLD = -3
 
@@ -194,3 +194,18 @@ class PeakMeter:
                 run += deltas[jj][1]
                 sec.peak = max(sec.peak, run)
                 jj += 1
+
+
+def step_peak(step: Any, params: Any, batch: Any, steps: int = 2) -> Section:
+    """The measured peak of `step.init(params)` and then `steps` steps on `batch`: the step section
+    whose peak is highest (each step is a section "step0", "step1", ...; the state `init` builds is
+    live in all of them). The first step runs before the engine's slot plan, the later ones after,
+    so two steps see both."""
+    meter = PeakMeter()
+    with meter:
+        state = step.init(params)
+        del params
+        for i in range(steps):
+            with meter.section(f"step{i}"):
+                state, _ = step(state, batch)
+    return max((meter[f"step{i}"] for i in range(steps)), key=lambda sec: sec.peak)

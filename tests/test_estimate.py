@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardfn._peak import PeakMeter
+from shardfn._peak import PeakMeter, step_peak
 
 
 def test_peak_meter_counts_known_tensors():
@@ -96,13 +96,7 @@ def rank_estimates(cases: list) -> list:
         if with_real:  # the same step's estimate from real parameters: the same figures
             _, real_params, _, _ = _build(name, meta=False)
             real = sf.estimate_memory(step, real_params, batch=batch).peak
-        meter = PeakMeter()
-        with meter:
-            state = step.init(params)
-            for i in range(2):
-                with meter.section(f"step{i}"):
-                    state, _ = step(state, batch)
-        out.append((f"{name} {strategy} {opts}", est.peak, max(meter["step0"].peak, meter["step1"].peak), real))
+        out.append((f"{name} {strategy} {opts}", est.peak, step_peak(step, params, batch).peak, real))
     return out
 
 
@@ -232,13 +226,7 @@ def simulated_rank(strategy: str, opts: dict) -> tuple[int, int]:
     apply, params, loss_fn, batch = _build("gpt")
     step = _step(loss_fn, strategy, opts)
     est = sf.estimate_memory(step, params, batch=batch)
-    meter = PeakMeter()
-    with meter:
-        state = step.init(params)
-        for i in range(2):
-            with meter.section(f"step{i}"):
-                state, _ = step(state, batch)
-    return est.peak, max(meter["step0"].peak, meter["step1"].peak)
+    return est.peak, step_peak(step, params, batch).peak
 
 
 def simulations() -> list:

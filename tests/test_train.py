@@ -430,7 +430,7 @@ def test_units_out_of_module_order_and_reused(pools):
 
 def rank_pure_function() -> float:
     """A hand-written pure function (no functionalize): the whole tree is the root unit."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     torch.manual_seed(0)
     params = {"w": torch.randn(7, 5), "b": torch.zeros(5)}
     ref = {k: v.clone().requires_grad_() for k, v in params.items()}
@@ -440,16 +440,24 @@ def rank_pure_function() -> float:
         xb, yb = batch
         return ((xb @ p["w"] + p["b"] - yb) ** 2).mean()
 
-    step = sf.train_step(loss_fn, sf.optim.sgd(0.1, momentum=0.9), sf.mesh(dp=-1))
-    state = step.init(params)
-    opt = torch.optim.SGD(ref.values(), lr=0.1, momentum=0.9)
-    for _ in range(3):
-        state, _ = step(state, (x.chunk(world)[rank], y.chunk(world)[rank]))
-        opt.zero_grad()
-        loss_fn(ref, (x, y)).backward()
-        opt.step()
+    state = _sgd_beside_reference(loss_fn, params, ref, (x, y), lr=0.1)
     full = sf.gather(state.params)
     return max(((full[k] - ref[k].detach()).norm() / ref[k].detach().norm()).item() for k in full)
+
+
+def _sgd_beside_reference(loss_fn, params: dict, ref: dict, batch: tuple, lr: float, specs=None, steps: int = 3):
+    """`steps` train steps of SGD with momentum on this rank's share of `batch`, and as many steps of
+    torch.optim.SGD on the whole batch for the plain tensors `ref` (updated in place); the state."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    step = sf.train_step(loss_fn, sf.optim.sgd(lr, momentum=0.9), sf.mesh(dp=-1), specs=specs)
+    state = step.init(params)
+    opt = torch.optim.SGD(ref.values(), lr=lr, momentum=0.9)
+    for _ in range(steps):
+        state, _ = step(state, tuple(t.chunk(world)[rank] for t in batch))
+        opt.zero_grad()
+        loss_fn(ref, batch).backward()
+        opt.step()
+    return state
 
 
 def test_train_step_on_a_plain_pure_function(pools):
@@ -653,14 +661,7 @@ def rank_other_dim(save: str | None = None, load: str | None = None) -> dict:
         xb, yb = batch
         return ((torch.einsum("nij,ijk,kal->nal", xb, p["w"], p["u"]) + p["b"] - yb) ** 2).mean()
 
-    step = sf.train_step(loss_fn, sf.optim.sgd(0.01, momentum=0.9), sf.mesh(dp=-1), specs=specs)
-    state = step.init(params)
-    opt = torch.optim.SGD(ref.values(), lr=0.01, momentum=0.9)
-    for _ in range(3):
-        state, _ = step(state, (x.chunk(world)[rank], y.chunk(world)[rank]))
-        opt.zero_grad()
-        loss_fn(ref, (x, y)).backward()
-        opt.step()
+    state = _sgd_beside_reference(loss_fn, params, ref, (x, y), lr=0.01, specs=specs)
     full = sf.gather(state.params)
     c7, c8 = -(-7 // world), -(-8 // world)
     want = {"w": ((Shard(1),), (4, max(0, min(c7, 7 - rank * c7)), 5)), "u": ((Shard(2),), (5, 3, max(0, min(c8, 8 - rank * c8))))}
