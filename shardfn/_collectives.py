@@ -419,9 +419,10 @@ def redistribute(x, mesh, placements, what: str):
     before, after = _shards(x.placements, x.device_mesh), _shards(placements, mesh)
     local = x.numel() * x.element_size() // before
     summed = [i for i, p in enumerate(x.placements) if p.is_partial() and not placements[i].is_partial()]
-    if summed:  # partial sums made whole: an all-reduce over those mesh dims
+    if summed:  # partial sums reduced: a reduce-scatter where the new layout splits, else an all-reduce
         n = math.prod(mesh.size(i) for i in summed)
-        STATS.add("all_reduce", 2 * local * (n - 1) // n)
+        scatter = all(placements[i].is_shard() for i in summed)
+        STATS.add("reduce_scatter" if scatter else "all_reduce", (1 if scatter else 2) * local * (n - 1) // n)
         with watching(what):
             return x.redistribute(mesh, placements)
     if before > after:

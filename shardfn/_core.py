@@ -303,7 +303,8 @@ class GradientCore:
             dtype_of[u] = dtypes.pop() if dtypes else model_dtype  # a unit without leaves: the model's
         names = info.unit_names if info is not None else []
         nbytes = [sum(shape_of[i].numel() for i in members[u]) * (self.mp.param_dtype or dtype_of[u]).itemsize for u in range(n_units)]
-        groups = plan_groups(names, nbytes, [dtype_of[u] for u in range(n_units)], _nested(names), self.group_bytes)
+        self._nested_units = _nested(names)  # the engine's too (`_make_engine`)
+        groups = plan_groups(names, nbytes, [dtype_of[u] for u in range(n_units)], self._nested_units, self.group_bytes)
         members = {**{g: [i for m in ms for i in members[m]] for g, ms in enumerate(groups)}, -1: members[-1]}
         specs_of = {**{g: [x for m in ms for x in specs_of[m]] for g, ms in enumerate(groups)}, -1: specs_of[-1]}
         dtype_of = {**{g: dtype_of[ms[0]] for g, ms in enumerate(groups)}, -1: dtype_of[-1]}
@@ -342,7 +343,7 @@ class GradientCore:
     def _make_engine(self, info: Any, units: dict, dtype_of: dict, direct_gather: bool, groups: list[list[int]]) -> Engine:
         """The engine that runs these unit groups on the strategy's policy."""
         n_units = len(units) - 1
-        nested = _nested(info.unit_names if info is not None else [])
+        nested = self._nested_units
         return Engine(
             info, [units[u] for u in range(n_units)], units[-1], self._policy(units, dtype_of, direct_gather), nested,
             group=mesh_group(self.mesh) if self.world > 1 else None, groups=groups,

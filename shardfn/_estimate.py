@@ -452,11 +452,8 @@ class _AttentionAsOn:
 
 
 def _meta_like(x: Any, dtype=None) -> Any:
-    if isinstance(x, torch.Tensor):
-        local = x
-        if hasattr(x, "full_tensor") and hasattr(x, "placements"):  # a DTensor: its global shape
-            return torch.empty(x.shape, dtype=dtype or x.dtype, device="meta")
-        return torch.empty(local.shape, dtype=dtype or local.dtype, device="meta")
+    if isinstance(x, torch.Tensor):  # a DTensor's shape is its global one
+        return torch.empty(x.shape, dtype=dtype or x.dtype, device="meta")
     return x
 
 
@@ -593,7 +590,7 @@ class _Group:
 
 
 def _itemsize(dt: torch.dtype) -> int:
-    return torch.empty((), dtype=dt).element_size()
+    return dt.itemsize
 
 
 class _Sim:
@@ -1032,7 +1029,8 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
     policy = core._policy(gs, dtype_of, p2p)
     n = len(gs) - 1
     order = list(range(n))  # forward order: the module's (the first step may find another)
-    nested = {g for g, ms in enumerate(groups) for m in ms if m in _nested(names)}
+    nested_units = _nested(names)
+    nested = {g for g, ms in enumerate(groups) for m in ms if m in nested_units}
     candidates = [u for u in order if u not in nested and gs[u].compute == gs[order[0]].compute] if order else []
     slot_of = {u: i % policy.slots for i, u in enumerate(candidates)} if policy.share_slots and len(candidates) >= 2 else {}
 
@@ -1167,9 +1165,12 @@ def check_memory(step: Any, params: Any, batch: Any, setting: Any) -> None:
     memory; an int: that many bytes). `batch` None checks the state alone (at `step.init`)."""
     if setting is False:
         return
-    budget = device_budget(step.mesh.device_type) if setting is True or setting is None else int(setting)
-    if step.mesh.device_type == "cuda":
-        budget += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # cached by the allocator, free to reuse
+    if setting is True or setting is None:  # the device's free memory, and what its allocator caches unused
+        budget = device_budget(step.mesh.device_type)
+        if step.mesh.device_type == "cuda":
+            budget += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    else:  # a budget the user gave: as given
+        budget = int(setting)
     try:
         est = _estimate(step, params, batch, step.core.shard_world, step.core.rank, 0)
     except NotEstimated as e:  # what the estimate cannot count yet: by default, no check, and a word why
@@ -1201,4 +1202,4 @@ def check_setting(value: Any) -> Any:
 
 def checks_first_step(setting: Any, device_type: str) -> bool:
     """Whether `check_memory=setting` checks the first step with its batch (see `train_step`)."""
-    return setting is True or (setting is not None and setting is not False) or (setting is None and device_type == "cuda")
+    return setting not in (None, False) or (setting is None and device_type == "cuda")

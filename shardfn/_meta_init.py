@@ -473,7 +473,7 @@ def meta_device() -> Iterator[None]:
         if moved:
             rec.problem = "the CPU generator's state changed inside the block (a real draw or a seed outside torch's operations)"
         _to_meta(rec, [(m, name) for mref, name in tagged if (m := mref()) is not None])
-    if not moved:
+    if not moved and rec.refused is None:  # (a caught refusal left the recording incomplete)
         torch.random.set_rng_state(_end_state(rec))  # (not when the block raised: an eager build stops there too)
 
 

@@ -204,7 +204,6 @@ def step_peak(step: Any, params: Any, batch: Any, steps: int = 2) -> Section:
     meter = PeakMeter()
     with meter:
         state = step.init(params)
-        del params
         for i in range(steps):
             with meter.section(f"step{i}"):
                 state, _ = step(state, batch)

@@ -64,6 +64,5 @@ def simulate(fn: Callable[..., Any], *args: Any, world: int, rank: int = 0, **kw
     try:
         return fn(*args, **kwargs)
     finally:
-        for group in list(C._GROUPS):
-            C._GROUPS.pop(group, None)
+        C._GROUPS.clear()
         dist.destroy_process_group()

@@ -87,7 +87,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _collectives as C
-from ._spec import P
+from ._spec import P, _chunk
 
 __all__ = ["TensorParallel", "split_specs", "dp_dim", "state_spec", "local_part", "FallbackWarning"]
 
@@ -137,15 +137,16 @@ def local_part(full: torch.Tensor, tp_dim: int | None, rank: int, size: int) -> 
     """This tp rank's part of `full` (DTensor's Shard split: chunks of ceil(n / size))."""
     if tp_dim is None or size == 1:
         return full
-    n = full.shape[tp_dim]
-    c = -(-n // size)
-    lo = min(n, rank * c)
-    return full.narrow(tp_dim, lo, max(0, min(n, lo + c) - lo))
+    lo, hi = _chunk(0, full.shape[tp_dim], size, rank)
+    return full.narrow(tp_dim, lo, hi - lo)
 
 
 def local_shape(shape: torch.Size, tp_dim: int | None, rank: int, size: int) -> torch.Size:
     """The shape of `local_part` of a tensor of `shape`."""
-    return local_part(torch.empty(shape, device="meta"), tp_dim, rank, size).shape
+    if tp_dim is None or size == 1:
+        return torch.Size(shape)
+    lo, hi = _chunk(0, shape[tp_dim], size, rank)
+    return torch.Size((*shape[:tp_dim], hi - lo, *shape[tp_dim + 1 :]))
 
 
 _REGISTERED = False
@@ -430,6 +431,8 @@ def _dropout_whole(tp: "TensorParallel") -> Iterator[None]:
         dim = _shard_dim(x)
         if dim is None:  # whole on tp: every peer draws the same numbers from the same state
             op_call(local, *args[1:], **kwargs)
+            if x.placements[0].is_partial() and x.device_mesh.get_local_rank() != 0:
+                local.zero_()  # a partial sum holding the drawn values: tp rank 0's part, zeros elsewhere
             return x
         whole = torch.empty(x.shape, dtype=local.dtype, device=local.device)
         op_call(whole, *args[1:], **kwargs)
@@ -450,7 +453,9 @@ def _dropout_whole(tp: "TensorParallel") -> Iterator[None]:
             mask = local_part(mask, dim, x.device_mesh.get_local_rank(), x.device_mesh.size())
             out = local * mask * (1.0 / (1 - p) if p < 1 else 0.0)
         spec = dict(device_mesh=x.device_mesh, placements=x.placements, run_check=False, shape=x.shape, stride=x.stride())
-        return DTensor.from_local(out, **spec), DTensor.from_local(mask, **spec)
+        # The mask is a value every rank holds whole (not a partial sum), or split as `x` is.
+        mask_spec = {**spec, "placements": (Replicate(),)} if x.placements[0].is_partial() else spec
+        return DTensor.from_local(out, **spec), DTensor.from_local(mask, **mask_spec)
 
     with _op_handlers({**{op: fill for op in fills}, aten.native_dropout.default: dropout}):
         yield

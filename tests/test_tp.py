@@ -510,3 +510,25 @@ def test_fused_attention_with_a_padding_mask_computes_on_tp_shards(pools):
     split (the mask, broadcast over them, stays whole) and the gradients are the reference's."""
     got = pools(2).run(rank_value_and_grad, "llama_sdpa", dict(dp=1, tp=2), True)[0]
     assert got["loss"] < 1e-5 and got["err"][0] < TOL, got
+
+
+def rank_dropout_of_a_partial_sum() -> float:
+    """Dropout of a partial sum over tp (an activation before its all-reduce): the masked sum, not
+    tp copies of one mask summed."""
+    from torch.distributed.tensor import Partial
+
+    from shardfn._tp import _dropout_whole
+
+    mesh = sf.mesh(tp=2)
+    torch.manual_seed(5)
+    full = torch.randn(4, 6)
+    x = DTensor.from_local(full / 2, mesh, [Partial()], run_check=False)
+    with _dropout_whole(None):
+        torch.manual_seed(7)
+        got = F.dropout(x, 0.5, True).full_tensor()
+    torch.manual_seed(7)
+    return (got - F.dropout(full, 0.5, True)).abs().max().item()
+
+
+def test_dropout_of_a_partial_sum_is_the_masked_sum(pools):
+    assert pools(2).run(rank_dropout_of_a_partial_sum) == [0.0, 0.0]
