@@ -49,6 +49,27 @@ def _unit_index(owner: str, unit_names: list[str]) -> int:
     return best
 
 
+def _slots(info: ModelInfo, flat: dict[str, torch.Tensor]) -> list[tuple[dict, str]] | None:
+    """For each name of `flat`, in order, the dict (`_parameters` or `_buffers` of its module) and key
+    that hold it; None if a name is neither. Found once per model and name (`info.slots`)."""
+    cache = info.slots
+    out = []
+    for name in flat:
+        slot = cache.get(name)
+        if slot is None:
+            owner, _, attr = name.rpartition(".")
+            try:
+                mod = info.module.get_submodule(owner)
+            except AttributeError:
+                return None
+            d = mod._parameters if attr in mod._parameters else mod._buffers if attr in mod._buffers else None
+            if d is None:
+                return None
+            slot = cache[name] = (d, attr)
+        out.append(slot)
+    return out
+
+
 def _unit_hooks(info: ModelInfo, index: int):
     ref = weakref.ref(info)  # the module holds its hooks; the model's info must not be kept by them
 
@@ -159,8 +180,22 @@ class Apply:
         module = self.info.module
         # `torch.func.functional_call` does this for `forward` only; `apply.method(...)` needs any method.
         fn = module if self._method == "forward" else getattr(module, self._method)
-        with _reparametrize_module(module, flat):
+        slots = _slots(self.info, flat)
+        if slots is None:  # a name that is no parameter or buffer of the module: torch's general swap
+            with _reparametrize_module(module, flat):
+                return fn(*args, **kwargs)
+        # Each name's entry in its module's `_parameters` or
+        # `_buffers` is set and restored directly (what torch's `swap_tensor` does for such names),
+        # through entries found once per model: a per-call walk over every dotted name costs more
+        # than the forward of a small block.
+        old = [d[k] for d, k in slots]
+        try:
+            for (d, k), t in zip(slots, flat.values()):
+                d[k] = t
             return fn(*args, **kwargs)
+        finally:
+            for (d, k), t in zip(slots, old):
+                d[k] = t
 
     def __repr__(self) -> str:
         return (

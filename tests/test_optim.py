@@ -10,6 +10,7 @@ import torch
 
 import shardfn as sf
 import shardfn.optim as O
+from shardfn.optim import _alias
 from shardfn.optim._norm import global_norm
 
 SHAPES = {"a": (3, 4), "s": (), "m": (5, 7), "v": (2,), "sub": {"w": (7, 3), "b": (3,)}}
@@ -193,6 +194,45 @@ def test_masked_weight_decay_matches_param_groups():
     # masked-out leaves get no state
     state = O.masked(O.trace(0.9), mask).init(params)
     assert len(optree.tree_leaves(state.inner_state.trace)) == sum(decay)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_step_keeps_its_plan_only_for_the_same_tensors(kind, monkeypatch):
+    """Note [fused step plan]: a train step passes the same local tensors every step (gradients
+    written in place), and one optimizer may drive two states in turn; both stay exact."""
+    mask = {"a": True, "s": False, "m": True, "v": False, "sub": {"w": True, "b": False}}
+    build = {
+        "adamw": (lambda: O.adamw(1e-2, weight_decay=0.5, mask=mask), torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.5)),
+        "sgd": (lambda: O.sgd(0.1, momentum=0.9, weight_decay=0.5, mask=mask), torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.5)),
+    }[kind]
+    decay = optree.tree_leaves(mask)
+
+    def groups(ps):
+        return [{"params": [p for p, d in zip(ps, decay) if d]},
+                {"params": [p for p, d in zip(ps, decay) if not d], "weight_decay": 0.0}]
+
+    opt = build[0]()
+    runs = []
+    for seed in (3, 4):
+        params = make_tree(seed)
+        seq = grads_seq(params, seed=seed + 100)
+        grads = clone_tree(seq[0])  # the same tensors every step, refilled in place
+        runs.append(dict(params=clone_tree(params), state=opt.init(params), grads=grads, seq=seq,
+                         ref=run_torch(build[1], build[2], params, seq, groups=groups)))
+    # Runs of one state (the plan is reused) and switches between the two (it is made again, and
+    # the step counts are set again).
+    order = [(0, 0), (0, 1), (0, 2), (1, 0), (0, 3), (1, 1), (1, 2), (1, 3), (0, 4), (1, 4), (0, 5), (1, 5)]
+    plans = []
+    fusable = _alias._fusable
+    monkeypatch.setattr(_alias, "_fusable", lambda lists: plans.append(1) or fusable(lists))
+    for r, t in order:
+        run = runs[r]
+        for g, new in zip(optree.tree_leaves(run["grads"]), optree.tree_leaves(run["seq"][t])):
+            g.copy_(new)
+        run["state"] = opt.step_(run["grads"], run["state"], run["params"])
+    assert len(plans) == 8  # the first, then one for each switch; none within a run
+    for run in runs:
+        assert rel_err(run["params"], run["ref"]) < 1e-5
 
 
 @pytest.mark.parametrize("mode", ["update", "step_"])

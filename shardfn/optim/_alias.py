@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -40,25 +41,49 @@ def _fusable(lists: tuple[list[torch.Tensor], ...]) -> bool:
     return True
 
 
-def _groups(weight_decay: float, mask: Optional[Mask], params: Params, lists: tuple[list, ...]):
-    """Yields (weight_decay, device, per-list sublists) for each mask group and device/dtype."""
-    n = len(lists[0])
+def _groups(weight_decay: float, mask: Optional[Mask], params: Params, leaves: list[torch.Tensor]):
+    """Yields (weight_decay, device, positions in `leaves`) for each mask group and device/dtype."""
     if weight_decay == 0 or mask is None:
-        parts = [(weight_decay, lists)]
+        parts = [(weight_decay, range(len(leaves)))]
     else:
         flags = resolve_mask(mask, params)
-        parts = [
-            (wd, tuple([l[i] for i in range(n) if flags[i] == keep] for l in lists))
-            for wd, keep in ((weight_decay, True), (0.0, False))
-        ]
-    for wd, sub in parts:
-        if not sub[0]:
-            continue
+        parts = [(wd, [i for i, f in enumerate(flags) if f == keep]) for wd, keep in ((weight_decay, True), (0.0, False))]
+    for wd, positions in parts:
         by_kind: dict[tuple, list[int]] = {}
-        for i, p in enumerate(sub[0]):
-            by_kind.setdefault((p.device, p.dtype), []).append(i)
+        for i in positions:
+            by_kind.setdefault((leaves[i].device, leaves[i].dtype), []).append(i)
         for (device, _), idx in by_kind.items():
-            yield wd, device, tuple([l[i] for i in idx] for l in sub)
+            yield wd, device, idx
+
+
+# Note [fused step plan]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# What a fused step decides from its leaves alone (whether torch's fused kernel takes them, their
+# groups by weight decay, device and dtype) is kept for the next step, which reuses it when it is
+# given the very same local tensors (a train step's state keeps them from step to step; the plan
+# holds them weakly) and the mask is not a function of the params. A step over other tensors plans
+# again. For a model of a few hundred small leaves, planning costs about as much as the kernel.
+class _FusedPlan:
+    """The groups of a fused step's leaves, kept while the leaves stay the same tensors."""
+
+    def __init__(self, weight_decay: float, mask: Optional[Mask]):
+        self.weight_decay, self.mask = weight_decay, mask
+        self._refs: list[list[weakref.ref]] | None = None
+        self._groups: list | None = None
+
+    def __call__(self, lists: tuple[list[torch.Tensor], ...], params: Params) -> list | None:
+        """[(weight_decay, device, per-list sublists)] for torch's fused kernel, or None if it does
+        not take these leaves."""
+        refs = self._refs
+        same = refs is not None and not callable(self.mask) and all(
+            len(r) == len(l) and all(a() is b for a, b in zip(r, l)) for r, l in zip(refs, lists)
+        )
+        if not same:
+            self._groups = list(_groups(self.weight_decay, self.mask, params, lists[0])) if _fusable(lists) else None
+            self._refs = [[weakref.ref(x) for x in l] for l in lists]
+        if self._groups is None:
+            return None
+        return [(wd, device, tuple([l[i] for i in idx] for l in lists)) for wd, device, idx in self._groups]
 
 
 def _chain_state(state: OptState, n: int) -> tuple:
@@ -101,7 +126,10 @@ def _adam_family(
     i_adam = parts.index(adam_t)
     opt = chain(*parts)
     fallback = generic_step(opt.update_)
-    step_counts: dict[tuple, list[torch.Tensor]] = {}  # torch's per-leaf step tensors, kept between steps
+    plan = _FusedPlan(weight_decay, mask)
+    # torch's per-leaf step tensors, kept between steps: its fused kernel leaves them at t, so they
+    # are set to t - 1 (two kernels) only when the last step of these leaves was not t - 1.
+    step_counts: dict[tuple, list] = {}  # (weight decay, device, number of leaves) -> [step tensors, their value]
 
     @torch.no_grad()
     def step_(grads: Any, state: OptState, params: Params) -> OptState:
@@ -114,22 +142,25 @@ def _adam_family(
             locals_(flatten_as(spec, st.mu, "adam state mu")),
             locals_(flatten_as(spec, st.nu, "adam state nu")),
         )
-        if not _fusable(lists):
+        groups = plan(lists, params)
+        if groups is None:
             return fallback(grads, state, params)
         t = float(int(st.count) + 1)
         lr_t = lr_at(lr, state[-1])
-        for wd_g, device, (p, g, m, v) in _groups(weight_decay, mask, params, lists):
-            # torch.optim's functional Adam with fused=True (its fused kernel); it counts the steps
-            # itself, one tensor per leaf, so each starts at t - 1 (set in two kernels, not one
-            # allocation per leaf).
-            steps = step_counts.get((device, len(p)))
-            if steps is None:
-                steps = step_counts[(device, len(p))] = [torch.zeros((), dtype=torch.float32, device=device) for _ in p]
-            else:
+        for wd_g, device, (p, g, m, v) in groups:
+            # torch.optim's functional Adam with fused=True (its fused kernel), which counts the
+            # steps itself, one tensor per leaf.
+            entry = step_counts.get((wd_g, device, len(p)))
+            if entry is None:
+                entry = step_counts[(wd_g, device, len(p))] = [[torch.zeros((), dtype=torch.float32, device=device) for _ in p], None]
+            steps = entry[0]
+            if entry[1] != t - 1:
                 torch._foreach_zero_(steps)
-            torch._foreach_add_(steps, t - 1)
+                torch._foreach_add_(steps, t - 1)
+            entry[1] = None  # unknown if the kernel fails part way
             adam_functional(p, g, m, v, [], steps, fused=True, decoupled_weight_decay=decoupled, amsgrad=False,
                                   beta1=b1, beta2=b2, lr=lr_t, weight_decay=wd_g, eps=eps, maximize=False)
+            entry[1] = t
         st.count.add_(1)
         if callable(lr):
             state[-1].count.add_(1)
@@ -255,6 +286,7 @@ def sgd(
     parts.append(scale_by_learning_rate(lr))
     opt = chain(*parts)
     fallback = generic_step(opt.update_)
+    plan = _FusedPlan(weight_decay, mask)
     i_trace = parts.index(trace_t) if trace_t is not None else None
 
     @torch.no_grad()
@@ -267,10 +299,11 @@ def sgd(
             ts = state[i_trace]
             lists = (*lists, locals_(flatten_as(spec, ts.trace, "sgd momentum state")))
             first = int(ts.count) == 0
-        if not _fusable(lists):
+        groups = plan(lists, params)
+        if groups is None:
             return fallback(grads, state, params)
         lr_t = lr_at(lr, state[-1])
-        for wd_g, _, grouped in _groups(weight_decay, mask, params, lists):
+        for wd_g, _, grouped in groups:
             p, g = grouped[0], grouped[1]
             bufs = grouped[2] if i_trace is not None else []
             # torch.optim's functional SGD with fused=True. It tells the first step (the buffer
