@@ -236,6 +236,21 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class _PostBackwardEager(torch.autograd.Function):
+    """`_PostBackward` where no torch.func transform is active, in the classic form: its `apply`
+    does not bind its arguments through `inspect.signature`, a cost per unit and step."""
+
+    @staticmethod
+    def forward(ctx, engine: "Engine", u: int, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.engine, ctx.u = engine, u
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.engine._post_backward(ctx.u)
+        return (None, None, *grads)
+
+
 def _output_tensors(output: Any) -> tuple[list[torch.Tensor], list[str]]:
     """The tensors in a unit's output, and the type names of leaves that may hide more.
 
@@ -807,7 +822,8 @@ class Engine:
             # Under vmap the batched wrapper does not require grad; the physical tensor does.
             idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and unwrap(x).requires_grad]
             if idx:
-                outs = _PostBackward.apply(self, u, *(flat[i] for i in idx))
+                fn = _PostBackward if torch._C._are_functorch_transforms_active() else _PostBackwardEager
+                outs = fn.apply(self, u, *(flat[i] for i in idx))
                 for i, o in zip(idx, outs):
                     flat[i] = o
                 args, kwargs = pytree.tree_unflatten(flat, spec)

@@ -93,7 +93,8 @@ class TrainStep:
         self._clip(g.grad_norm)
         # Scalars of the optimizer state (its step count) are updated in place: the input state
         # keeps its own (Note [donated state]).
-        opt_in = optree.tree_map(_scalar_copy, state.opt_state, none_is_leaf=True)
+        opt_leaves, opt_spec = optree.tree_flatten(state.opt_state, none_is_leaf=True)
+        opt_in = optree.tree_unflatten(opt_spec, [_scalar_copy(x) for x in opt_leaves])
         opt_state = self._optimize(params, opt_in, g.skip)
         params, opt_state = self._donate(state, opt_state)
         metrics = {"loss": g.loss, "grad_norm": g.grad_norm, "aux": g.aux}
@@ -141,26 +142,17 @@ class TrainStep:
         state's and the old gradients' DTensors are donated (Note [donated state])."""
         donation = _donate.Donation(_donated(state.step + 1))
         memo: dict[int, DTensor] = {}
-
-        def one(x: Any) -> Any:
-            if not isinstance(x, DTensor):
-                return x
-            new = memo.get(id(x))
-            if new is None:
-                new = memo[id(x)] = donation(x)
-            return new
-
-        dt_params = self.core.dt_params
+        core = self.core
         leaves = optree.tree_leaves(state.params)
-        if len(leaves) != len(dt_params) or not all(map(operator.is_, leaves, dt_params)):
-            for leaf in leaves:  # a copy that was copied in is donated too
-                if isinstance(leaf, DTensor) and not _donate.is_donated(leaf):
-                    one(leaf)
-        self.core.dt_params = [one(p) for p in dt_params]
-        grads, grads_spec = optree.tree_flatten(self.core.grads, none_is_leaf=True)
-        self.core.grads = optree.tree_unflatten(grads_spec, [one(g) for g in grads])
-        opt_state = optree.tree_map(one, opt_state, none_is_leaf=True)
-        return optree.tree_unflatten(self.core.treespec, self.core.dt_params), opt_state
+        if len(leaves) != len(core.dt_params) or not all(map(operator.is_, leaves, core.dt_params)):
+            # a copy that was copied in is donated too
+            donation.many([x for x in leaves if isinstance(x, DTensor) and not _donate.is_donated(x)], memo)
+        core.dt_params = donation.many(core.dt_params, memo)
+        grads, grads_spec = optree.tree_flatten(core.grads, none_is_leaf=True)
+        core.grads = optree.tree_unflatten(grads_spec, donation.many(grads, memo))
+        opt_leaves, opt_spec = optree.tree_flatten(opt_state, none_is_leaf=True)
+        opt_state = optree.tree_unflatten(opt_spec, donation.many(opt_leaves, memo))
+        return optree.tree_unflatten(core.treespec, core.dt_params), opt_state
 
     def _optimize(self, params: Any, opt_state: Any, skip: list[int]) -> Any:
         """The optimizer's update, in place; trained leaves at positions `skip` keep their values
