@@ -11,6 +11,7 @@ plus clipping, the optimizer and donation; `sf.value_and_grad` is this core alon
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -673,7 +674,7 @@ def _explain(e: BaseException) -> BaseException | None:
             "pre-backward was missed: return its outputs as tensors or containers of them, and do not "
             "hand them to code that detaches and re-attaches them. Autograd said: " + msg
         )
-    if isinstance(e, RuntimeError) and "_PostBackward is a view and is being modified inplace" in msg:
+    if isinstance(e, RuntimeError) and re.search(r"_PostBackward(Eager)? is a view and is being modified inplace", msg):
         return ValueError(
             "a unit modifies one of its inputs in place (e.g. x.add_(...) or an inplace activation on its "
             "input): shardfn detects the end of a unit's backward on its inputs, as FSDP2 does, so a unit "

@@ -50,23 +50,30 @@ def _unit_index(owner: str, unit_names: list[str]) -> int:
 
 
 def _slots(info: ModelInfo, flat: dict[str, torch.Tensor]) -> list[tuple[dict, str]] | None:
-    """For each name of `flat`, in order, the dict (`_parameters` or `_buffers` of its module) and key
-    that hold it; None if a name is neither. Found once per model and name (`info.slots`)."""
-    cache = info.slots
+    """For each name of `flat`, in order, the dict (`_parameters` or `_buffers` of its module, found
+    now: a submodule may have been replaced) and key that hold it; None if a name is neither. The
+    split of each name is kept per model (`info.slots`)."""
+    split = info.slots
+    owners: dict[tuple, Any] = {(): info.module}
     out = []
     for name in flat:
-        slot = cache.get(name)
-        if slot is None:
+        parts = split.get(name)
+        if parts is None:
             owner, _, attr = name.rpartition(".")
-            try:
-                mod = info.module.get_submodule(owner)
-            except AttributeError:
+            parts = split[name] = (tuple(owner.split(".")) if owner else (), attr)
+        path, attr = parts
+        mod = owners.get(path)
+        if mod is None:
+            mod = info.module
+            for k in path:
+                mod = mod._modules.get(k) if isinstance(mod, nn.Module) else None
+            if not isinstance(mod, nn.Module):
                 return None
-            d = mod._parameters if attr in mod._parameters else mod._buffers if attr in mod._buffers else None
-            if d is None:
-                return None
-            slot = cache[name] = (d, attr)
-        out.append(slot)
+            owners[path] = mod
+        d = mod._parameters if attr in mod._parameters else mod._buffers if attr in mod._buffers else None
+        if d is None:
+            return None
+        out.append((d, attr))
     return out
 
 
@@ -176,6 +183,9 @@ class Apply:
     def _call_flat(self, flat: dict[str, torch.Tensor], args: tuple, buffers: Any, kwargs: dict) -> Any:
         if buffers is not None:
             bpaths, bleaves, _ = tree_flatten_with_paths(buffers)
+            for path, b in zip(bpaths, bleaves):
+                if not (b is None or isinstance(b, torch.Tensor)):
+                    raise ValueError(f"buffers[{path!r}] is a {type(b).__name__}; pass tensors, as apply.buffers holds them")
             flat = {**flat, **dict(zip(bpaths, bleaves))}
         module = self.info.module
         # `torch.func.functional_call` does this for `forward` only; `apply.method(...)` needs any method.
@@ -184,10 +194,9 @@ class Apply:
         if slots is None:  # a name that is no parameter or buffer of the module: torch's general swap
             with _reparametrize_module(module, flat):
                 return fn(*args, **kwargs)
-        # Each name's entry in its module's `_parameters` or
-        # `_buffers` is set and restored directly (what torch's `swap_tensor` does for such names),
-        # through entries found once per model: a per-call walk over every dotted name costs more
-        # than the forward of a small block.
+        # Each name's entry in its module's `_parameters` or `_buffers` is set and restored directly
+        # (what torch's `swap_tensor` does for such names); torch's per-name walk with its checks
+        # costs more than the forward of a small block.
         old = [d[k] for d, k in slots]
         try:
             for (d, k), t in zip(slots, flat.values()):

@@ -37,7 +37,7 @@ class ModelInfo:
     returned: dict[str, weakref.ref] = field(default_factory=dict)  # path -> the leaf functionalize returned
     meta_init: Any = None  # a meta-device module: its recorded construction (`_meta_init.Capture`)
     runtimes: list = field(default_factory=list)  # active runtimes, innermost last (`_runtime.activate`)
-    slots: dict = field(default_factory=dict)  # dotted name -> (its module's `_parameters`/`_buffers`, key)
+    slots: dict = field(default_factory=dict)  # dotted name -> (its module's path, its key in `_parameters`/`_buffers`)
 
     @property
     def runtime(self) -> Any:

@@ -187,6 +187,33 @@ class Tower(nn.Module):
         return self.blocks[-1](h)
 
 
+class _AddsToItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, h):
+        h.add_(1.0)  # in place on the unit's input
+        return self.lin(h)
+
+
+class InPlaceInput(nn.Module):
+    """A unit that modifies its input in place: refused with the fix (the end of a unit's backward
+    is detected on its inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(_AddsToItsInput() for _ in range(2))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
 class BNNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -359,6 +386,13 @@ def rank_refusals() -> dict:
         out["opaque"] = "NO ERROR"
     except ValueError as e:
         out["opaque"] = str(e)
+    # A unit that modifies its input in place.
+    _, _, step, state = _step(dict(build=lambda: InPlaceInput()), "full_shard", world)
+    try:
+        step(state, batch(0, world).chunk(world)[rank])
+        out["inplace"] = "NO ERROR"
+    except ValueError as e:
+        out["inplace"] = str(e)
     # Two functionalized models with the same parameter names (a student and its teacher).
     torch.manual_seed(0)
     student, teacher = Net(), Net()
@@ -401,6 +435,7 @@ def rank_refusals() -> dict:
 def test_refusals_before_anything_is_computed(pools):
     for r in pools(2).run(rank_refusals):
         assert "Opaque" in r["opaque"] and "register" in r["opaque"], r["opaque"]
+        assert "modifies one of its inputs in place" in r["inplace"], r["inplace"]
         assert "apply=" in r["ambiguous"], r["ambiguous"]
         assert r["found"], r
         assert "apply=" in r["other_model"], r["other_model"]
