@@ -257,6 +257,8 @@ def _output_tensors(output: Any) -> tuple[list[torch.Tensor], list[str]]:
     Containers are those torch's pytree knows (tuples, lists, dicts, namedtuples, Hugging Face
     `ModelOutput`s) and dataclasses.
     """
+    if isinstance(output, torch.Tensor):
+        return [output], []
     tensors: list[torch.Tensor] = []
     opaque: list[str] = []
     todo = [(output, 0)]  # a stack, not a recursive closure: that would be a reference cycle
@@ -794,7 +796,8 @@ class Engine:
         if info is not self.info or self.phase == Phase.IDLE:
             return None
         m, u = u, self._member(u)
-        if self.phase == Phase.FORWARD and under_grad_transform((args, kwargs)):
+        transforms = torch._C._are_functorch_transforms_active()
+        if self.phase == Phase.FORWARD and transforms and under_grad_transform((args, kwargs)):
             raise OffSchedule(
                 f"unit {self._member_names[m]!r} ran inside a torch.func gradient transform (grad, vjp, jacrev, ...) in "
                 "loss_fn (a gradient penalty)"
@@ -818,15 +821,17 @@ class Engine:
             args, kwargs = self._cast(args), self._cast(kwargs)
         wrapped = False
         if torch.is_grad_enabled():
-            flat, spec = pytree.tree_flatten((args, kwargs))
+            # Positional tensors and plain values only (a block called on its hidden states): no tree walk.
+            plain = not kwargs and all(isinstance(x, (torch.Tensor, *_PRIMITIVE)) for x in args)
+            flat, spec = (list(args), None) if plain else pytree.tree_flatten((args, kwargs))
             # Under vmap the batched wrapper does not require grad; the physical tensor does.
             idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and unwrap(x).requires_grad]
             if idx:
-                fn = _PostBackward if torch._C._are_functorch_transforms_active() else _PostBackwardEager
+                fn = _PostBackward if transforms else _PostBackwardEager
                 outs = fn.apply(self, u, *(flat[i] for i in idx))
                 for i, o in zip(idx, outs):
                     flat[i] = o
-                args, kwargs = pytree.tree_unflatten(flat, spec)
+                args, kwargs = (tuple(flat), kwargs) if plain else pytree.tree_unflatten(flat, spec)
                 self._pending[u] += 1
                 wrapped = True
         self._wrapped.append(wrapped)
@@ -845,7 +850,9 @@ class Engine:
         output, tensors = self._own_memory(u, output, tensors)
         if torch.is_grad_enabled():
             targets = _hook_targets(tensors)
-            if targets:
+            if len(targets) == 1:  # its gradient is computed once per backward: a plain hook is the same
+                targets[0].register_hook(lambda _g, u=u: self._pre_backward(u))
+            elif targets:
                 torch.autograd.graph.register_multi_grad_hook(targets, lambda _g, u=u: self._pre_backward(u), mode="any")
             elif opaque and (wrapped or self.units[u].num_trained):
                 raise ValueError(
