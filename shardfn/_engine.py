@@ -98,6 +98,7 @@ import optree
 from . import _collectives as C
 from ._flat import Arena, FlatUnit
 from ._functorch import under_grad_transform, unwrap
+from ._models import unit_of_module
 from ._param import Detour, OffSchedule, Param
 
 __all__ = ["Engine", "EngineStats", "Phase", "Policy", "StaleParameterError", "GROUP_BYTES", "plan_groups", "group_name"]
@@ -490,11 +491,9 @@ class Engine:
         """Which of group `u`'s units holds submodule `owner` (None: none of them, or one unit alone)."""
         if u not in self._grouped:
             return None
-        for m in self.groups[u]:
-            name = self._member_names[m]
-            if owner == name or owner.startswith(name + "."):
-                return m
-        return None
+        members = self.groups[u]
+        i = unit_of_module(owner, [self._member_names[m] for m in members])
+        return members[i] if i >= 0 else None
 
     def _swap_in(self, u: int, full: bool, m: int | None = None) -> None:
         """Unit `u`'s module attributes (of its member `m` only, in a group): its full parameters

@@ -28,7 +28,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from . import _runtime, _watch
 from ._inference import ShardedForward
 from ._meta_init import capture, check_outside_block
-from ._models import ModelInfo, model_of, persistent_buffers, register
+from ._models import ModelInfo, model_of, persistent_buffers, register, unit_of_module
 from ._param import Param
 from ._shard import _holds_dtensor, gather
 from ._state import params_of
@@ -39,14 +39,6 @@ __all__ = ["functionalize", "Apply", "to_state_dict", "from_state_dict"]
 
 def _owner(path: str) -> str:
     return path.rpartition(".")[0]
-
-
-def _unit_index(owner: str, unit_names: list[str]) -> int:
-    best, best_len = -1, -1
-    for i, u in enumerate(unit_names):
-        if (owner == u or owner.startswith(u + ".")) and len(u) > best_len:
-            best, best_len = i, len(u)
-    return best
 
 
 def _slots(info: ModelInfo, flat: dict[str, torch.Tensor]) -> list[tuple[dict, str]] | None:
@@ -259,7 +251,7 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
             aliases[first_path[key]].append(name)
     unit_of = {}
     for path, names in aliases.items():
-        owners = {_unit_index(_owner(n), unit_names) for n in names}
+        owners = {unit_of_module(_owner(n), unit_names) for n in names}
         unit_of[path] = owners.pop() if len(owners) == 1 else -1
     info = ModelInfo(
         module=module,

@@ -21,7 +21,7 @@ from torch import nn
 
 from ._tree import tree_flatten_with_paths
 
-__all__ = ["ModelInfo", "register", "candidates", "model_of"]
+__all__ = ["ModelInfo", "register", "candidates", "model_of", "unit_of_module"]
 
 
 @dataclass(eq=False)
@@ -47,6 +47,16 @@ class ModelInfo:
     def returned_tree(self, paths: Sequence[str], leaves: Sequence[Any]) -> bool:
         """Whether these leaves are the very tensors `functionalize` returned for this model."""
         return all(p in self.returned and self.returned[p]() is x for p, x in zip(paths, leaves))
+
+
+def unit_of_module(owner: str, unit_names: Sequence[str]) -> int:
+    """The index in `unit_names` of the innermost unit whose submodule is `owner` or holds it; -1
+    for none (the root)."""
+    best, best_len = -1, -1
+    for i, u in enumerate(unit_names):
+        if (owner == u or owner.startswith(u + ".")) and len(u) > best_len:
+            best, best_len = i, len(u)
+    return best
 
 
 class _Registry:

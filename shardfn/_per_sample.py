@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from . import _collectives as C
 from . import _runtime, _watch
-from ._functional import _unit_index
+from ._models import unit_of_module
 from ._functorch import under_grad_transform
 from ._mesh import mesh_group
 from ._shard import gather
@@ -153,7 +153,7 @@ class _Relays:
                 continue
             for name in info.aliases[path]:
                 owner, _, attr = name.rpartition(".")
-                u = _unit_index(owner, info.unit_names)
+                u = unit_of_module(owner, info.unit_names)
                 if u >= 0:
                     self.swaps.setdefault(u, []).append((module.get_submodule(owner), attr, k))
 
