@@ -90,7 +90,7 @@ def failing(mode, **kw):
 '''
 
 RESULTS = r'''
-for n in (1, 2, 4):
+for n in (1, 3):  # 2 ranks: every launch below
     res = sf.launch(train, "ok", nprocs=n)
     assert [type(r).__name__ for r in res] == ["Result"] * n, res
     assert [r.rank for r in res] == list(range(n)) and all(r.world == n for r in res), res
@@ -156,7 +156,7 @@ def test_launch_from_a_notebook_returns_results_and_fails_fast():
     text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
     assert "[rank1]: " in text or "[rank0]: " in text or "ranks:" in text
     for line in text.splitlines():
-        if line.startswith(("raise:", "exit:", "stall:", "subset:", "1 ranks", "2 ranks", "4 ranks")):
+        if line.startswith(("raise:", "exit:", "stall:", "subset:", "1 ranks", "3 ranks")):
             print(line[:200])
 
 
