@@ -90,12 +90,12 @@ def _rebuild(local: torch.Tensor, spec: Any, requires_grad: bool) -> DTensor:
 # ~~~~~~~~~~~~~~~~~~~~~
 # A train step donates every DTensor of the state it is given and wraps the same memory in new ones
 # (a few per leaf: parameters, gradients, optimizer moments), so what one donation allocates is paid
-# per leaf and per step, and whatever outlives the step feeds the garbage collector's full passes.
-# So a donation allocates one DTensor per leaf (and the dict that holds its `__reduce_ex__`): it comes from
-# `DTensor.__new__` alone (`DTensor.__init__` does nothing but pass through torch._dynamo's disable
-# wrapper); its pickling object (`_Reduce`, which holds the local tensor, not the DTensor) is the
-# donated DTensor's, taken over; the donated DTensors share one placeholder per shape, stride and
-# dtype and one pickling refusal per donation (`Donation`).
+# per leaf and per step, and whatever outlives the step feeds the garbage collector's passes.
+# So a donation allocates one object per leaf, the DTensor: it comes from `DTensor.__new__` alone
+# (`DTensor.__init__` does nothing but pass through torch._dynamo's disable wrapper); it takes over
+# the donated DTensor's attribute dict, which holds its pickling object (`_Reduce`, which holds the
+# local tensor, not the DTensor); the donated DTensors of one donation share one attribute dict
+# (their pickling refusal) and one placeholder per shape, stride and dtype (`Donation`).
 def _new(local: torch.Tensor, spec: Any, requires_grad: bool) -> DTensor:
     return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
 
@@ -141,12 +141,13 @@ class Donation:
     `dt`'s local tensor and donates `dt` (reads raise `message`). The DTensors one donation donates
     share its placeholders and pickling refusal (Note [cheap donation])."""
 
-    __slots__ = ("message", "_refuse", "_placeholders")
+    __slots__ = ("message", "_refuse", "_placeholders", "_donated_attrs")
 
     def __init__(self, message: str):
         self.message = message
         self._refuse = _Refuse(message)
         self._placeholders: dict[tuple, _Donated] = {}
+        self._donated_attrs = {"__reduce_ex__": self._refuse}  # the attribute dict every donated DTensor shares
 
     def placeholder(self, like: torch.Tensor) -> "_Donated":
         key = (like.shape, like.stride(), like.dtype, like.device)
@@ -158,12 +159,13 @@ class Donation:
     def __call__(self, dt: DTensor) -> DTensor:
         local, spec, requires_grad = dt._local_tensor, dt._spec, dt.requires_grad
         new = _new(local, spec, requires_grad)
-        r = dt.__dict__.get("__reduce_ex__")
+        attrs = dt.__dict__
+        r = attrs.get("__reduce_ex__")
         if type(r) is not _Reduce or r.local is not local or r.spec is not spec or r.requires_grad != requires_grad:
-            r = _Reduce(local, spec, requires_grad)
-        new.__reduce_ex__ = r
+            attrs = {**attrs, "__reduce_ex__": _Reduce(local, spec, requires_grad)}
+        new.__dict__ = attrs  # the donated DTensor's attributes (its pickling object) pass to the new one
         dt._local_tensor = self.placeholder(local)
-        dt.__reduce_ex__ = self._refuse
+        dt.__dict__ = self._donated_attrs
         return new
 
     def many(self, leaves: list, memo: dict[int, DTensor]) -> list:
