@@ -95,7 +95,9 @@ def _rebuild(local: torch.Tensor, spec: Any, requires_grad: bool) -> DTensor:
 # (`DTensor.__init__` does nothing but pass through torch._dynamo's disable wrapper); it takes over
 # the donated DTensor's attribute dict, which holds its pickling object (`_Reduce`, which holds the
 # local tensor, not the DTensor); the donated DTensors of one donation share one attribute dict
-# (their pickling refusal) and one placeholder per shape, stride and dtype (`Donation`).
+# (their pickling refusal) and one placeholder per shape, stride and dtype (`Donation`). So any
+# attribute a user set on a DTensor of the state moves to the new one, and an attribute set on a
+# donated DTensor (which raises on every read of its values) is seen on all of that donation's.
 def _new(local: torch.Tensor, spec: Any, requires_grad: bool) -> DTensor:
     return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
 
