@@ -246,10 +246,7 @@ class _PostBackwardEager(torch.autograd.Function):
         ctx.engine, ctx.u = engine, u
         return tensors
 
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        ctx.engine._post_backward(ctx.u)
-        return (None, None, *grads)
+    backward = staticmethod(_PostBackward.backward)
 
 
 def _output_tensors(output: Any) -> tuple[list[torch.Tensor], list[str]]:

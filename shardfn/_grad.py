@@ -67,9 +67,8 @@ class ValueAndGrad:
                 "these gradients were donated to the next sf.value_and_grad call, whose gradients fill their memory; "
                 "keep them with sf.copy(grads)"
             )
-            donation = _donate.Donation(message)
-            leaves = [None if x is None else donation(x) for x in optree.tree_leaves(core.grads, none_is_leaf=True)]
-            core.grads = optree.tree_unflatten(optree.tree_structure(core.grads, none_is_leaf=True), leaves)
+            leaves, spec = optree.tree_flatten(core.grads, none_is_leaf=True)
+            core.grads = optree.tree_unflatten(spec, _donate.Donation(message).many(leaves, {}))
             return ((g.loss, g.aux) if self.has_aux else g.loss), core.grads
 
     def _take(self, params: Any) -> GradientCore:
