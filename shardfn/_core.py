@@ -391,8 +391,7 @@ class GradientCore:
     def _check_tp_batch(self, batch: Any) -> None:
         """On the first step: ranks that differ only in their tp coordinate hold the same batch, as
         tensor parallel needs (each computes its shards of the same examples). A checksum of the
-        batch, compared over tp in one small all-reduce."""
-        self._tp_batch_checked = True
+        batch, compared over tp in one small all-reduce. A step refused here checks again."""
         sums = torch.zeros(2, dtype=torch.float64)
         for i, x in enumerate(optree.tree_leaves(batch)):
             if isinstance(x, torch.Tensor) and x.numel() and not isinstance(x, DTensor):
@@ -407,6 +406,7 @@ class GradientCore:
                 f"computes each example on all of them. Give every rank the batch of its {self.shard_axis!r} "
                 f"coordinate, e.g. global_batch.chunk(mesh.size(0))[mesh.get_local_rank({self.shard_axis!r})]"
             )
+        self._tp_batch_checked = True
 
     def _tp_local(self, i: int, full: torch.Tensor) -> torch.Tensor:
         """Leaf `i`'s part on this tp rank (the whole leaf without tensor parallel)."""

@@ -72,7 +72,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from . import _collectives as C
 from ._engine import Phase
-from ._flat import SMALL_SEGMENT, buffer_sizes, place
+from ._flat import _split_dim, _together, buffer_sizes, place
 
 __all__ = ["MemoryEstimate", "estimate_memory", "RESERVE", "device_budget", "MemoryCheckError"]
 
@@ -1006,7 +1006,7 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
         sh = [s for s in segs if s.sharded]
         S = sum(s.seg_numel for s in sh)
         R = sum(s.seg_numel for s in segs if not s.sharded)
-        small = [s for s in sh if s.seg_numel < SMALL_SEGMENT]
+        small = [s for s in sh if _together(s, W)]  # gathered through `gathered`, as FlatUnit decides
         compute = core.mp.param_dtype or dtype_of[u]
         gr = _Group(
             name=("+".join(names[m] for m in groups[u]) if u >= 0 else ""),
@@ -1018,10 +1018,10 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
             n_trained=sum(s.seg_numel for s in segs if s.trained),
             master=dtype_of[u], compute=compute, reduce=core.mp.reduce_dtype or compute,
             staged=compute != dtype_of[u] or offload,
-            gathers_in_place=p2p and len(small) < len(sh),
+            gathers_in_place=p2p and W > 1 and len(small) < len(sh),  # as FlatUnit decides
             trained_leaves=[x.index for x in sp if x.trained],
             largest_trained=max([s.seg_numel for s in sh if s.trained], default=0),
-            padded_trained=sum(s.seg_numel for s in sh if s.trained and s.shape[0] % W),
+            padded_trained=sum(s.seg_numel for s in sh if s.trained and s.shape[_split_dim(s, W)] % W),
         )
         gs[u] = gr
         for i in idx:
