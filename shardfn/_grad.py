@@ -48,6 +48,7 @@ class ValueAndGrad:
         self.loss_fn, self.has_aux, self.options = loss_fn, bool(has_aux), options
         self._core: GradientCore | None = None
         self._layout: dict[str, DTensor] = {}
+        self._donated: list = []  # the gradients the last call donated (Note [recycled wrappers])
 
     def _loss(self, params: Any, batch: Any) -> Any:
         out = self.loss_fn(params, batch)
@@ -68,7 +69,7 @@ class ValueAndGrad:
                 "keep them with sf.copy(grads)"
             )
             leaves, spec = optree.tree_flatten(core.grads, none_is_leaf=True)
-            core.grads = optree.tree_unflatten(spec, _donate.Donation(message).many(leaves, {}))
+            core.grads = optree.tree_unflatten(spec, _donate.Donation(message).many(leaves, {}, self._donated))
             return ((g.loss, g.aux) if self.has_aux else g.loss), core.grads
 
     def _take(self, params: Any) -> GradientCore:

@@ -47,6 +47,7 @@ class TrainStep:
         self.mesh = mesh
         self.check_memory = _estimate.check_setting(check_memory)  # Note [memory estimate] in `_estimate.py`
         self._memory_checked = False
+        self._donated: tuple[list, list, list] = ([], [], [])  # Note [recycled wrappers]
 
     # What tests and tools read of a step: the core's.
     loss_fn = property(lambda self: self.core.loss_fn, lambda self, fn: setattr(self.core, "loss_fn", fn))
@@ -147,11 +148,12 @@ class TrainStep:
         if len(leaves) != len(core.dt_params) or not all(map(operator.is_, leaves, core.dt_params)):
             # a copy that was copied in is donated too
             donation.many([x for x in leaves if isinstance(x, DTensor) and not _donate.is_donated(x)], memo)
-        core.dt_params = donation.many(core.dt_params, memo)
+        kept = self._donated
+        core.dt_params = donation.many(core.dt_params, memo, kept[0])
         grads, grads_spec = optree.tree_flatten(core.grads, none_is_leaf=True)
-        core.grads = optree.tree_unflatten(grads_spec, donation.many(grads, memo))
+        core.grads = optree.tree_unflatten(grads_spec, donation.many(grads, memo, kept[1]))
         opt_leaves, opt_spec = optree.tree_flatten(opt_state, none_is_leaf=True)
-        opt_state = optree.tree_unflatten(opt_spec, donation.many(opt_leaves, memo))
+        opt_state = optree.tree_unflatten(opt_spec, donation.many(opt_leaves, memo, kept[2]))
         return optree.tree_unflatten(core.treespec, core.dt_params), opt_state
 
     def _optimize(self, params: Any, opt_state: Any, skip: list[int]) -> Any:

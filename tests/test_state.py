@@ -114,6 +114,61 @@ def test_a_step_donates_its_input_state(pools, world):
         assert out["kept_equal"], out  # the kept copy holds step 1, not step 2
 
 
+def rank_recycled() -> dict:
+    """Note [recycled wrappers]: a state the loop dropped lends its DTensors to a later one; a state
+    kept in a variable, behind a weak reference or in an autograd graph stays donated."""
+    import gc
+    import weakref
+
+    from torch.distributed.tensor import DTensor
+
+    model = make_model("mlp")
+    apply, params = sf.functionalize(model, units=units_of("mlp"))
+    mesh = sf.mesh(dp=-1)
+    step = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), mesh)
+    ref = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), mesh)
+    state, twin = step.init(params), ref.init(sf.copy(params))
+
+    def ids(s) -> list[int]:
+        return [id(x) for x in optree.tree_leaves((s.params, s.opt_state)) if isinstance(x, DTensor)]
+
+    def donated(x) -> bool:
+        return _raises_donated(lambda: x.to_local() + 1)
+
+    seen = []
+    for i in range(4):
+        state, _ = step(state, _batch(i))
+        twin, _ = ref(sf.copy(twin), _batch(i))  # a copy each step: nothing to recycle
+        seen.append(ids(state))
+    out = {"recycled": seen[3] == seen[1] and seen[2] == seen[0] and set(seen[0]).isdisjoint(seen[1])}
+    w = state.params["4"]["weight"]
+    probe = weakref.ref(state.params["2"]["weight"])
+    saved = DTensor.from_local(torch.ones_like(w.to_local()), mesh, w.placements, shape=w.shape, stride=w.stride()).requires_grad_()
+    graph = (saved * state.params["4"]["weight"]).sum()  # holds that leaf for its backward
+    del w
+    state, _ = step(state, _batch(4))  # the state before is reachable only through the probe and the graph
+    twin, _ = ref(sf.copy(twin), _batch(4))
+    held = state
+    out["held"] = out["weakref"] = True
+    for i in range(5, 9):
+        state, _ = step(state, _batch(i))
+        twin, _ = ref(sf.copy(twin), _batch(i))
+        gc.collect()
+        # checked after every step: a DTensor taken over shows up in the next state or the one after
+        now = {id(x) for x in optree.tree_leaves((state, step.grads))}
+        out["held"] &= all(donated(x) and id(x) not in now for x in optree.tree_leaves(held.params))
+        out["weakref"] &= probe() is None or (donated(probe()) and id(probe()) not in now)  # released, never revived
+    out["graph"] = _raises_donated(graph.backward)
+    out["exact"] = all(torch.equal(a, b) for a, b in zip(_full((state.params, state.opt_state)), _full((twin.params, twin.opt_state))))
+    return out
+
+
+@pytest.mark.parametrize("world", [2])
+def test_dropped_states_lend_their_wrappers_and_kept_ones_never(pools, world):
+    for rank, out in enumerate(pools(world).run(rank_recycled)):
+        assert all(out.values()), (rank, out)
+
+
 def rank_pickle() -> dict:
     model = make_model("mlp")
     apply, params = sf.functionalize(model, units=units_of("mlp"))
