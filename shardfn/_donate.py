@@ -148,10 +148,13 @@ def adopt(dt: DTensor, view: torch.Tensor) -> None:
 # later state is indistinguishable from allocating one, and it spares the garbage collector the few
 # thousand short-lived wrappers of every step (on DEEP, about half its passes' time). It is taken
 # only when nothing else holds it: its reference count is that of an object one list holds (a
-# state the user keeps, or an autograd graph that saved it, adds to it), no weak reference points
-# at it, its TensorImpl has no other owner (`Tensor._use_count`, a second check for C++ holders),
-# it has no `.grad`, and it wraps the same spec (shape, strides, dtype, mesh, placements) and
-# `requires_grad`. Anything else gets a new DTensor, and what it held stays donated.
+# state the user keeps adds to it, and so, since torch 2.10, does a C++ owner such as an autograd
+# graph that saved it), no weak reference points at it, its TensorImpl has no other owner
+# (`Tensor._use_count`: the C++ check on any torch), and it wraps the same spec (shape, strides,
+# dtype, mesh, placements). Only wrappers outside autograd are taken (`requires_grad` off, so a
+# leaf with no `grad_fn`) with no `.grad` and no hooks left on them: autograd state lives on the
+# tensor object, not in the attribute dict that moves. Anything else gets a new DTensor, and what
+# it held stays donated.
 def _reference_count_alone() -> int:
     kept = [object()]
     return sys.getrefcount(kept[0])  # the same expression as `_unreachable`'s: one list holds it
@@ -165,6 +168,7 @@ def _unreachable(kept: list, i: int) -> bool:
     """Whether `kept[i]`, a donated DTensor, is held by `kept` alone (Note [recycled wrappers])."""
     return (
         _use_count is not None
+        and type(kept[i]) is DTensor
         and sys.getrefcount(kept[i]) == _ALONE
         and not weakref.getweakrefcount(kept[i])
         and _use_count(kept[i]) == 1
@@ -195,7 +199,15 @@ class Donation:
         """A new DTensor over `dt`'s memory (`spare` itself when the caller found it unreachable and
         alike, Note [recycled wrappers]); `dt` is donated."""
         local, spec, requires_grad = dt._local_tensor, dt._spec, dt.requires_grad
-        if type(spare) is DTensor and spare._spec is spec and spare.requires_grad == requires_grad and spare.grad is None:
+        if (
+            spare is not None
+            and not requires_grad
+            and spare._spec is spec
+            and not spare.requires_grad  # a leaf, so no grad_fn; hooks need requires_grad to be set, and may stay after
+            and spare.grad is None
+            and spare._backward_hooks is None
+            and spare._post_accumulate_grad_hooks is None
+        ):
             new = spare
             new._local_tensor = local
         else:
@@ -230,7 +242,7 @@ class Donation:
             else:
                 append(x)
         if kept is not None:
-            kept[:] = leaves
+            kept[:] = [x if type(x) is DTensor else None for x in leaves]
         return out
 
 

@@ -145,11 +145,14 @@ def rank_recycled() -> dict:
     probe = weakref.ref(state.params["2"]["weight"])
     saved = DTensor.from_local(torch.ones_like(w.to_local()), mesh, w.placements, shape=w.shape, stride=w.stride()).requires_grad_()
     graph = (saved * state.params["4"]["weight"]).sum()  # holds that leaf for its backward
-    del w
+    hooked = state.params["0"]["bias"].requires_grad_()
+    calls = [0]
+    hooked.register_hook(lambda g: calls.__setitem__(0, calls[0] + 1))  # holds no reference to the tensor
+    del w, hooked
     state, _ = step(state, _batch(4))  # the state before is reachable only through the probe and the graph
     twin, _ = ref(sf.copy(twin), _batch(4))
     held = state
-    out["held"] = out["weakref"] = True
+    out["held"] = out["weakref"] = out["hooks"] = True
     for i in range(5, 9):
         state, _ = step(state, _batch(i))
         twin, _ = ref(sf.copy(twin), _batch(i))
@@ -158,6 +161,10 @@ def rank_recycled() -> dict:
         now = {id(x) for x in optree.tree_leaves((state, step.grads))}
         out["held"] &= all(donated(x) and id(x) not in now for x in optree.tree_leaves(held.params))
         out["weakref"] &= probe() is None or (donated(probe()) and id(probe()) not in now)  # released, never revived
+        bias = state.params["0"]["bias"]  # requires grad from step 4 on; the hooked wrapper must not come back
+        torch.autograd.grad((bias * 2).sum(), bias)
+        out["hooks"] &= bias.requires_grad and calls[0] == 0
+        del bias
     out["graph"] = _raises_donated(graph.backward)
     out["exact"] = all(torch.equal(a, b) for a, b in zip(_full((state.params, state.opt_state)), _full((twin.params, twin.opt_state))))
     return out
