@@ -86,10 +86,10 @@ class TrainStep:
         if self.core.engine is None:
             raise ValueError("call step.init(params) before the first step")
         params = self._adopt(state.params)
-        if not self._memory_checked:
-            self._memory_checked = True
+        if not self._memory_checked:  # until a first step passes it: a refused batch tried again is checked again
             if _estimate.checks_first_step(self.check_memory, self.mesh.device_type):
                 _estimate.check_memory(self, params, batch, self.check_memory)
+            self._memory_checked = True
         g = self.core.gradients(params, batch)
         self._clip(g.grad_norm)
         # Scalars of the optimizer state (its step count) are updated in place: the input state

@@ -180,6 +180,14 @@ def rank_memory_check() -> dict:
             except sf.MemoryCheckError as e:
                 out["step_refused"] = str(e)
     out["allocated_while_refusing"] = meter["refused"].peak - meter["refused"].start
+    # The refusal is not spent: the same batch again is refused again, a smaller one that fits runs.
+    try:
+        step(state, batch)
+        out["refused_again"] = False
+    except sf.MemoryCheckError:
+        out["refused_again"] = True
+    state, m = step(state, tuple(x[:1] for x in batch))
+    out["smaller_runs"] = bool(torch.isfinite(m["loss"]))
     step = _step(loss_fn, "full_shard", {"check_memory": state_only // 2})
     try:
         step.init(params)
@@ -207,6 +215,7 @@ def test_memory_check_refuses_before_allocating(pools):
     assert "would not fit: the step with this batch" in out["step_refused"] and "check_memory=False" in out["step_refused"]
     assert "peak" in out["step_refused"]  # the table
     assert out["allocated_while_refusing"] < 64 << 10, out["allocated_while_refusing"]
+    assert out["refused_again"] and out["smaller_runs"], out
     sums, html, last_row = out["views"]
     assert sums and html and last_row.startswith("peak"), out["views"]
     (b, fits), (b1, fits1) = out["max_batch"]
