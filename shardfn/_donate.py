@@ -6,15 +6,19 @@ Note [donated state]
 flat buffers, as JAX's donated buffers. The returned state wraps that memory in new DTensor
 objects; the DTensors of the state passed in (and of `step.grads` before the step) are donated:
 their local tensor becomes a placeholder on which every operation raises `DonatedError`, so an old
-state can never show values that changed under the user's feet. Scalars of the optimizer state
-(the step count) are copied before the update, so an old state keeps its own. To keep a state (a
-rollback on NaN, an EMA, a comparison), copy it first: `kept = sf.copy(state)`; a copy passed back
-to the step is copied into the step's buffers (and the state it replaces is donated).
+state can never show values that changed under the user's feet. What a user took out of a DTensor
+before the step (`to_local()`, `detach()`, an index) is a view of the step's memory, as a
+parameter's `.data` is in torch: it shows the values of each later step; `sf.copy` keeps values.
+Scalars of the optimizer state (the step count) are copied before the update, so an old state
+keeps its own. To keep a state (a rollback on NaN, an EMA, a comparison), copy it first: `kept =
+sf.copy(state)` (or `copy.deepcopy`); a copy passed back to the step is copied into the step's
+buffers (and the state it replaces is donated).
 
-Pickling: the step's DTensors are views into flat buffers, and torch cannot pickle a DTensor whose
-local tensor starts inside its storage (the wrapper then looks like it owns data); the DTensors
-made here pickle their local values instead, so a `TrainState`, its parameters and `step.grads`
-pickle and `torch.save` as plain DTensors of the same mesh and placements.
+Pickling: the step's DTensors are views into flat buffers, and torch cannot pickle or deep-copy a
+DTensor whose local tensor starts inside its storage (the wrapper then looks like it owns data);
+the DTensors made here pickle their local values instead, and `copy.deepcopy` clones them as
+`sf.copy` does, so a `TrainState`, its parameters and `step.grads` pickle, `torch.save` and
+deep-copy as plain DTensors of the same mesh and placements.
 """
 
 from __future__ import annotations
@@ -71,16 +75,27 @@ class _Reduce:
     def __call__(self, protocol: int):
         return (_rebuild, (self.local.detach().clone(), self.spec, self.requires_grad))
 
+    def deepcopy(self, memo: dict) -> DTensor:
+        """`copy.deepcopy` of the DTensor: its values cloned, as `sf.copy` does (torch's own
+        `__deepcopy__` fails on a DTensor whose local tensor starts inside its storage)."""
+        return wrap(self.local.detach().clone(), self.spec, self.requires_grad)
+
+
+def _attrs(local: torch.Tensor, spec: Any, requires_grad: bool) -> dict:
+    """The attribute dict of a DTensor made here: how it pickles and deep-copies."""
+    r = _Reduce(local, spec, requires_grad)
+    return {"__reduce_ex__": r, "__deepcopy__": r.deepcopy}
+
 
 class _Refuse:
-    """The `__reduce_ex__` of a donated DTensor: pickling it raises."""
+    """The `__reduce_ex__` and `__deepcopy__` of a donated DTensor: pickling or copying it raises."""
 
     __slots__ = ("message",)
 
     def __init__(self, message: str):
         self.message = message
 
-    def __call__(self, protocol: int):
+    def __call__(self, protocol_or_memo: Any):
         raise DonatedError(self.message)
 
 
@@ -107,7 +122,7 @@ def _new(local: torch.Tensor, spec: Any, requires_grad: bool) -> DTensor:
 def wrap(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> DTensor:
     """A DTensor over `local` with `spec` (no checks, no communication) that pickles."""
     dt = _new(local, spec, requires_grad)
-    dt.__reduce_ex__ = _Reduce(local, spec, requires_grad)
+    dt.__dict__.update(_attrs(local, spec, requires_grad))
     return dt
 
 
@@ -137,7 +152,7 @@ def adopt(dt: DTensor, view: torch.Tensor) -> None:
     local = dt._local_tensor
     with torch.no_grad():
         local.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
-    dt.__reduce_ex__ = _Reduce(local, dt._spec, dt.requires_grad)
+    dt.__dict__.update(_attrs(local, dt._spec, dt.requires_grad))
 
 
 # Note [recycled wrappers]
@@ -152,9 +167,11 @@ def adopt(dt: DTensor, view: torch.Tensor) -> None:
 # graph that saved it), no weak reference points at it, its TensorImpl has no other owner
 # (`Tensor._use_count`: the C++ check on any torch), and it wraps the same spec (shape, strides,
 # dtype, mesh, placements). Only wrappers outside autograd are taken (`requires_grad` off, so a
-# leaf with no `grad_fn`) with no `.grad` and no hooks left on them: autograd state lives on the
-# tensor object, not in the attribute dict that moves. Anything else gets a new DTensor, and what
-# it held stays donated.
+# leaf with no `grad_fn`) with no `.grad`, no hooks left on them and no view base (an optimizer
+# whose update returned views): that state lives on the tensor object, not in the attribute dict
+# that moves. Anything else gets a new DTensor, and what it held stays donated. As with any new
+# object, an `id()` seen before may come back: a cache keyed by ids of objects it does not hold was
+# never sound, and now it goes wrong every other step.
 def _reference_count_alone() -> int:
     kept = [object()]
     return sys.getrefcount(kept[0])  # the same expression as `_unreachable`'s: one list holds it
@@ -186,7 +203,7 @@ class Donation:
         self.message = message
         self._refuse = _Refuse(message)
         self._placeholders: dict[tuple, _Donated] = {}
-        self._donated_attrs = {"__reduce_ex__": self._refuse}  # the attribute dict every donated DTensor shares
+        self._donated_attrs = {"__reduce_ex__": self._refuse, "__deepcopy__": self._refuse}  # shared by every donated DTensor
 
     def placeholder(self, like: torch.Tensor) -> "_Donated":
         key = (like.shape, like.stride(), like.dtype, like.device)
@@ -207,6 +224,7 @@ class Donation:
             and spare.grad is None
             and spare._backward_hooks is None
             and spare._post_accumulate_grad_hooks is None
+            and spare._base is None  # not a view of an earlier step's tensor (an update that returned views)
         ):
             new = spare
             new._local_tensor = local
@@ -215,7 +233,7 @@ class Donation:
         attrs = dt.__dict__
         r = attrs.get("__reduce_ex__")
         if type(r) is not _Reduce or r.local is not local or r.spec is not spec or r.requires_grad != requires_grad:
-            attrs = {**attrs, "__reduce_ex__": _Reduce(local, spec, requires_grad)}
+            attrs = {**attrs, **_attrs(local, spec, requires_grad)}
         new.__dict__ = attrs  # the donated DTensor's attributes (its pickling object) pass to the new one
         dt._local_tensor = self.placeholder(local)
         dt.__dict__ = self._donated_attrs

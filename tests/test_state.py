@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 
@@ -166,6 +167,26 @@ def rank_recycled() -> dict:
         out["hooks"] &= bias.requires_grad and calls[0] == 0
         del bias
     out["graph"] = _raises_donated(graph.backward)
+    # An optimizer whose update returns views: a view's base (an earlier step's tensor) is not
+    # handed on with a reused wrapper.
+    from typing import NamedTuple
+
+    class Mom(NamedTuple):
+        mu: object
+
+    def init(p):
+        return Mom(optree.tree_map(torch.zeros_like, p))
+
+    def update(g, s, p=None):
+        mu = optree.tree_map(lambda m, x: (m * 0.9 + x).view(m.shape), s.mu, g)
+        return optree.tree_map(lambda m: -0.01 * m, mu), Mom(mu)
+
+    viewing = sf.train_step(make_loss_fn("mlp", apply), sf.optim.GradientTransformation(init, update), mesh)
+    v = viewing.init(sf.copy(state.params))
+    out["no_view_base"] = True
+    for i in range(4):
+        v, _ = viewing(v, _batch(i))
+        out["no_view_base"] &= all(x._base is None for x in optree.tree_leaves(v.opt_state.mu))
     out["exact"] = all(torch.equal(a, b) for a, b in zip(_full((state.params, state.opt_state)), _full((twin.params, twin.opt_state))))
     return out
 
@@ -202,9 +223,25 @@ def rank_pickle() -> dict:
             )
             # A state read back trains on: it is copied into the step's buffers.
             out[f"{name} {how}"] = same
+    # copy.deepcopy copies values as sf.copy does; a donated state refuses it.
+    for name, obj in (("state", state), ("params", state.params), ("grads", step.grads), ("tree", tree)):
+        back = copy.deepcopy(obj)
+        a, b = optree.tree_leaves(obj), optree.tree_leaves(back)
+        out[f"{name} deepcopy"] = len(a) == len(b) and all(
+            type(x) is type(y)
+            and (not isinstance(x, torch.Tensor) or (
+                torch.equal(_local(x), _local(y)) and (_local(x).numel() == 0 or _local(x).data_ptr() != _local(y).data_ptr())))
+            and getattr(x, "placements", None) == getattr(y, "placements", None)
+            for x, y in zip(a, b)
+        )
+    kept = copy.deepcopy(state)
     back = pickle.loads(pickle.dumps(state))
-    _, m = step(back, _batch(1))
+    state2, m = step(back, _batch(1))
     out["trains"] = bool(torch.isfinite(m["loss"]))
+    out["deepcopy donated"] = _raises_donated(lambda: copy.deepcopy(state))  # `back` took the buffers: donated
+    full2 = _full((state2.params, state2.opt_state))
+    s3, _ = step(kept, _batch(1))  # the deep copy of the same state trains on to the same values
+    out["deepcopy trains"] = all(torch.equal(x, y) for x, y in zip(_full((s3.params, s3.opt_state)), full2))
     return out
 
 
