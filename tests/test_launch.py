@@ -300,7 +300,9 @@ def _marks_teardown(marks: str, fail: bool) -> int:
     dist.all_reduce(t)
     if fail and rank == 1:
         raise ValueError("planted")
-    return rank
+    import gc
+
+    return rank, gc.get_freeze_count()  # Note [launch]: the start-up's objects are frozen
 
 
 def test_a_rank_that_returned_destroys_its_process_group_at_exit(tmp_path):
@@ -309,7 +311,8 @@ def test_a_rank_that_returned_destroys_its_process_group_at_exit(tmp_path):
     failed leaves its group to the exit, as a destroy could wait on a peer."""
     ok, failed = tmp_path / "ok", tmp_path / "failed"
     ok.mkdir(), failed.mkdir()
-    assert sf.launch(_marks_teardown, str(ok), False, nprocs=2) == [0, 1]
+    out = sf.launch(_marks_teardown, str(ok), False, nprocs=2)
+    assert [r for r, _ in out] == [0, 1] and all(frozen > 100_000 for _, frozen in out), out
     assert sorted(os.listdir(ok)) == ["0", "1"]
     with pytest.raises(sf.RankError):
         sf.launch(_marks_teardown, str(failed), True, nprocs=2)
