@@ -1,12 +1,13 @@
 """A pool of CPU ranks (gloo) that run functions on request.
 
-Each worker is a spawned process with the default process group initialized over loopback. The pool
-sends a function and its arguments to every rank, and returns every rank's result. A rank that raises,
-dies or overruns the deadline poisons the pool: all workers are killed at once (so peers blocked in a
-collective never hang) and the error names the failing rank and its traceback.
+Each worker is a spawned process (or one forked from the warm server, `warm=True`) with the default
+process group initialized over loopback. The pool sends a function and its arguments to every rank,
+and returns every rank's result. A rank that raises, dies or overruns the deadline poisons the pool:
+all workers are killed at once (so peers blocked in a collective never hang) and the error names the
+failing rank and its traceback.
 
-Used by the test suite (one pool per world size per test module, many checks per spawn) and by the
-demo. Functions and results travel with plain pickle, so functions must be importable by name.
+Used by the test suite (one pool per world size for the session, many checks per start) and by the
+benchmarks. Functions and results travel with plain pickle, so functions must be importable by name.
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, conn: Connection, pg_timeout: float, threads: int) -> None:
+def _worker(rank: int, world_size: int, port: int, conn: Connection, pg_timeout: float, threads: int, env: dict[str, str]) -> None:
     import torch
     import torch.distributed as dist
 
+    from ._launch import _take_env
+
+    _take_env(env)
     torch.set_num_threads(threads)
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
@@ -82,6 +86,9 @@ class RankPool:
         timeout: default seconds one `run` may take before every rank is killed.
         pg_timeout: the process group's own timeout, in seconds (bounds a collective that never matches).
         threads: torch intra-op threads per rank.
+        warm: fork the ranks from the warm server that `sf.launch` uses (Note [warm ranks] in
+            `_launch.py`): a pool then starts in a fraction of a second. Off, each rank is a fresh
+            interpreter, as under torchrun (what the benchmarks measure).
 
     Example:
         >>> with RankPool(2) as pool:
@@ -89,18 +96,21 @@ class RankPool:
         [0, 1]
     """
 
-    def __init__(self, world_size: int, *, timeout: float = 120.0, pg_timeout: float = 60.0, threads: int = 1):
+    def __init__(self, world_size: int, *, timeout: float = 120.0, pg_timeout: float = 60.0, threads: int = 1,
+                 warm: bool = False):
+        from ._launch import start_method
+
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.timeout = timeout
-        ctx = get_context("spawn")
+        ctx = get_context(start_method() if warm else "spawn")
         port = _free_port()
         self._conns: list[Connection] = []
         self._procs = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, world_size, port, child, pg_timeout, threads), daemon=True)
+            p = ctx.Process(target=_worker, args=(rank, world_size, port, child, pg_timeout, threads, dict(os.environ)), daemon=True)
             p.start()
             child.close()
             self._conns.append(parent)

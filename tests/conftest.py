@@ -1,7 +1,8 @@
-"""Shared fixtures: one pool of spawned gloo ranks per world size, for the whole session.
+"""Shared fixtures: one pool of gloo ranks per world size, for the whole session.
 
-Spawning ranks costs seconds, so the session keeps a pool per world size and every test runs its
-checks on it. Each test starts from the process-wide state a fresh process has (Note [process-wide
+Starting ranks costs time, so the session keeps a pool per world size and every test runs its
+checks on it; a pool's ranks are forked from the warm server `sf.launch` uses (Note [warm ranks] in
+`shardfn/_launch.py`), so the new pool that follows a failure starts in a fraction of a second. Each test starts from the process-wide state a fresh process has (Note [process-wide
 state] in `shardfn/_process.py`), in this process and in the pools' ranks. Every call has a hard
 deadline (the pool's timeout) and the ranks' process group a short timeout, so a deadlock fails in
 seconds. A failed call kills its pool; the next test gets a new one.
@@ -39,7 +40,7 @@ def pools():
     def get(world_size: int) -> RankPool:
         pool = _LIVE.get(world_size)
         if pool is None or not pool.alive:
-            pool = _LIVE[world_size] = RankPool(world_size, timeout=120, pg_timeout=60)
+            pool = _LIVE[world_size] = RankPool(world_size, timeout=120, pg_timeout=60, warm=True)
         return pool
 
     yield get

@@ -125,7 +125,7 @@ def test_mismatched_sizes_fail_loudly():
     """Where gloo's own all-gather hands one rank garbage, the point-to-point one stops the ranks."""
     from shardfn._pool import RankError, RankPool
 
-    with RankPool(2, timeout=60, pg_timeout=10) as pool:
+    with RankPool(2, timeout=60, pg_timeout=10, warm=True) as pool:
         with pytest.raises(RankError):
             pool.run(rank_mismatched_gather)
 

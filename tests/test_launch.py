@@ -136,7 +136,8 @@ else:
 AGAIN = r'''
 left = {p.pid: " ".join(p.cmdline()) for p in kernel.children(recursive=True)
         if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE}
-left = {pid: cmd for pid, cmd in left.items() if "resource_tracker" not in cmd}  # Python's own, one per kernel
+# Python's own helpers, one per kernel: the resource tracker and the warm ranks' server (Note [warm ranks])
+left = {pid: cmd for pid, cmd in left.items() if "resource_tracker" not in cmd and "forkserver" not in cmd}
 assert not left, f"processes left behind: {left}"
 res = sf.launch(train, "ok", nprocs=2)
 assert [r.rank for r in res] == [0, 1]
@@ -173,7 +174,7 @@ except KeyboardInterrupt:
     print(f"interrupted after {time.time() - t0:.1f} s", flush=True)
 time.sleep(0.5)
 left = [p.pid for p in kernel.children(recursive=True)
-        if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
+        if p.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(p.cmdline()) for h in ("resource_tracker", "forkserver"))]
 print("left", left, flush=True)
 '''
 
@@ -238,6 +239,52 @@ def test_torchrun_fails_fast_and_names_the_rank(mode, rc, names):
         assert name in out, out[-3000:]
     # Start-up (two interpreters importing torch) plus at most the 4 s timeout and the reports.
     assert took < 30, (took, out[-2000:])
+
+
+def _where() -> tuple[int, int, str | None]:
+    import torch.distributed as dist
+
+    return dist.get_rank(), os.getppid(), os.environ.get("SHARDFN_PROBE")
+
+
+def test_later_launches_fork_their_ranks_from_a_warm_server(monkeypatch):
+    """Note [warm ranks]: the ranks of every launch come from one server process that imported
+    torch before any of them existed; once the caller's environment changes, they spawn fresh and
+    see it; the launcher's own variables do not stay in the caller's environment."""
+    import psutil
+
+    from shardfn import _launch
+
+    monkeypatch.setattr(_launch, "_WARM_ENV", None)  # whatever earlier tests' environments were
+    monkeypatch.delenv("SHARDFN_PROBE", raising=False)
+    env = dict(os.environ)
+    runs = [sf.launch(_where, nprocs=2) for _ in range(2)]
+    assert [[r for r, _, _ in run] for run in runs] == [[0, 1], [0, 1]], runs
+    servers = {ppid for run in runs for _, ppid, _ in run}
+    assert len(servers) == 1 and os.getpid() not in servers, runs
+    server = psutil.Process(servers.pop())
+    assert "forkserver" in " ".join(server.cmdline()) and server.ppid() == os.getpid()
+    assert any("libtorch_cpu" in m.path for m in server.memory_maps()), "torch was not imported in the server"
+    assert dict(os.environ) == env
+    monkeypatch.setenv("SHARDFN_PROBE", "set after the server started")
+    assert sf.launch(_where, nprocs=2) == [(r, os.getpid(), "set after the server started") for r in (0, 1)]
+    monkeypatch.delenv("SHARDFN_PROBE")
+    assert {ppid for _, ppid, _ in sf.launch(_where, nprocs=2)} == {server.pid}  # the environment it started with
+
+
+def test_a_forked_rank_takes_the_callers_environment(monkeypatch):
+    """A rank forked from a server that someone else's code started, with another environment,
+    still runs with the caller's (plus what torch's launcher set in it)."""
+    from shardfn import _launch
+
+    monkeypatch.setattr(_launch, "_BORN_ENV", {"A": "server's", "B": "only the server's"})
+    for k in list(os.environ):
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("A", "server's")
+    monkeypatch.setenv("B", "only the server's")
+    monkeypatch.setenv("RANK", "1")  # torch's launcher sets these after the rank is born
+    _launch._take_env({"A": "caller's", "C": "caller's"})
+    assert dict(os.environ) == {"A": "caller's", "C": "caller's", "RANK": "1"}
 
 
 def _exits(how: str) -> int:

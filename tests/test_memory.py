@@ -119,7 +119,7 @@ def test_full_shard_peak_memory_is_measured_within_its_bound():
     old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     try:
-        with RankPool(2, timeout=120) as pool:
+        with RankPool(2, timeout=120, warm=True) as pool:
             full = pool.run(rank_peak_growth, "full_shard")
             keep = pool.run(rank_peak_growth, "shard_grad_op")
             small = dict(units=16, width=WIDTH // 2, group_bytes=2 * (WIDTH // 2) ** 2 * 4)  # 1 MiB units, 2 by 2

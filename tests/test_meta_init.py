@@ -419,7 +419,7 @@ def test_peak_memory_is_shards_plus_one_unit(monkeypatch):
     or patch weights at the end do): that change runs right after its layer is drawn.
     A warm-up call first pays the process's one-time cost of its first DTensor calls."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    with RankPool(2, timeout=120, pg_timeout=60) as pool:
+    with RankPool(2, timeout=120, pg_timeout=60, warm=True) as pool:
         results = pool.run(rank_memory)
     for r in results:
         bound = r["local"] + r["unit"] + MARGIN

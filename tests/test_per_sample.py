@@ -235,7 +235,7 @@ def test_per_example_norms_hold_one_units_gradients_at_a_time():
     old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     try:
-        with RankPool(2, timeout=120) as pool:
+        with RankPool(2, timeout=120, warm=True) as pool:
             peaks = {w: pool.run(rank_peak, w) for w in ("norms", "dp", "grads")}
     finally:
         if old is None:

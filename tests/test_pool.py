@@ -26,7 +26,7 @@ def rank_hangs() -> None:
 
 
 def test_failing_rank_stops_all_and_is_named():
-    pool = RankPool(2, timeout=30, pg_timeout=30)
+    pool = RankPool(2, timeout=30, pg_timeout=30, warm=True)
     t0 = time.monotonic()
     with pytest.raises(RankError, match=r"rank 1 raised:(.|\n)*ValueError: bad input on rank 1"):
         pool.run(rank_raises_on_1)
@@ -37,7 +37,7 @@ def test_failing_rank_stops_all_and_is_named():
 
 
 def test_hanging_rank_times_out():
-    pool = RankPool(2, timeout=30, pg_timeout=30)
+    pool = RankPool(2, timeout=30, pg_timeout=30, warm=True)
     t0 = time.monotonic()
     with pytest.raises(RankError, match=r"gave no answer within 3 s"):
         pool.run(rank_hangs, timeout=3)
