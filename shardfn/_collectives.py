@@ -22,11 +22,13 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import _watch
 
-__all__ = ["STATS", "all_gather", "all_gather_pieces", "reduce_scatter", "all_reduce", "broadcast", "gloo_collectives", "point_to_point"]
+__all__ = ["STATS", "all_gather", "all_gather_pieces", "reduce_scatter", "all_reduce", "broadcast", "gloo_collectives", "point_to_point",
+           "full_tensor", "full_tensors"]
 
 
 @dataclass
@@ -410,6 +412,64 @@ def full_tensor(x, what: str) -> torch.Tensor:
     STATS.add("all_gather", x.numel() * x.element_size() * (shards - 1) // shards)
     with watching(what):
         return x.full_tensor()
+
+
+GATHER_BUCKET_BYTES = 64 << 20
+"""The most full-tensor bytes `full_tensors` gathers in one collective."""
+
+
+def full_tensors(xs: list, what: str) -> list[torch.Tensor]:
+    """The full values of DTensors `xs` on every rank, as `full_tensor` gives them one by one, in
+    few collectives: those split on one dim over a 1-D mesh are packed (each rank's shard padded
+    to the largest) and gathered together, one all-gather per mesh and dtype of up to
+    `GATHER_BUCKET_BYTES`; the others go one by one."""
+    out: list = [None] * len(xs)
+    buckets: dict[tuple, list[list[int]]] = {}
+    for i, x in enumerate(xs):
+        mesh = x.device_mesh
+        if mesh.ndim != 1 or mesh.size() == 1 or type(x.placements[0]) is not Shard:
+            out[i] = full_tensor(x, what)
+            continue
+        chain = buckets.setdefault((mesh, x.dtype, x.device), [[]])
+        if chain[-1] and sum(xs[j].numel() for j in chain[-1]) + x.numel() > GATHER_BUCKET_BYTES // x.element_size():
+            chain.append([])
+        chain[-1].append(i)
+    for (mesh, _, _), chain in buckets.items():
+        for idx in chain:
+            if len(idx) == 1:
+                out[idx[0]] = full_tensor(xs[idx[0]], what)
+                continue
+            for i, full in zip(idx, _gather_packed([xs[i] for i in idx], mesh, what)):
+                out[i] = full
+    return out
+
+
+def _gather_packed(xs: list, mesh, what: str) -> list[torch.Tensor]:
+    """One all-gather of DTensors `xs` split on one dim over 1-D `mesh` (`torch.chunk`'s split:
+    rank r holds rows [r c, min((r + 1) c, n)) of n, c = ceil(n / W))."""
+    world, group = mesh.size(), mesh.get_group()
+    layout, total = [], 0
+    for x in xs:
+        d = x.placements[0].dim
+        padded = list(x.shape)
+        padded[d] = -(-x.shape[d] // world)
+        layout.append((d, padded, total))
+        total += math.prod(padded)
+    inp = torch.empty(total, dtype=xs[0].dtype, device=xs[0].device)
+    with torch.no_grad():
+        for x, (d, padded, at) in zip(xs, layout):
+            local = x._local_tensor
+            inp[at:at + math.prod(padded)].view(padded).narrow(d, 0, local.shape[d]).copy_(local)
+        gathered = torch.empty(world * total, dtype=inp.dtype, device=inp.device)
+        with watching(what):
+            all_gather(gathered, inp, group, async_op=False)
+        rows = gathered.view(world, total)
+        fulls = []
+        for x, (d, padded, at) in zip(xs, layout):
+            n, c = x.shape[d], padded[d]
+            pieces = [rows[r, at:at + math.prod(padded)].view(padded).narrow(d, 0, max(0, min(c, n - r * c))) for r in range(world)]
+            fulls.append(torch.cat(pieces, dim=d))
+    return fulls
 
 
 def redistribute(x, mesh, placements, what: str):

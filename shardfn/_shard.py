@@ -6,6 +6,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.autograd import forward_ad
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -326,6 +327,24 @@ def gather(sharded: Any) -> Any:
         >>> full = sf.gather(state.params)
     """
     refuse_tracing()
-    note_gathered(optree.tree_leaves(sharded))
+    leaves, treedef = optree.tree_flatten(sharded)
+    note_gathered(leaves)
     with _watch.watched("sf.gather"):
-        return optree.tree_map(lambda x: _Gather.apply(x) if _holds_dtensor(x) else x, sharded)
+        if _differentiable(leaves):
+            return optree.tree_unflatten(treedef, [_Gather.apply(x) if _holds_dtensor(x) else x for x in leaves])
+        at = [i for i, x in enumerate(leaves) if isinstance(x, DTensor)]
+        for i, full in zip(at, C.full_tensors([leaves[i] for i in at], "sf.gather")):
+            leaves[i] = full
+        return optree.tree_unflatten(treedef, leaves)
+
+
+def _differentiable(leaves: list) -> bool:
+    """Whether a gather of `leaves` may be differentiated: a leaf that requires grad where grad is
+    on, a torch.func transform, a forward-AD tangent. Else the leaves are gathered together, in few
+    collectives (`_collectives.full_tensors`), outside autograd."""
+    if torch._C._are_functorch_transforms_active():
+        return True
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        return True
+    return any(forward_ad.unpack_dual(x).tangent is not None for x in tensors)

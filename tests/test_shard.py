@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import shardfn as sf
+from shardfn import _collectives as C
 from reference import GPT_CFG, make_model, rel_err
 from shardfn.models import GPT
 
@@ -34,6 +35,21 @@ def rank_shard_gather() -> dict:
     full = sf.gather(sharded)
     out["gather_exact"] = all(torch.equal(full[k], params[k]) for k in params)
     out["plain"] = all(type(v) is torch.Tensor for v in full.values())
+
+    # Outside autograd, a tree's leaves are gathered together: one all-gather per mesh and dtype for
+    # the leaves split on one dim (even, uneven, empty shards; dims 0, 1, 2), one per other leaf.
+    many = {"a": torch.randn(7, 5), "b": torch.randn(2, 3), "c": torch.randn(3, 11), "d": torch.randn(4, 2, 9),
+            "e": torch.randn(0, 4), "f": torch.randn(1), "g": torch.randn(13).double(), "h": torch.randn(5).double(),
+            "i": torch.randn(6).bfloat16(), "r": torch.randn(3), "s": [torch.randn(5, 2), None]}
+    specs = {"a": sf.P("dp"), "b": sf.P("dp"), "c": sf.P(None, "dp"), "d": sf.P(None, None, "dp"), "e": sf.P("dp"),
+             "f": sf.P("dp"), "g": sf.P("dp"), "h": sf.P("dp"), "i": sf.P("dp"), "r": sf.P(), "s": [sf.P("dp"), None]}
+    sharded_many = sf.shard(many, specs, mesh)
+    C.STATS.reset()
+    full = sf.gather(sharded_many)
+    out["together_calls"] = C.STATS.calls.get("all_gather")
+    flat, want = optree.tree_leaves(full), optree.tree_leaves(many)
+    out["together_exact"] = len(flat) == len(want) and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(flat, want))
+    out["together_as_one_by_one"] = all(torch.equal(a, b.full_tensor()) for a, b in zip(flat, optree.tree_leaves(sharded_many)))
 
     # The gradient of gather is the reduce-scatter of the mean over ranks: rank r weights the loss
     # by (r + 1), and the gradient is that of the mean of the ranks' losses.
@@ -58,6 +74,8 @@ def test_shard_and_gather(pools, world):
         assert r["w_local"] == r["w_want"], r
         assert r["placements"] == ((Shard(0),), (Replicate(),), (Replicate(),)), r
         assert r["grad_err"] < 1e-6, r
+        # float32 packed (a-f, s) + float64 packed (g, h) + bfloat16 alone (i) + replicated alone (r)
+        assert r["together_exact"] and r["together_as_one_by_one"] and r["together_calls"] == 4, r
     if world == 3:  # b has 2 rows: rank 2 holds an empty shard
         assert [r["b_local"] for r in pools(world).run(rank_shard_gather)] == [(1,), (1,), (0,)]
 
