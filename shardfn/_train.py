@@ -196,10 +196,10 @@ def _per_leaf(trainable: Any, opt_state: Any) -> list[list[Any]]:
     spec = optree.tree_structure(trainable, none_is_leaf=True)
 
     def per_leaf(x: Any) -> list | None:
-        try:
-            return spec.flatten_up_to(x)
-        except (ValueError, TypeError):
+        # Asked first: a failed flatten_up_to formats `x` into its error message, DTensors and all.
+        if not spec.is_prefix(optree.tree_structure(x, none_is_leaf=True)):
             return None
+        return spec.flatten_up_to(x)
 
     found = [optree.tree_leaves(trainable, none_is_leaf=True)]
     for sub in optree.tree_leaves(opt_state, is_leaf=lambda x: per_leaf(x) is not None, none_is_leaf=True):
