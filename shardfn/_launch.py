@@ -3,7 +3,7 @@
 Note [launch]
 ~~~~~~~~~~~~~
 The ranks are started by PyTorch's own launcher machinery, `torch.distributed.launcher`'s
-`elastic_launch` (what torchrun runs): a process per rank (Note [warm ranks]), a rendezvous on a free port,
+`elastic_launch` (what torchrun runs): fresh spawned interpreters (or forks of a warm server, Note [warm ranks]), a rendezvous on a free port,
 each rank's output streamed with a `[rankN]` prefix, a monitor that stops every rank as soon as one
 fails, and no rank left behind when the call returns, fails or is interrupted. shardfn adds:
 
@@ -37,23 +37,28 @@ the function on this rank and all-gathers the results instead.
 Note [warm ranks]
 ~~~~~~~~~~~~~~~~~
 A fresh interpreter spends about 3 s of CPU importing torch, DTensor and shardfn before a rank can
-start, and a notebook launches again and again. So the ranks are started the way Python's
-`forkserver` start method does it, with shardfn preloaded (`set_forkserver_preload`): the first
-launch of a process starts one server process, which imports shardfn and waits; every rank of every
-later launch is forked from it, with torch already imported, and then prepares itself as a spawned
-rank does (the caller's `sys.path`, working directory and main script). A 2-rank launch after the
-first takes about 0.3 s instead of 2-4 s. The server holds nothing but imported modules: no process
-group, no CUDA state, no user object; it ends with the launching process.
+start. With `SHARDFN_WARM_LAUNCH=1` (a test suite, a notebook that launches again and again) the
+ranks are started the way Python's `forkserver` start method does it, with shardfn preloaded
+(`set_forkserver_preload`): the first launch of a process starts one server process, which imports
+shardfn and waits; every rank of every later launch is forked from it and then prepares itself as
+a spawned rank does (the caller's `sys.path`, working directory and main script). A 2-rank launch
+after the first takes about 0.3 s instead of 2-4 s. The server holds nothing but imported modules:
+no process group, no CUDA state, no user object; it ends with the launching process.
 
-A forked rank is born with the server's environment, and what a process reads only when it starts
-(glibc's `MALLOC_*` settings, `LD_PRELOAD`) cannot be changed later. So the server is used only while
-the caller's environment is the one it started with; after a change (a notebook cell that sets a
-variable) the ranks spawn as fresh interpreters, as where `forkserver` does not exist (Windows). Each
-rank also makes its `os.environ` the caller's (plus what torch's launcher sets), in case the server
-was started by someone else's code. A forked rank ends with `os._exit`, as every forkserver child
-does, which skips the interpreter's exit; so it runs the exit handlers itself (`atexit`'s: the
-process group's orderly destroy, Note [orderly exit] in `_mesh.py`, and the user's) once its result is
-delivered, where a spawned rank's interpreter would.
+It is not the default, because a forked rank is not a fresh interpreter. What shardfn puts right:
+its `os.environ` becomes the caller's (plus what torch's launcher sets); its torch and NumPy
+random generators are seeded afresh from the OS, as a new interpreter's are (Python's `random`
+reseeds itself after a fork); it ends with `os._exit`, as every forkserver child does, so it
+joins its non-daemon threads and runs its `atexit` handlers itself (the process group's orderly
+destroy, Note [orderly exit] in `_mesh.py`, and the user's) once its result is delivered; and it
+ends itself if the caller dies (torch's launcher only watches its parent, which is the server).
+The server is used only while the caller's environment is the one it started with (what a
+process reads as it starts, such as glibc's `MALLOC_*` settings, cannot change later; a changed
+environment means fresh interpreters) and only in the process that started it. What stays the
+server's: the hash seed of `str` (a `set` of names iterates in the same order on every rank, where
+torchrun's ranks differ), the umask, resource limits, CPU affinity and niceness as they were when
+it started, and the modules it imported (shardfn, torch: an edit to them shows in fresh
+interpreters only).
 """
 
 from __future__ import annotations
@@ -217,11 +222,7 @@ server's; in a spawned rank, the caller's. Torch's launcher sets its variables a
 
 def _take_env(caller: dict[str, str]) -> None:
     """Makes this rank's `os.environ` the caller's, plus what torch's launcher set (Note [warm ranks])."""
-    _set_environ({**caller, **{k: v for k, v in os.environ.items() if _BORN_ENV.get(k) != v}})
-
-
-def _set_environ(want: dict[str, str]) -> None:
-    """Makes `os.environ` equal to `want`, touching only the variables that differ."""
+    want = {**caller, **{k: v for k, v in os.environ.items() if _BORN_ENV.get(k) != v}}
     for k in [k for k in os.environ if k not in want]:
         del os.environ[k]
     for k, v in want.items():
@@ -229,19 +230,47 @@ def _set_environ(want: dict[str, str]) -> None:
             os.environ[k] = v
 
 
-def _rank_main(payload: bytes, errdir: str, threads: int, timeout: float | None, env: dict[str, str], forked: bool) -> bytes:
-    """What each launched rank runs (Note [launch])."""
+def _as_a_fresh_process(caller: int) -> None:
+    """What a rank forked from the warm server does to behave as a fresh interpreter (Note [warm ranks])."""
     import atexit
-    import gc
+    import threading
     from multiprocessing.util import Finalize
+
+    torch.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+    def exit_as_an_interpreter() -> None:
+        threading._shutdown()  # as an interpreter's exit: executors told to stop, non-daemon threads joined
+        atexit._run_exitfuncs()  # then the exit handlers
+
+    Finalize(None, exit_as_an_interpreter, exitpriority=-1)  # once the result is delivered
+
+    def end_with_the_caller() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(caller, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:  # alive, as another user's process
+                pass
+
+    threading.Thread(target=end_with_the_caller, name="shardfn-caller-watch", daemon=True).start()
+
+
+def _rank_main(payload: bytes, errdir: str, threads: int, timeout: float | None, env: dict[str, str], forked: bool,
+               caller: int) -> bytes:
+    """What each launched rank runs (Note [launch])."""
+    import gc
 
     import cloudpickle
 
     from ._mesh import ensure_process_group
 
-    if forked:  # it ends with os._exit: its exit handlers run where a spawned rank's would (Note [warm ranks])
-        Finalize(None, atexit._run_exitfuncs, exitpriority=-1)
     _take_env(env)
+    if forked:  # Note [warm ranks]
+        _as_a_fresh_process(caller)
     gc.freeze()  # the start-up's objects (torch's modules): out of every collection (Note [launch])
     os.environ[_watch.LAUNCHED_ENV] = "1"
     if timeout is not None:
@@ -304,23 +333,29 @@ def _write_error(errdir: str, rank: int, e: BaseException) -> None:
 
 
 _SIGNALS = [getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, n)]
-_WARM_ENV: dict[str, str] | None = None
-"""The environment the warm server started with, once a launch of this process started it (Note [warm ranks])."""
-_VOLATILE = ("PYTEST_CURRENT_TEST",)
-"""Variables a tool changes on its own between launches (pytest, at each test) and nothing reads as a
-process starts: they do not keep the warm server from being used."""
+WARM_ENV = "SHARDFN_WARM_LAUNCH"
+"""Set to 1, `sf.launch` forks its ranks from a warm server (Note [warm ranks])."""
+_WARM: tuple[int, dict[str, str]] | None = None
+"""The process that started the warm server, and the environment it started with."""
+_VOLATILE = ("PYTEST_CURRENT_TEST", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+"""Variables a tool changes on its own between launches (pytest at each test, torch's launcher in the
+caller at its first launch) and nothing reads as a process starts: they do not keep the warm server
+from being used."""
 
 
-def start_method() -> str:
-    """"forkserver" while ranks can come from this process's warm server, else "spawn" (Note [warm ranks])."""
-    global _WARM_ENV
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+def start_method(warm: bool | None = None) -> str:
+    """"forkserver" where ranks may come from this process's warm server, else "spawn" (Note [warm
+    ranks]); `warm=None` asks `SHARDFN_WARM_LAUNCH`."""
+    global _WARM
+    if warm is None:
+        warm = os.environ.get(WARM_ENV, "") == "1"
+    if not warm or "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     env = {k: v for k, v in os.environ.items() if k not in _VOLATILE}
-    if _WARM_ENV is None:
+    if _WARM is None:
         multiprocessing.get_context("forkserver").set_forkserver_preload(["shardfn"])
-        _WARM_ENV = env
-    return "forkserver" if env == _WARM_ENV else "spawn"
+        _WARM = (os.getpid(), env)
+    return "forkserver" if _WARM == (os.getpid(), env) else "spawn"
 
 
 def _spawn(payload: bytes, nprocs: int, timeout: float | None) -> list:
@@ -332,7 +367,7 @@ def _spawn(payload: bytes, nprocs: int, timeout: float | None) -> list:
 
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     method = start_method()
-    with tempfile.TemporaryDirectory(prefix="shardfn-launch-") as tmp, _quiet_elastic(), _kept_signals(), _kept_environ():
+    with tempfile.TemporaryDirectory(prefix="shardfn-launch-") as tmp, _quiet_elastic(), _kept_signals():
         errdir = os.path.join(tmp, "errors")
         os.mkdir(errdir)
         config = LaunchConfig(
@@ -349,7 +384,8 @@ def _spawn(payload: bytes, nprocs: int, timeout: float | None) -> list:
             log_line_prefix_template="[rank${rank}]: ",
         )
         try:
-            out = elastic_launch(config, _rank_main)(payload, errdir, threads, timeout, dict(os.environ), method == "forkserver")
+            out = elastic_launch(config, _rank_main)(payload, errdir, threads, timeout, dict(os.environ), method == "forkserver",
+                                                        os.getpid())
         except ChildFailedError as e:
             blobs = _results_if_all_returned(e, errdir, nprocs)
             if blobs is None:
@@ -473,17 +509,6 @@ def _quiet_elastic():
     finally:
         for log, level in zip(logs, old):
             log.setLevel(level)
-
-
-@contextlib.contextmanager
-def _kept_environ():
-    """The launcher sets variables of its own in the caller's environment (TORCHELASTIC_SIGNALS_TO_HANDLE);
-    they are taken back, so the next launch finds the environment the warm server started with."""
-    before = dict(os.environ)
-    try:
-        yield
-    finally:
-        _set_environ(before)
 
 
 @contextlib.contextmanager

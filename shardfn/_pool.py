@@ -86,9 +86,11 @@ class RankPool:
         timeout: default seconds one `run` may take before every rank is killed.
         pg_timeout: the process group's own timeout, in seconds (bounds a collective that never matches).
         threads: torch intra-op threads per rank.
-        warm: fork the ranks from the warm server that `sf.launch` uses (Note [warm ranks] in
-            `_launch.py`): a pool then starts in a fraction of a second. Off, each rank is a fresh
-            interpreter, as under torchrun (what the benchmarks measure).
+        warm: fork the ranks from the warm server that `sf.launch` uses under
+            `SHARDFN_WARM_LAUNCH=1` (Note [warm ranks] in `_launch.py`): a pool then starts in a
+            fraction of a second, its ranks sharing the server's random state, hash seed and
+            start-up settings, and skipping `atexit` (the test suite's pools). Off, each rank is a
+            fresh interpreter, as under torchrun (what the benchmarks measure).
 
     Example:
         >>> with RankPool(2) as pool:
@@ -104,7 +106,7 @@ class RankPool:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.timeout = timeout
-        ctx = get_context(start_method() if warm else "spawn")
+        ctx = get_context(start_method(warm=True) if warm else "spawn")
         port = _free_port()
         self._conns: list[Connection] = []
         self._procs = []

@@ -1,8 +1,9 @@
 """Shared fixtures: one pool of gloo ranks per world size, for the whole session.
 
 Starting ranks costs time, so the session keeps a pool per world size and every test runs its
-checks on it; a pool's ranks are forked from the warm server `sf.launch` uses (Note [warm ranks] in
-`shardfn/_launch.py`), so the new pool that follows a failure starts in a fraction of a second. Each test starts from the process-wide state a fresh process has (Note [process-wide
+checks on it; a pool's ranks are forked from the warm server that `sf.launch` uses under
+`SHARDFN_WARM_LAUNCH=1`, which the suite sets (Note [warm ranks] in `shardfn/_launch.py`), so the new
+pool that follows a failure starts in a fraction of a second. Each test starts from the process-wide state a fresh process has (Note [process-wide
 state] in `shardfn/_process.py`), in this process and in the pools' ranks. Every call has a hard
 deadline (the pool's timeout) and the ranks' process group a short timeout, so a deadlock fails in
 seconds. A failed call kills its pool; the next test gets a new one.
@@ -18,6 +19,7 @@ from shardfn import _process
 from shardfn._pool import RankPool
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("SHARDFN_WARM_LAUNCH", "1")  # sf.launch here and in the notebooks' kernels: Note [warm ranks]
 
 _LIVE: dict[int, RankPool] = {}
 

@@ -260,35 +260,84 @@ def test_torchrun_fails_fast_and_names_the_rank(torchrun_jobs, mode):
     assert took < 60, (took, out[-2000:])
 
 
-def _where() -> tuple[int, int, str | None]:
+def _where() -> tuple[int, int, str | None, int]:
     import torch.distributed as dist
 
-    return dist.get_rank(), os.getppid(), os.environ.get("SHARDFN_PROBE")
+    return dist.get_rank(), os.getppid(), os.environ.get("SHARDFN_PROBE"), torch.initial_seed()
 
 
 def test_later_launches_fork_their_ranks_from_a_warm_server(monkeypatch):
-    """Note [warm ranks]: the ranks of every launch come from one server process that imported
-    torch before any of them existed; once the caller's environment changes, they spawn fresh and
-    see it; the launcher's own variables do not stay in the caller's environment."""
+    """Note [warm ranks]: by default every rank is a fresh interpreter; under SHARDFN_WARM_LAUNCH=1
+    the ranks of every launch come from one server process that imported torch before any of them
+    existed, each seeded afresh; once the caller's environment changes, they spawn fresh and see
+    it."""
     import psutil
 
     from shardfn import _launch
 
-    monkeypatch.setattr(_launch, "_WARM_ENV", None)  # whatever earlier tests' environments were
+    monkeypatch.setattr(_launch, "_WARM", None)  # whatever earlier tests' environments were
     monkeypatch.delenv("SHARDFN_PROBE", raising=False)
-    env = dict(os.environ)
+    monkeypatch.delenv(_launch.WARM_ENV, raising=False)
+    assert {ppid for _, ppid, _, _ in sf.launch(_where, nprocs=2)} == {os.getpid()}  # spawned: the default
+    monkeypatch.setenv(_launch.WARM_ENV, "1")
     runs = [sf.launch(_where, nprocs=2) for _ in range(2)]
-    assert [[r for r, _, _ in run] for run in runs] == [[0, 1], [0, 1]], runs
-    servers = {ppid for run in runs for _, ppid, _ in run}
+    assert [[r for r, _, _, _ in run] for run in runs] == [[0, 1], [0, 1]], runs
+    servers = {ppid for run in runs for _, ppid, _, _ in run}
     assert len(servers) == 1 and os.getpid() not in servers, runs
     server = psutil.Process(servers.pop())
     assert "forkserver" in " ".join(server.cmdline()) and server.ppid() == os.getpid()
     assert any("libtorch_cpu" in m.path for m in server.memory_maps()), "torch was not imported in the server"
-    assert dict(os.environ) == env
+    seeds = [seed for run in runs for _, _, _, seed in run]
+    assert len(set(seeds)) == 4, seeds  # each rank of each launch seeded afresh, as a new interpreter
     monkeypatch.setenv("SHARDFN_PROBE", "set after the server started")
-    assert sf.launch(_where, nprocs=2) == [(r, os.getpid(), "set after the server started") for r in (0, 1)]
+    assert [r[:3] for r in sf.launch(_where, nprocs=2)] == [(r, os.getpid(), "set after the server started") for r in (0, 1)]
     monkeypatch.delenv("SHARDFN_PROBE")
-    assert {ppid for _, ppid, _ in sf.launch(_where, nprocs=2)} == {server.pid}  # the environment it started with
+    assert {ppid for _, ppid, _, _ in sf.launch(_where, nprocs=2)} == {server.pid}  # the environment it started with
+
+
+ORPHAN = r"""
+import os, sys, time
+import shardfn as sf
+
+def sleep(marks):
+    import torch.distributed as dist
+    open(os.path.join(marks, str(os.getpid())), "w").close()
+    time.sleep(60)
+
+if __name__ == "__main__":
+    sf.launch(sleep, sys.argv[1], nprocs=2)
+"""
+
+
+def test_warm_ranks_end_when_the_caller_is_killed(tmp_path):
+    """A caller killed outright (the out-of-memory killer, kill -9) leaves no warm rank behind:
+    torch's launcher would have them wait for it forever (Note [warm ranks])."""
+    import signal
+
+    import psutil
+
+    script, marks = tmp_path / "orphan.py", tmp_path / "marks"
+    script.write_text(ORPHAN)
+    marks.mkdir()
+    env = dict(os.environ, SHARDFN_WARM_LAUNCH="1", OMP_NUM_THREADS="1")
+    caller = subprocess.Popen([sys.executable, str(script), str(marks)], env=env)
+    try:
+        deadline = time.time() + 60
+        while len(os.listdir(marks)) < 2 and time.time() < deadline and caller.poll() is None:
+            time.sleep(0.1)
+        ranks = [int(p) for p in os.listdir(marks)]
+        assert len(ranks) == 2, ranks
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+    deadline = time.time() + 15
+    alive = ranks
+    while alive and time.time() < deadline:
+        time.sleep(0.2)
+        alive = [r for r in ranks if psutil.pid_exists(r) and psutil.Process(r).status() != psutil.STATUS_ZOMBIE]
+    for r in alive:
+        os.kill(r, signal.SIGKILL)
+    assert not alive, "warm ranks outlived their caller"
 
 
 def test_a_forked_rank_takes_the_callers_environment(monkeypatch):
