@@ -422,20 +422,24 @@ def full_tensors(xs: list, what: str) -> list[torch.Tensor]:
     """The full values of DTensors `xs` on every rank, as `full_tensor` gives them one by one, in
     few collectives: those split on one dim over a 1-D mesh are packed (each rank's shard padded
     to the largest) and gathered together, one all-gather per mesh and dtype of up to
-    `GATHER_BUCKET_BYTES`; the others go one by one."""
+    `GATHER_BUCKET_BYTES` received (padding counted); the others go one by one. Every rank must
+    pass the same leaves in the same order."""
     out: list = [None] * len(xs)
-    buckets: dict[tuple, list[list[int]]] = {}
+    buckets: dict[tuple, list[list]] = {}  # (mesh, dtype, device) -> [[bytes gathered, index, ...], ...]
     for i, x in enumerate(xs):
         mesh = x.device_mesh
         if mesh.ndim != 1 or mesh.size() == 1 or type(x.placements[0]) is not Shard:
             out[i] = full_tensor(x, what)
             continue
-        chain = buckets.setdefault((mesh, x.dtype, x.device), [[]])
-        if chain[-1] and sum(xs[j].numel() for j in chain[-1]) + x.numel() > GATHER_BUCKET_BYTES // x.element_size():
-            chain.append([])
+        d, world = x.placements[0].dim, mesh.size()
+        nbytes = world * -(-x.shape[d] // world) * (x.numel() // max(x.shape[d], 1)) * x.element_size()  # padded
+        chain = buckets.setdefault((mesh, x.dtype, x.device), [[0]])
+        if len(chain[-1]) > 1 and chain[-1][0] + nbytes > GATHER_BUCKET_BYTES:
+            chain.append([0])
+        chain[-1][0] += nbytes
         chain[-1].append(i)
     for (mesh, _, _), chain in buckets.items():
-        for idx in chain:
+        for _, *idx in chain:
             if len(idx) == 1:
                 out[idx[0]] = full_tensor(xs[idx[0]], what)
                 continue

@@ -37,21 +37,24 @@ the function on this rank and all-gathers the results instead.
 Note [warm ranks]
 ~~~~~~~~~~~~~~~~~
 A fresh interpreter spends about 3 s of CPU importing torch, DTensor and shardfn before a rank can
-start. With `SHARDFN_WARM_LAUNCH=1` (a test suite, a notebook that launches again and again) the
-ranks are started the way Python's `forkserver` start method does it, with shardfn preloaded
-(`set_forkserver_preload`): the first launch of a process starts one server process, which imports
-shardfn and waits; every rank of every later launch is forked from it and then prepares itself as
-a spawned rank does (the caller's `sys.path`, working directory and main script). A 2-rank launch
-after the first takes about 0.3 s instead of 2-4 s. The server holds nothing but imported modules:
-no process group, no CUDA state, no user object; it ends with the launching process.
+start. With `SHARDFN_WARM_LAUNCH=1` on Linux (a test suite, a notebook that launches again and
+again) the ranks are started the way Python's `forkserver` start method does it, with shardfn
+preloaded (`set_forkserver_preload`): the first launch of a process starts one server process,
+which imports shardfn and waits; every rank of every launch is forked from it and then prepares
+itself as a spawned rank does (the caller's `sys.path`, working directory and main script; the
+modules the server imported stay the server's copies). A 2-rank launch after the first takes about
+0.3 s instead of 2-4 s. The server holds nothing but imported modules: no process group, no CUDA
+state, no user object; it ends once the launching process and every rank forked from it have
+ended. (If other code started Python's forkserver first, that server is used as it is.)
 
 It is not the default, because a forked rank is not a fresh interpreter. What shardfn puts right:
 its `os.environ` becomes the caller's (plus what torch's launcher sets); its torch and NumPy
 random generators are seeded afresh from the OS, as a new interpreter's are (Python's `random`
-reseeds itself after a fork); it ends with `os._exit`, as every forkserver child does, so it
-joins its non-daemon threads and runs its `atexit` handlers itself (the process group's orderly
-destroy, Note [orderly exit] in `_mesh.py`, and the user's) once its result is delivered; and it
-ends itself if the caller dies (torch's launcher only watches its parent, which is the server).
+reseeds itself after a fork); it ends with `os._exit`, as every forkserver child does, so once
+its result is delivered it does what an interpreter's exit does, in its order: joins its non-daemon
+threads (`threading._shutdown`), then runs its `atexit` handlers (the process group's orderly
+destroy, Note [orderly exit] in `_mesh.py`, and the user's); and it ends itself once the caller
+is gone or a zombie (torch's launcher only watches its parent, which is the server).
 The server is used only while the caller's environment is the one it started with (what a
 process reads as it starts, such as glibc's `MALLOC_*` settings, cannot change later; a changed
 environment means fresh interpreters) and only in the process that started it. What stays the
@@ -71,6 +74,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -249,12 +253,8 @@ def _as_a_fresh_process(caller: int) -> None:
     def end_with_the_caller() -> None:
         while True:
             time.sleep(1.0)
-            try:
-                os.kill(caller, 0)
-            except ProcessLookupError:
+            if _watch._alive(f"{socket.gethostname()} {caller}") is False:  # gone, or a zombie
                 os._exit(1)
-            except PermissionError:  # alive, as another user's process
-                pass
 
     threading.Thread(target=end_with_the_caller, name="shardfn-caller-watch", daemon=True).start()
 
@@ -349,7 +349,7 @@ def start_method(warm: bool | None = None) -> str:
     global _WARM
     if warm is None:
         warm = os.environ.get(WARM_ENV, "") == "1"
-    if not warm or "forkserver" not in multiprocessing.get_all_start_methods():
+    if not warm or not sys.platform.startswith("linux"):  # forking after `import torch` is unsafe on macOS
         return "spawn"
     env = {k: v for k, v in os.environ.items() if k not in _VOLATILE}
     if _WARM is None:

@@ -34,13 +34,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, conn: Connection, pg_timeout: float, threads: int, env: dict[str, str]) -> None:
+def _worker(rank: int, world_size: int, port: int, conn: Connection, pg_timeout: float, threads: int, env: dict[str, str],
+            warm: bool) -> None:
     import torch
     import torch.distributed as dist
 
     from ._launch import _take_env
 
     _take_env(env)
+    if warm:
+        torch.seed()  # a forked rank starts from the server's random state: a fresh one, as a new interpreter's
     torch.set_num_threads(threads)
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
@@ -88,8 +91,8 @@ class RankPool:
         threads: torch intra-op threads per rank.
         warm: fork the ranks from the warm server that `sf.launch` uses under
             `SHARDFN_WARM_LAUNCH=1` (Note [warm ranks] in `_launch.py`): a pool then starts in a
-            fraction of a second, its ranks sharing the server's random state, hash seed and
-            start-up settings, and skipping `atexit` (the test suite's pools). Off, each rank is a
+            fraction of a second, its ranks sharing the server's hash seed and start-up settings
+            and skipping `atexit` (the test suite's pools). Off, each rank is a
             fresh interpreter, as under torchrun (what the benchmarks measure).
 
     Example:
@@ -112,7 +115,9 @@ class RankPool:
         self._procs = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, world_size, port, child, pg_timeout, threads, dict(os.environ)), daemon=True)
+            forked = ctx.get_start_method() == "forkserver"
+            p = ctx.Process(target=_worker, args=(rank, world_size, port, child, pg_timeout, threads, dict(os.environ), forked),
+                            daemon=True)
             p.start()
             child.close()
             self._conns.append(parent)

@@ -330,21 +330,34 @@ def gather(sharded: Any) -> Any:
     leaves, treedef = optree.tree_flatten(sharded)
     note_gathered(leaves)
     with _watch.watched("sf.gather"):
-        if _differentiable(leaves):
+        if _transformed(leaves):
             return optree.tree_unflatten(treedef, [_Gather.apply(x) if _holds_dtensor(x) else x for x in leaves])
         at = [i for i, x in enumerate(leaves) if isinstance(x, DTensor)]
-        for i, full in zip(at, C.full_tensors([leaves[i] for i in at], "sf.gather")):
+        for i, full in zip(at, _GatherMany.apply(*[leaves[i] for i in at]) if at else ()):
             leaves[i] = full
         return optree.tree_unflatten(treedef, leaves)
 
 
-def _differentiable(leaves: list) -> bool:
-    """Whether a gather of `leaves` may be differentiated: a leaf that requires grad where grad is
-    on, a torch.func transform, a forward-AD tangent. Else the leaves are gathered together, in few
-    collectives (`_collectives.full_tensors`), outside autograd."""
+def _transformed(leaves: list) -> bool:
+    """Whether a torch.func transform or a forward-AD tangent sees the gather: each leaf then goes
+    through `_Gather`, which has their rules. Either is the same on every rank for the same code, so
+    every rank issues the same collectives."""
     if torch._C._are_functorch_transforms_active():
         return True
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
-        return True
-    return any(forward_ad.unpack_dual(x).tangent is not None for x in tensors)
+    return any(isinstance(x, torch.Tensor) and forward_ad.unpack_dual(x).tangent is not None for x in leaves)
+
+
+class _GatherMany(torch.autograd.Function):
+    """DTensors -> full tensors in few collectives (`_collectives.full_tensors`: the leaves split on
+    one dim of a 1-D mesh packed into one all-gather per mesh and dtype); the backward reduces each
+    gradient as `_Gather`'s does. Used outside torch.func transforms and forward AD, whatever the
+    leaves' `requires_grad` and the grad mode, so that every rank issues the same collectives."""
+
+    @staticmethod
+    def forward(ctx, *xs: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.metas = [(x.device_mesh, x.placements, x.shape, x._spec, False) for x in xs]
+        return tuple(C.full_tensors(list(xs), "sf.gather"))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        return tuple(None if g is None else _ReduceScatter.apply(g, meta) for g, meta in zip(grads, ctx.metas))

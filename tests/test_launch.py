@@ -136,8 +136,10 @@ else:
 AGAIN = r'''
 left = {p.pid: " ".join(p.cmdline()) for p in kernel.children(recursive=True)
         if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE}
-# Python's own helpers, one per kernel: the resource tracker and the warm ranks' server (Note [warm ranks])
-left = {pid: cmd for pid, cmd in left.items() if "resource_tracker" not in cmd and "forkserver" not in cmd}
+# Python's own helpers, one per kernel: the resource tracker and the warm ranks' server (Note [warm
+# ranks]), a child of the kernel itself (its forked ranks are the server's children)
+left = {pid: cmd for pid, cmd in left.items() if "resource_tracker" not in cmd
+        and not ("forkserver" in cmd and psutil.Process(pid).ppid() == kernel.pid)}
 assert not left, f"processes left behind: {left}"
 res = sf.launch(train, "ok", nprocs=2)
 assert [r.rank for r in res] == [0, 1]
@@ -174,7 +176,7 @@ except KeyboardInterrupt:
     print(f"interrupted after {time.time() - t0:.1f} s", flush=True)
 time.sleep(0.5)
 left = [p.pid for p in kernel.children(recursive=True)
-        if p.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(p.cmdline()) for h in ("resource_tracker", "forkserver"))]
+        if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
 print("left", left, flush=True)
 '''
 
@@ -182,7 +184,9 @@ print("left", left, flush=True)
 def test_a_kernel_interrupt_stops_every_rank_and_the_kernel_launches_again():
     from jupyter_client.manager import start_new_kernel
 
-    km, kc = start_new_kernel(kernel_name="python3", cwd=str(HERE))
+    # This kernel's launches spawn fresh interpreters, sf.launch's default (the suite's others are warm).
+    env = {k: v for k, v in os.environ.items() if k != "SHARDFN_WARM_LAUNCH"}
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(HERE), env=env)
     try:
         out: list[str] = []
 
@@ -230,11 +234,13 @@ TORCHRUN_FAILURES = {
 def torchrun_jobs(tmp_path_factory):
     """One failing torchrun job per mode, all started at once: each is mostly interpreters
     starting and ranks waiting, so together they take little more than the longest."""
-    env = dict(os.environ, SHARDFN_TIMEOUT="4", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     logs = tmp_path_factory.mktemp("torchrun")
     t0, jobs = time.time(), {}
     for mode in TORCHRUN_FAILURES:
+        # A short collective timeout where the stall is the failure; elsewhere a long one, so that a
+        # rank slowed by the other jobs' start-ups is never taken for a stalled one.
+        env = dict(os.environ, SHARDFN_TIMEOUT="4" if mode == "stall" else "60", OMP_NUM_THREADS="1")
         with open(logs / mode, "w") as out:  # a file, not a pipe: no job waits on a full pipe
             jobs[mode] = (subprocess.Popen([*cmd, str(HERE / "torchrun_script.py"), mode], env=env, stdout=out,
                                            stderr=subprocess.STDOUT), logs / mode)
@@ -301,7 +307,8 @@ import shardfn as sf
 
 def sleep(marks):
     import torch.distributed as dist
-    open(os.path.join(marks, str(os.getpid())), "w").close()
+    with open(os.path.join(marks, str(os.getpid())), "w") as f:
+        f.write(str(os.getppid()))
     time.sleep(60)
 
 if __name__ == "__main__":
@@ -309,12 +316,19 @@ if __name__ == "__main__":
 """
 
 
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_warm_ranks_end_when_the_caller_is_killed(tmp_path):
     """A caller killed outright (the out-of-memory killer, kill -9) leaves no warm rank behind:
     torch's launcher would have them wait for it forever (Note [warm ranks])."""
     import signal
-
-    import psutil
 
     script, marks = tmp_path / "orphan.py", tmp_path / "marks"
     script.write_text(ORPHAN)
@@ -327,6 +341,8 @@ def test_warm_ranks_end_when_the_caller_is_killed(tmp_path):
             time.sleep(0.1)
         ranks = [int(p) for p in os.listdir(marks)]
         assert len(ranks) == 2, ranks
+        parents = {int((marks / str(r)).read_text()) for r in ranks}
+        assert len(parents) == 1 and caller.pid not in parents, parents  # forked from the server
     finally:
         caller.send_signal(signal.SIGKILL)
         caller.wait()
@@ -334,7 +350,7 @@ def test_warm_ranks_end_when_the_caller_is_killed(tmp_path):
     alive = ranks
     while alive and time.time() < deadline:
         time.sleep(0.2)
-        alive = [r for r in ranks if psutil.pid_exists(r) and psutil.Process(r).status() != psutil.STATUS_ZOMBIE]
+        alive = [r for r in ranks if _running(r)]
     for r in alive:
         os.kill(r, signal.SIGKILL)
     assert not alive, "warm ranks outlived their caller"
@@ -346,8 +362,8 @@ def test_a_forked_rank_takes_the_callers_environment(monkeypatch):
     from shardfn import _launch
 
     monkeypatch.setattr(_launch, "_BORN_ENV", {"A": "server's", "B": "only the server's"})
-    for k in list(os.environ):
-        monkeypatch.delenv(k)
+    for k in [*os.environ, "C"]:
+        monkeypatch.delenv(k, raising=False)  # all put back afterwards, C (which _take_env sets) removed
     monkeypatch.setenv("A", "server's")
     monkeypatch.setenv("B", "only the server's")
     monkeypatch.setenv("RANK", "1")  # torch's launcher sets these after the rank is born

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 
@@ -50,6 +51,19 @@ def rank_shard_gather() -> dict:
     flat, want = optree.tree_leaves(full), optree.tree_leaves(many)
     out["together_exact"] = len(flat) == len(want) and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(flat, want))
     out["together_as_one_by_one"] = all(torch.equal(a, b.full_tensor()) for a, b in zip(flat, optree.tree_leaves(sharded_many)))
+    cap, C.GATHER_BUCKET_BYTES = C.GATHER_BUCKET_BYTES, 1  # every leaf over the cap: one collective each
+    try:
+        C.STATS.reset()
+        split = optree.tree_leaves(sf.gather(sharded_many))
+        out["split_calls"] = C.STATS.calls.get("all_gather")
+        out["split_exact"] = all(torch.equal(a, b) for a, b in zip(split, want))
+    finally:
+        C.GATHER_BUCKET_BYTES = cap
+    # Ranks that differ in grad mode issue the same collectives (and get the same values).
+    leaves = {k: v.detach().requires_grad_() for k, v in sharded.items()}
+    with torch.no_grad() if rank == 0 else contextlib.nullcontext():
+        mixed = sf.gather(leaves)
+    out["mixed_modes"] = all(torch.equal(mixed[k], params[k]) for k in params)
 
     # The gradient of gather is the reduce-scatter of the mean over ranks: rank r weights the loss
     # by (r + 1), and the gradient is that of the mean of the ranks' losses.
@@ -76,6 +90,7 @@ def test_shard_and_gather(pools, world):
         assert r["grad_err"] < 1e-6, r
         # float32 packed (a-f, s) + float64 packed (g, h) + bfloat16 alone (i) + replicated alone (r)
         assert r["together_exact"] and r["together_as_one_by_one"] and r["together_calls"] == 4, r
+        assert r["split_exact"] and r["split_calls"] == 11 and r["mixed_modes"], r
     if world == 3:  # b has 2 rows: rank 2 holds an empty shard
         assert [r["b_local"] for r in pools(world).run(rank_shard_gather)] == [(1,), (1,), (0,)]
 
