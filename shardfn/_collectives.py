@@ -431,8 +431,7 @@ def full_tensors(xs: list, what: str) -> list[torch.Tensor]:
         if mesh.ndim != 1 or mesh.size() == 1 or type(x.placements[0]) is not Shard:
             out[i] = full_tensor(x, what)
             continue
-        d, world = x.placements[0].dim, mesh.size()
-        nbytes = world * -(-x.shape[d] // world) * (x.numel() // max(x.shape[d], 1)) * x.element_size()  # padded
+        nbytes = mesh.size() * math.prod(_padded(x, mesh.size())) * x.element_size()
         chain = buckets.setdefault((mesh, x.dtype, x.device), [[0]])
         if len(chain[-1]) > 1 and chain[-1][0] + nbytes > GATHER_BUCKET_BYTES:
             chain.append([0])
@@ -448,16 +447,21 @@ def full_tensors(xs: list, what: str) -> list[torch.Tensor]:
     return out
 
 
+def _padded(x, world: int) -> list[int]:
+    """The shape of each rank's shard of `x` (split on one dim) padded to the largest."""
+    padded = list(x.shape)
+    padded[x.placements[0].dim] = -(-x.shape[x.placements[0].dim] // world)
+    return padded
+
+
 def _gather_packed(xs: list, mesh, what: str) -> list[torch.Tensor]:
     """One all-gather of DTensors `xs` split on one dim over 1-D `mesh` (`torch.chunk`'s split:
     rank r holds rows [r c, min((r + 1) c, n)) of n, c = ceil(n / W))."""
     world, group = mesh.size(), mesh.get_group()
     layout, total = [], 0
     for x in xs:
-        d = x.placements[0].dim
-        padded = list(x.shape)
-        padded[d] = -(-x.shape[d] // world)
-        layout.append((d, padded, total))
+        padded = _padded(x, world)
+        layout.append((x.placements[0].dim, padded, total))
         total += math.prod(padded)
     inp = torch.empty(total, dtype=xs[0].dtype, device=xs[0].device)
     with torch.no_grad():

@@ -113,9 +113,9 @@ class RankPool:
         port = _free_port()
         self._conns: list[Connection] = []
         self._procs = []
+        forked = ctx.get_start_method() == "forkserver"
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            forked = ctx.get_start_method() == "forkserver"
             p = ctx.Process(target=_worker, args=(rank, world_size, port, child, pg_timeout, threads, dict(os.environ), forked),
                             daemon=True)
             p.start()
