@@ -2,8 +2,8 @@
 
 `bench.py` times whole steps; this script splits them. It builds the same models and
 implementations as `bench.py` (its `_make`, `_batch` and settings), wraps the parts of a step in
-timers inside every rank (wall and thread CPU time per call), counts the garbage collector's passes,
-and prints, for rank 0, each part's calls per step, median time per call and total per step.
+timers inside every rank (wall and thread CPU time per call), counts the garbage collector's passes
+and the whole process's CPU time, page faults and context switches per step, and prints, for rank 0, each part's calls per step, median time per call and total per step.
 
     .venv/bin/python benchmarks/step_parts.py                       # DEEP, shardfn and DDP, world 2
     .venv/bin/python benchmarks/step_parts.py --model mlp --impls shardfn,fsdp2,ddp
@@ -20,6 +20,7 @@ import collections
 import functools
 import gc
 import os
+import resource
 import sys
 import time
 
@@ -101,10 +102,19 @@ def rank_main(rank: int, world: int, args, port: int, queue) -> None:
             seconds[info["generation"]] += time.perf_counter() - started[0]
 
     gc.callbacks.append(on_gc)
+    usage = collections.Counter()
     for i in range(args.steps):
         b = bench._batch(args.model, cfg, args.warmup + i, rank)
         dist.barrier()
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         float(it.step(b))
+        r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        usage["wall ms"] += 1000 * (t1 - t0)
+        usage["user ms"] += 1000 * (r1.ru_utime - r0.ru_utime)
+        usage["system ms"] += 1000 * (r1.ru_stime - r0.ru_stime)
+        usage["page faults"] += r1.ru_minflt - r0.ru_minflt
+        usage["context switches (voluntary)"] += r1.ru_nvcsw - r0.ru_nvcsw
+        usage["context switches (involuntary)"] += r1.ru_nivcsw - r0.ru_nivcsw
     gc.callbacks.remove(on_gc)
     if rank == 0:
         rows = []
@@ -113,7 +123,7 @@ def rank_main(rank: int, world: int, args, port: int, queue) -> None:
             cpu = sorted(x[1] for x in v)
             rows.append((key, len(v) / args.steps, wall[len(wall) // 2], cpu[len(cpu) // 2], sum(wall) / args.steps, sum(cpu) / args.steps))
         gcs = {g: (passes[g] / args.steps, seconds[g] / args.steps) for g in sorted(passes)}
-        queue.put((rows, gcs))
+        queue.put((rows, gcs, {k: v / args.steps for k, v in usage.items()}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -143,13 +153,14 @@ def main() -> None:
         queue = ctx.SimpleQueue()
         run = argparse.Namespace(**{**vars(args), "impl": impl})
         mp.start_processes(rank_main, args=(args.world, run, port, queue), nprocs=args.world, start_method="spawn")
-        rows, gcs = queue.get()
+        rows, gcs, usage = queue.get()
         print(f"\n## {impl}\n")
         print("| part | calls / step | median ms / call (wall, CPU) | ms / step (wall, CPU) |")
         print("|---|---:|---:|---:|")
         for key, n, w, c, tw, tc in rows:
             print(f"| {key} | {n:.0f} | {1000 * w:.3f}, {1000 * c:.3f} | {1000 * tw:.1f}, {1000 * tc:.1f} |")
         print("\ngarbage collector, per step: " + (", ".join(f"gen {g}: {n:.2f} passes, {1000 * s:.2f} ms" for g, (n, s) in gcs.items()) or "no pass"))
+        print("whole process (all threads), per step: " + ", ".join(f"{k} {v:.0f}" for k, v in usage.items()))
 
 
 if __name__ == "__main__":
