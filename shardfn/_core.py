@@ -416,13 +416,19 @@ class GradientCore:
         """The tensor-parallel forward (Note [tensor parallel forward] in `_tp.py`): the engine
         computes on DTensors over the tp mesh, and the modules holding a split leaf steer their
         collectives."""
+        self.tp = self.make_tp(info, paths, leaves)
+        if self.tp is not None:
+            self.engine.tp = self.tp
+
+    def make_tp(self, info: Any, paths: list[str], leaves: list) -> TensorParallel | None:
+        """A tensor-parallel side for these leaves, its hooks on `info`'s module (None without a tp
+        axis). The step makes its own once; `sf.estimate_memory` makes one for a step not built yet."""
         if self.tp_axis is None:
-            return
-        self.tp = TensorParallel(self.mesh, self.tp_axis, self._tp_dims, [x.shape for x in leaves], self.mp.reduce_dtype)
-        self.engine.tp = self.tp
+            return None
+        tp = TensorParallel(self.mesh, self.tp_axis, self._tp_dims, [x.shape for x in leaves], self.mp.reduce_dtype)
         if info is not None:
-            split = {n for p, d in zip(paths, self._tp_dims) if d is not None for n in info.aliases[p]}
-            self.tp.install(info.module, split)
+            tp.install(info.module, {n for p, d in zip(paths, self._tp_dims) if d is not None for n in info.aliases[p]})
+        return tp
 
     def _prepare_buffers(self, info: Any) -> None:
         """Mixed precision's buffer dtype; the buffers a forward updates, kept equal on every rank."""

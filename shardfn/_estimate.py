@@ -522,7 +522,7 @@ def _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, micro) -
         with contextlib.ExitStack() as stack:
             if tp is not None:
                 tp.watch = False  # the step's first step reports what gathers
-                stack.enter_context(tp.context())
+                stack.enter_context(tp.context(same_randomness=False))  # no collective: one rank may estimate alone
             stack.enter_context(_AttentionAsOn(core.mesh.device_type))
             stack.enter_context(counter)
             stack.enter_context(_runtime.activate(probe, info))
@@ -554,16 +554,9 @@ def _tensor_parallel(core, info, paths, leaves):
     """The tensor-parallel side the meta run computes with (None without tensor parallel): the
     step's own once it is built (its hooks are on the module), else one made and hooked as
     `step.init` would (taken off after the run); and whether it is the estimate's own."""
-    if core.tp_axis is None:
-        return None, False
-    if core.tp is not None:
+    if core.tp is not None or core.tp_axis is None:
         return core.tp, False
-    from ._tp import TensorParallel
-
-    tp = TensorParallel(core.mesh, core.tp_axis, core._tp_dims, [x.shape for x in leaves], core.mp.reduce_dtype)
-    if info is not None:
-        tp.install(info.module, {n for p, d in zip(paths, core._tp_dims) if d is not None for n in info.aliases[p]})
-    return tp, True
+    return core.make_tp(info, paths, leaves), True
 
 
 # -- the plan of one step ---------------------------------------------------------------------------

@@ -256,10 +256,13 @@ class TensorParallel:
         return x.to(dtype) if x.dtype != dtype else x
 
     @contextmanager
-    def context(self) -> Iterator[None]:
+    def context(self, same_randomness: bool = True) -> Iterator[None]:
         """The context a forward and its backward run in: plain tensors count as replicated;
-        cross-entropy on vocabulary-sharded logits stays sharded; the fallback watch (first step)."""
-        self.same_randomness()
+        cross-entropy on vocabulary-sharded logits stays sharded; the fallback watch (first step).
+        `same_randomness=False` skips the generator broadcast: a run on the meta device draws
+        nothing, and `sf.estimate_memory` runs on one rank without its peers."""
+        if same_randomness:
+            self.same_randomness()
         with ExitStack() as stack:
             stack.enter_context(implicit_replication())
             stack.enter_context(_loss_parallel())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -83,15 +85,45 @@ def _step(loss_fn, strategy: str, opts: dict, params=None, name: str = "gpt"):
     return sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, strategy=strategy, mixed_precision=mp, **opts)
 
 
+@contextlib.contextmanager
+def _collectives_counted(calls: list):
+    """Every `torch.distributed` collective and point-to-point call made inside, appended to `calls`."""
+    import torch.distributed as dist
+
+    names = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter_tensor", "broadcast",
+             "broadcast_object_list", "barrier", "isend", "irecv", "send", "recv", "batch_isend_irecv", "all_to_all_single"]
+    saved = {n: getattr(dist, n) for n in names}
+
+    def counting(name, f):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return f(*args, **kwargs)
+        return wrapper
+
+    for n, f in saved.items():
+        setattr(dist, n, counting(n, f))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+
+
 def rank_estimates(cases: list) -> list:
-    """Per case: (label, estimate, measured peak over two steps, estimate from real params)."""
+    """Per case: (label, estimate, measured peak over two steps, estimate from real params).
+
+    The estimate is this rank's alone: it issues no collective (one rank of a tensor-parallel job may
+    estimate while its peers do something else), which is asserted here on every rank."""
     import shardfn as sf
 
     out = []
     for name, strategy, opts, with_real in cases:
         apply, params, loss_fn, batch = _build(name)
         step = _step(loss_fn, strategy, opts, params, name)
-        est = sf.estimate_memory(step, params, batch=batch)
+        calls: list = []
+        with _collectives_counted(calls):
+            est = sf.estimate_memory(step, params, batch=batch)
+        assert not calls, (name, strategy, opts, "the estimate issued collectives", calls)
         real = None
         if with_real:  # the same step's estimate from real parameters: the same figures
             _, real_params, _, _ = _build(name, meta=False)
