@@ -73,6 +73,17 @@ def _parts(table: dict, impl: str, it) -> None:
         _timed(table, type(it.opt), "zero_grad", "zero_grad")
 
 
+def _perf_control(args, rank: int, command: str) -> None:
+    """Rank 0 turns `perf record --control` on or off (cpu_split.py), and waits for its ack."""
+    if rank != 0 or not args.perf_ctl:
+        return
+    ctl, ack = args.perf_ctl.split(",")
+    with open(ctl, "w") as f:
+        f.write(command + "\n")
+    with open(ack) as f:
+        f.readline()
+
+
 def rank_main(rank: int, world: int, args, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
@@ -103,6 +114,7 @@ def rank_main(rank: int, world: int, args, port: int, queue) -> None:
 
     gc.callbacks.append(on_gc)
     usage = collections.Counter()
+    _perf_control(args, rank, "enable")
     for i in range(args.steps):
         b = bench._batch(args.model, cfg, args.warmup + i, rank)
         dist.barrier()
@@ -115,6 +127,8 @@ def rank_main(rank: int, world: int, args, port: int, queue) -> None:
         usage["page faults"] += r1.ru_minflt - r0.ru_minflt
         usage["context switches (voluntary)"] += r1.ru_nvcsw - r0.ru_nvcsw
         usage["context switches (involuntary)"] += r1.ru_nivcsw - r0.ru_nivcsw
+    dist.barrier()
+    _perf_control(args, rank, "disable")
     gc.callbacks.remove(on_gc)
     if rank == 0:
         rows = []
@@ -136,6 +150,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--malloc-mmap-threshold", default="65536", help='as bench.py\'s timing ranks; "none": glibc\'s default')
+    p.add_argument("--perf-ctl", default="", help="CTL,ACK: fifos of `perf record --control`, enabled around the timed steps (cpu_split.py)")
     args = p.parse_args()
     if args.malloc_mmap_threshold != "none":
         os.environ["MALLOC_MMAP_THRESHOLD_"] = args.malloc_mmap_threshold
