@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import _watch
@@ -418,63 +418,89 @@ GATHER_BUCKET_BYTES = 64 << 20
 """The most full-tensor bytes `full_tensors` gathers in one collective."""
 
 
+def _packable(x) -> bool:
+    """Whether DTensor `x` is split only by plain `Shard`s, each tensor dim over one mesh dim at
+    most (replicated elsewhere): then its full value is one gather per splitting mesh dim."""
+    dims = [p.dim for p in x.placements if type(p) is Shard]
+    return bool(dims) and len(dims) == len(set(dims)) and all(type(p) in (Shard, Replicate) for p in x.placements)
+
+
 def full_tensors(xs: list, what: str) -> list[torch.Tensor]:
     """The full values of DTensors `xs` on every rank, as `full_tensor` gives them one by one, in
-    few collectives: those split on one dim over a 1-D mesh are packed (each rank's shard padded
-    to the largest) and gathered together, one all-gather per mesh and dtype of up to
-    `GATHER_BUCKET_BYTES` received (padding counted); the others go one by one. Every rank must
-    pass the same leaves in the same order."""
+    few collectives. Leaves split by plain `Shard`s (each tensor dim over one mesh dim at most) are
+    gathered one mesh dim at a time, from the last to the first, packed: at each mesh dim, every
+    leaf it splits goes into one all-gather over that dim's group per dtype (each rank's piece
+    padded to the largest), of up to `GATHER_BUCKET_BYTES` received (padding counted). A lone leaf
+    split over a 1-D mesh, and any other layout (`_StridedShard`, partial sums), goes through
+    `full_tensor`. Every rank must pass the same leaves in the same order.
+
+    Example: on a (dp, tp) mesh, leaves `(Shard(0), Replicate())`, `(Replicate(), Shard(1))` and
+    `(Shard(0), Shard(1))` take one all-gather over tp (the last two), then one over dp (the first
+    and the last)."""
     out: list = [None] * len(xs)
-    buckets: dict[tuple, list[list]] = {}  # (mesh, dtype, device) -> [[bytes gathered, index, ...], ...]
+    pieces: dict[int, torch.Tensor] = {}  # leaf -> its value gathered over the mesh dims done so far
     for i, x in enumerate(xs):
-        mesh = x.device_mesh
-        if mesh.ndim != 1 or mesh.size() == 1 or type(x.placements[0]) is not Shard:
+        if _packable(x) and x.device_mesh.size() > 1:
+            pieces[i] = x._local_tensor
+        else:
             out[i] = full_tensor(x, what)
-            continue
-        nbytes = mesh.size() * math.prod(_padded(x, mesh.size())) * x.element_size()
-        chain = buckets.setdefault((mesh, x.dtype, x.device), [[0]])
-        if len(chain[-1]) > 1 and chain[-1][0] + nbytes > GATHER_BUCKET_BYTES:
-            chain.append([0])
-        chain[-1][0] += nbytes
-        chain[-1].append(i)
-    for (mesh, _, _), chain in buckets.items():
-        for _, *idx in chain:
-            if len(idx) == 1:
-                out[idx[0]] = full_tensor(xs[idx[0]], what)
+    lone = [i for i in pieces if xs[i].device_mesh.ndim == 1]
+    if len(pieces) == 1 and lone:
+        out[lone[0]] = full_tensor(xs[lone[0]], what)
+        return out
+    for back in range(max((xs[i].device_mesh.ndim for i in pieces), default=0)):
+        # (mesh, mesh dim, dtype, device) -> [[bytes received, (leaf, tensor dim), ...], ...]
+        buckets: dict[tuple, list[list]] = {}
+        for i, local in pieces.items():
+            x = xs[i]
+            m = x.device_mesh.ndim - 1 - back
+            if m < 0 or type(x.placements[m]) is not Shard or x.device_mesh.size(m) == 1:
                 continue
-            for i, full in zip(idx, _gather_packed([xs[i] for i in idx], mesh, what)):
-                out[i] = full
+            d, world = x.placements[m].dim, x.device_mesh.size(m)
+            nbytes = world * math.prod(_padded(local.shape, d, x.shape[d], world)) * local.element_size()
+            chain = buckets.setdefault((x.device_mesh, m, local.dtype, local.device), [[0]])
+            if len(chain[-1]) > 1 and chain[-1][0] + nbytes > GATHER_BUCKET_BYTES:
+                chain.append([0])
+            chain[-1][0] += nbytes
+            chain[-1].append((i, d))
+        for (mesh, m, _, _), chain in buckets.items():
+            for _, *items in chain:
+                gathered = _gather_packed([(pieces[i], d, xs[i].shape[d]) for i, d in items], mesh.get_group(m), mesh.size(m), what)
+                for (i, _), full in zip(items, gathered):
+                    pieces[i] = full
+    for i, full in pieces.items():
+        out[i] = full
     return out
 
 
-def _padded(x, world: int) -> list[int]:
-    """The shape of each rank's shard of `x` (split on one dim) padded to the largest."""
-    padded = list(x.shape)
-    padded[x.placements[0].dim] = -(-x.shape[x.placements[0].dim] // world)
+def _padded(local_shape, dim: int, n: int, world: int) -> list[int]:
+    """The shape of each rank's piece of a tensor whose dim `dim` (n long) is split over `world`
+    ranks as `torch.chunk` splits it, padded to the largest piece."""
+    padded = list(local_shape)
+    padded[dim] = -(-n // world)
     return padded
 
 
-def _gather_packed(xs: list, mesh, what: str) -> list[torch.Tensor]:
-    """One all-gather of DTensors `xs` split on one dim over 1-D `mesh` (`torch.chunk`'s split:
-    rank r holds rows [r c, min((r + 1) c, n)) of n, c = ceil(n / W))."""
-    world, group = mesh.size(), mesh.get_group()
+def _gather_packed(items: list, group, world: int, what: str) -> list[torch.Tensor]:
+    """One all-gather over `group` of pieces `items` [(local, dim, n)]: each a tensor whose dim
+    `dim`, n long, is split over the group's `world` ranks as `torch.chunk` splits it (rank r holds
+    rows [r c, min((r + 1) c, n)), c = ceil(n / W)); returns each whole along `dim`."""
     layout, total = [], 0
-    for x in xs:
-        padded = _padded(x, world)
-        layout.append((x.placements[0].dim, padded, total))
+    for local, d, n in items:
+        padded = _padded(local.shape, d, n, world)
+        layout.append((d, n, padded, total))
         total += math.prod(padded)
-    inp = torch.empty(total, dtype=xs[0].dtype, device=xs[0].device)
+    inp = torch.empty(total, dtype=items[0][0].dtype, device=items[0][0].device)
     with torch.no_grad():
-        for x, (d, padded, at) in zip(xs, layout):
-            local = x._local_tensor
+        for (local, _, _), (d, _, padded, at) in zip(items, layout):
             inp[at:at + math.prod(padded)].view(padded).narrow(d, 0, local.shape[d]).copy_(local)
         gathered = torch.empty(world * total, dtype=inp.dtype, device=inp.device)
         with watching(what):
             all_gather(gathered, inp, group, async_op=False)
         rows = gathered.view(world, total)
         fulls = []
-        for x, (d, padded, at) in zip(xs, layout):
-            n, c = x.shape[d], padded[d]
+        for d, n, padded, at in layout:
+            c = padded[d]
             pieces = [rows[r, at:at + math.prod(padded)].view(padded).narrow(d, 0, max(0, min(c, n - r * c))) for r in range(world)]
             fulls.append(torch.cat(pieces, dim=d))
     return fulls

@@ -348,8 +348,8 @@ def _transformed(leaves: list) -> bool:
 
 
 class _GatherMany(torch.autograd.Function):
-    """DTensors -> full tensors in few collectives (`_collectives.full_tensors`: the leaves split on
-    one dim of a 1-D mesh packed into one all-gather per mesh and dtype); the backward reduces each
+    """DTensors -> full tensors in few collectives (`_collectives.full_tensors`: leaves split by plain
+    `Shard`s packed into one all-gather per mesh dim and dtype); the backward reduces each
     gradient as `_Gather`'s does. Used outside torch.func transforms and forward AD, whatever the
     leaves' `requires_grad` and the grad mode, so that every rank issues the same collectives."""
 
