@@ -44,10 +44,10 @@ steer it at their boundaries, as a tensor-parallel plan does, but derived from t
 A vocabulary-parallel embedding (`P("tp", None)` on `nn.Embedding`) gives a masked partial sum,
 all-reduced the same way; a vocabulary-parallel head gives logits sharded on the vocabulary, and a
 cross-entropy of them (`F.cross_entropy`, what Hugging Face's losses call) runs on the shards
-(three small all-reduces, as `loss_parallel` does) without gathering them. `loss_parallel`'s rules
-cover the plain cross-entropy (`ignore_index`, `reduction`); label smoothing, class weights together
-with ignored labels, and per-token log-probabilities read with `torch.gather` are refused by them
-(keep the head whole on tp for those losses).
+without gathering them: ignored labels, any reduction, class weights, label smoothing, and the
+log-probabilities read by other terms too (Note [cross-entropy on the shards]). Other ops on the
+sharded logits that DTensor has no sharded rule for (`softmax`, `logsumexp`) make it gather them
+whole, reported as a fallback (below).
 
 Mixed precision: `reduce_dtype` holds for the tp all-reduces too: a partial sum is cast to it before
 its all-reduce and back after, in the forward and in the backward. (The embedding's masked sum adds
@@ -369,17 +369,18 @@ def _by_default(op_call, args, kwargs, handler):
 # -- cross-entropy on vocabulary-sharded logits ---------------------------------------------------
 @contextmanager
 def _loss_parallel() -> Iterator[None]:
-    """`torch.distributed.tensor.parallel.loss_parallel`'s handlers, taken only where the logits are
-    sharded on the class dim (DTensor's own rules elsewhere)."""
+    """A cross-entropy on logits sharded on the class dim, computed on the shards (Note [cross-entropy
+    on the shards]); DTensor's own rules wherever the class dim is not sharded."""
     from torch.distributed.tensor.parallel import loss as lp
 
     ops = {
+        # op: (handler, the argument whose class dim decides, the argument holding that dim)
         torch.ops.aten._log_softmax.default: (lp._log_softmax_handler, 0, 1),
-        torch.ops.aten._log_softmax_backward_data.default: (lp._log_softmax_backward_handler, 0, 2),
+        torch.ops.aten._log_softmax_backward_data.default: (_log_softmax_backward, 1, 2),
         torch.ops.aten.nll_loss_forward.default: (lp._nll_loss_forward_handler, 0, None),
         torch.ops.aten.nll_loss2d_forward.default: (lp._nll_loss_forward_handler, 0, None),
-        torch.ops.aten.nll_loss_backward.default: (lp._nll_loss_backward_handler, 1, None),
-        torch.ops.aten.nll_loss2d_backward.default: (lp._nll_loss_backward_handler, 1, None),
+        torch.ops.aten.nll_loss_backward.default: (_nll_loss_backward, 1, None),
+        torch.ops.aten.nll_loss2d_backward.default: (_nll_loss_backward, 1, None),
     }
 
     def guarded(op, handler, arg, dim_arg):
@@ -393,8 +394,102 @@ def _loss_parallel() -> Iterator[None]:
 
         return run
 
-    with _op_handlers({op: guarded(op, handler, arg, dim_arg) for op, (handler, arg, dim_arg) in ops.items()}):
+    handlers = {op: guarded(op, handler, arg, dim_arg) for op, (handler, arg, dim_arg) in ops.items()}
+    handlers[torch.ops.aten.masked_fill_.Scalar] = _zero_fill_partial
+    with _op_handlers(handlers):
         yield
+
+
+# Note [cross-entropy on the shards]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `F.cross_entropy` is `log_softmax` then `nll_loss`. On logits sharded over the vocabulary, the
+# forwards are torch's `loss_parallel` handlers: the log-softmax's max and sum of exponentials are
+# all-reduced, the loss reads each label's log-probability on the rank that holds it. The backwards
+# are shardfn's own, each the gradient of its op alone, so that the log-probabilities may have other
+# consumers too (label smoothing sums them over the vocabulary; a distillation loss weighs them by
+# soft targets; a user adds a term): torch's pair instead computes the whole cross-entropy gradient
+# in `nll_loss`'s backward and passes the gradient through `log_softmax`'s, which is wrong as soon
+# as anything else reads the log-probabilities. Here:
+#   nll_loss:    d/d logp[i, c] = -weight[c] * scale_i where c is label i (and i is not ignored), on the
+#                rank whose shard holds c; zero elsewhere. No communication.
+#   log_softmax: d/d x = g - exp(logp) * sum_c g, the sum over the vocabulary all-reduced over tp.
+# Class weights with ignored labels work as on one process (the weight is read at label 0 in place of
+# an ignored one, then zeroed). Label smoothing masks a partial sum to zero at ignored labels, in
+# place: `_zero_fill_partial` does it on each rank's part.
+def _local_of(x: Any) -> Any:
+    """The value of a replicated DTensor (or a plain tensor / number) on this rank."""
+    if isinstance(x, DTensor):
+        if not all(p.is_replicate() for p in x.placements):
+            raise NotImplementedError(
+                f"a cross-entropy on logits split over the vocabulary got a {x.placements} operand (labels, weights or "
+                "a gradient) where a replicated one is supported: keep the head whole on tp for this loss (a rule "
+                "mapping its weight to P() before the ready rules)"
+            )
+        return x._local_tensor
+    return x
+
+
+def _class_shard(x: DTensor, dim: int) -> tuple[int, Any, int]:
+    """The mesh dim that splits `x`'s dim `dim`, its group, and where this rank's part starts."""
+    m = next(i for i, p in enumerate(x.placements) if p.is_shard(dim))
+    others = [p for i, p in enumerate(x.placements) if i != m]
+    if not all(p.is_replicate() for p in others):
+        raise NotImplementedError(
+            f"a cross-entropy on logits laid out as {x.placements}: only the vocabulary may be split (over tp); keep "
+            "the head whole on tp for this loss (a rule mapping its weight to P() before the ready rules)"
+        )
+    mesh = x.device_mesh
+    chunk = -(-x.shape[dim] // mesh.size(m))
+    return m, mesh.get_group(m), mesh.get_local_rank(m) * chunk
+
+
+def _nll_loss_backward(op_call, args, kwargs):
+    """The gradient of `nll_loss` with respect to log-probabilities sharded on the class dim."""
+    grad_output, logp, target, weight, reduction, ignore_index, total_weight = args
+    cd = 1 if logp.dim() > 1 else 0
+    _, _, start = _class_shard(logp, cd)
+    local = logp._local_tensor
+    t, g = _local_of(target), _local_of(grad_output)
+    kept = t != ignore_index
+    scale = g / _local_of(total_weight) if reduction == 1 else g  # 1: mean
+    scale = scale.expand(t.shape) if scale.dim() == 0 else scale
+    if weight is not None:
+        scale = scale * _local_of(weight)[torch.where(kept, t, 0)]
+    here = kept & (t >= start) & (t < start + local.shape[cd])
+    grad = torch.zeros_like(local)
+    grad.scatter_(cd, torch.where(here, t - start, 0).unsqueeze(cd), torch.where(here, -scale, 0).to(grad.dtype).unsqueeze(cd))
+    return DTensor.from_local(grad, logp.device_mesh, logp.placements, run_check=False, shape=logp.shape, stride=logp.stride())
+
+
+def _log_softmax_backward(op_call, args, kwargs):
+    """The gradient of `log_softmax` over a class dim sharded over tp: g - exp(logp) * sum(g), the sum
+    over the whole class dim (one all-reduce over tp)."""
+    grad, logp, dim, input_dtype = args
+    dim = dim % logp.dim()
+    _, group, _ = _class_shard(logp, dim)
+    if not isinstance(grad, DTensor):
+        grad = DTensor.from_local(grad, logp.device_mesh, [Replicate()] * logp.device_mesh.ndim, run_check=False)
+    if tuple(grad.placements) != tuple(logp.placements):  # e.g. replicated: this rank's part, no communication
+        grad = C.redistribute(grad, logp.device_mesh, logp.placements, "the tensor-parallel loss")
+    g, out = grad._local_tensor, logp._local_tensor
+    total = g.sum(dim, keepdim=True, dtype=torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None)
+    C.all_reduce_blocking(total, group, "the tensor-parallel loss")
+    res = (g - torch.exp(out) * total.to(g.dtype)).to(input_dtype)
+    return DTensor.from_local(res, logp.device_mesh, logp.placements, run_check=False, shape=logp.shape, stride=logp.stride())
+
+
+def _zero_fill_partial(op_call, args, kwargs):
+    """`masked_fill_(mask, 0)` of a partial sum: zero on every rank is a sum of zero, so each rank
+    fills its own part (a cross-entropy with label smoothing masks its sum over the sharded
+    vocabulary so); anything else by DTensor's own rule."""
+    x, mask, value = args[0], args[1], args[2]
+    plain = not isinstance(mask, DTensor) or all(p.is_replicate() for p in mask.placements)
+    partial_sum = all(p.is_replicate() or (p.is_partial() and getattr(p, "reduce_op", None) == "sum") for p in x.placements)
+    if value == 0 and plain and partial_sum and any(p.is_partial() for p in x.placements) and not kwargs:
+        local = mask._local_tensor if isinstance(mask, DTensor) else mask
+        x._local_tensor.masked_fill_(local, 0)
+        return x
+    return _by_default(op_call, args, kwargs, _zero_fill_partial)
 
 
 # -- dropout on tp-sharded activations ---------------------------------------------------------------

@@ -62,14 +62,27 @@ def _batch(step: int, n: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n, SEQ), generator=g)
 
 
-def _loss(name: str, out, ids: torch.Tensor) -> torch.Tensor:
+def _loss(name: str, out, ids: torch.Tensor, kind: str = "") -> torch.Tensor:
+    """The model's loss; for the GPT, `kind` picks a cross-entropy variant (some labels ignored in each)."""
+    if name == "gpt" and kind:
+        logits, labels = out[:, :-1].flatten(0, 1), ids[:, 1:].flatten().clone()
+        labels[::5] = -100
+        if kind == "smooth":
+            return F.cross_entropy(logits, labels, label_smoothing=0.1)
+        if kind == "weighted":  # class weights, summed
+            return F.cross_entropy(logits, labels, weight=torch.linspace(0.5, 1.5, VOCAB), reduction="sum") / labels.numel()
+        if kind == "distill":  # the log-probabilities read twice: by the NLL and by a soft-target term
+            logp = F.log_softmax(logits, -1)
+            soft = torch.softmax(torch.linspace(-1.0, 1.0, VOCAB), -1)
+            return F.nll_loss(logp, labels) - 0.5 * (logp * soft).sum(-1).mean()
+        raise ValueError(kind)
     if name == "gpt":
         return F.cross_entropy(out[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     return out.loss
 
 
 def _reference(name: str, steps: int, data_world: int, max_grad_norm: float | None = None,
-               frozen: str | None = None, penalty: bool = False) -> dict[str, torch.Tensor]:
+               frozen: str | None = None, penalty: bool = False, loss: str = "") -> dict[str, torch.Tensor]:
     """The parameters after `steps` steps of torch's AdamW on the global batch, in one process."""
     model = _model(name)
     for n, p in model.named_parameters():
@@ -80,10 +93,10 @@ def _reference(name: str, steps: int, data_world: int, max_grad_norm: float | No
         ids = _batch(s, PER_RANK * data_world)
         opt.zero_grad()
         out = model(ids) if name == "gpt" else model(input_ids=ids, labels=ids, use_cache=False)
-        loss = _loss(name, out, ids)
+        value = _loss(name, out, ids, loss)
         if penalty:
-            loss = loss + 0.1 * (dict(model.named_parameters())[PENALIZED] ** 2).sum()
-        loss.backward()
+            value = value + 0.1 * (dict(model.named_parameters())[PENALIZED] ** 2).sum()
+        value.backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
         opt.step()
@@ -99,10 +112,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 PENALIZED = "blocks.1.fc.weight"  # a tp-split leaf read outside apply, in the GPT's penalty
 
 
-def _loss_fn(name: str, apply, penalty: bool = False):
+def _loss_fn(name: str, apply, penalty: bool = False, kind: str = ""):
     def loss_fn(p, ids):
         out = apply(p, ids) if name == "gpt" else apply(p, input_ids=ids, labels=ids, use_cache=False)
-        loss = _loss(name, out, ids)
+        loss = _loss(name, out, ids, kind)
         if penalty:
             w = p["blocks"]["1"]["fc"]["weight"]
             assert w.shape == (128, 32), w.shape  # the leaf's global shape, not its tp shard's
@@ -122,15 +135,15 @@ def rank_train(name: str, axes: dict, cases: list[dict], steps: int = 3, rules: 
     refs = {}
     out = []
     for options in cases:
-        penalty = options.pop("penalty", False)
-        key = (options.get("max_grad_norm"), options.get("frozen"), penalty)
+        penalty, kind = options.pop("penalty", False), options.pop("loss", "")
+        key = (options.get("max_grad_norm"), options.get("frozen"), penalty, kind)
         if key not in refs:
             refs[key] = _reference(name, steps, dp, *key)
         ref = refs[key]
         apply, params = sf.functionalize(_model(name), units=UNITS[name])
         rule_list = rules if rules is not None else RULES[name] if "tp" in axes else []
         specs = sf.specs(params, mesh, rules=rule_list, default=sf.P(dp_axis))
-        step = sf.train_step(_loss_fn(name, apply, penalty), sf.optim.adamw(LR, eps=EPS, weight_decay=WD), mesh, specs=specs, **options)
+        step = sf.train_step(_loss_fn(name, apply, penalty, kind), sf.optim.adamw(LR, eps=EPS, weight_decay=WD), mesh, specs=specs, **options)
         state = step.init(params)
         for s in range(steps):
             ids = _batch(s, PER_RANK * dp).chunk(dp)[dp_rank]
@@ -241,6 +254,15 @@ def test_degenerate_meshes_train_as_the_reference(pools):
     for axes in (dict(dp=1, tp=2), dict(dp=2, tp=1)):
         for name in ("llama", "gpt2", "gpt"):
             _check(pool.run(rank_train, name, axes, [dict()])[0], f"{name} on {axes}")
+    # Cross-entropy variants on logits split over the vocabulary (tp), computed on the shards: label
+    # smoothing, class weights with ignored labels, and log-probabilities read by two terms (the NLL's
+    # gradient must not be taken for the whole log-softmax's: Note [cross-entropy on the shards]).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = pool.run(rank_train, "gpt", dict(dp=1, tp=2), [dict(loss="smooth"), dict(loss="weighted"), dict(loss="distill")])[0]
+    for kind, res in zip(("smooth", "weighted", "distill"), got):
+        _check([res], f"gpt, {kind} cross-entropy on tp")
+    assert not caught, [str(w.message) for w in caught]  # nothing gathered whole
     _check(pool.run(rank_train, "llama_sdpa", dict(dp=1, tp=2), [dict()], 2)[0], "llama (sdpa)")
 
 
