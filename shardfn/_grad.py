@@ -102,6 +102,8 @@ class ValueAndGrad:
             return core
         for p, x, v in zip(paths, leaves, views):
             own = self._layout[p]
+            if _same_layout(x, own) and x.placements != own.placements:
+                x._spec = own._spec
             if x.placements != own.placements or x.shape != own.shape:
                 raise ValueError(
                     f"leaf {p!r} is a DTensor {x.placements} {tuple(x.shape)}; this transform's tree has "
@@ -135,17 +137,39 @@ class ValueAndGrad:
         )
         core.build(params)  # copies the shards into the core's flat buffers
         for p, x, own in zip(paths, leaves, core.dt_params):
-            if x.placements != own.placements:
-                raise ValueError(
-                    f"strategy={o['strategy']!r} lays leaf {p!r} out as {own.placements}, but the tree has it as "
-                    f"{x.placements}: under 'no_shard' every leaf is whole on every rank, so pass a replicated tree "
-                    "(sf.shard(params, sf.specs(params, mesh, default=sf.P()), mesh))"
-                )
+            if _same_layout(x, own):
+                x._spec = own._spec  # at most a mesh dim of one rank said otherwise: the same local data
+                continue
+            if o["strategy"] == "no_shard":
+                fix = ("under 'no_shard' every leaf is whole on every rank, so pass a replicated tree "
+                       "(sf.shard(params, sf.specs(params, mesh, default=sf.P()), mesh))")
+            elif core.tp_axis is not None:
+                dp, tp = core.shard_axis, core.tp_axis
+                fix = (f"on a ({dp}, {tp}) mesh sf.value_and_grad shards every leaf over {dp!r} (FSDP) within its "
+                       f"{tp!r} shard, and computes on the tree in that layout: give it one, sf.shard(params, specs, mesh) "
+                       f"with each spec naming {dp!r} too (here {_spec_of(own)!r}; P(({tp!r}, {dp!r}), None) for "
+                       f"P({tp!r}, None), P({dp!r}, {tp!r}) for P(None, {tp!r}), P({dp!r}) for a leaf whole on {tp!r}), "
+                       "or the tree a train step lays out: sf.train_step(loss_fn, opt, mesh, specs=specs).init(params).params")
+            else:
+                fix = f"shard the tree as it computes on it: spec {_spec_of(own)!r} for this leaf"
+            raise ValueError(
+                f"strategy={o['strategy']!r} lays leaf {p!r} (shape {tuple(x.shape)}) out as {own.placements} "
+                f"(spec {_spec_of(own)!r}), but the tree has it as {x.placements} (spec {_spec_of(x)!r}): {fix}"
+            )
         self._layout = {p: own for p, own in zip(paths, core.dt_params)}  # the core's own DTensors
         for x, v in zip(leaves, core.flat_views):
             _donate.adopt(x, v)
         core.dt_params = list(leaves)
         return core
+
+
+def _same_layout(x: DTensor, own: DTensor) -> bool:
+    """Whether `x` holds the same local data as `own` would: the same mesh and shape, and placements
+    that differ at most on mesh dims of one rank (`Replicate()` and `Shard(d)` there are one layout)."""
+    if x.device_mesh != own.device_mesh or x.shape != own.shape:
+        return False
+    mesh = x.device_mesh
+    return all(a == b or mesh.size(i) == 1 for i, (a, b) in enumerate(zip(x.placements, own.placements)))
 
 
 def value_and_grad(

@@ -161,10 +161,11 @@ def rank_train(name: str, axes: dict, cases: list[dict], steps: int = 3, rules: 
     return out
 
 
-def rank_value_and_grad(name: str, axes: dict, padded: bool = False) -> dict:
+def rank_value_and_grad(name: str, axes: dict, padded: bool = False, shard: bool = False) -> dict:
     """sf.value_and_grad on a 2-D tree (the layout a train step gives it): the loss and gradients of
     the global batch's mean. `padded`: a Hugging Face model's batch with padding (an attention mask,
-    labels -100 on the pads)."""
+    labels -100 on the pads). `shard`: the tree `sf.shard` gives for the ready rules instead (its
+    refusal's message where that is not the layout the transform computes on)."""
     mesh = sf.mesh(**axes)
     dp_axis, dp = next(iter(axes)), mesh.size(0)
     if padded and dp > 1:
@@ -189,8 +190,16 @@ def rank_value_and_grad(name: str, axes: dict, padded: bool = False) -> dict:
     def loss_fn(p, batch):
         return forward(apply, p, *batch)
 
-    tree = sf.train_step(loss_fn, sf.optim.sgd(0.0), mesh, specs=specs).init(params).params
-    loss, grads = sf.value_and_grad(loss_fn, apply=apply)(tree, tuple(t.chunk(dp)[dp_rank] for t in (ids, mask, labels)))
+    if shard:
+        tree = sf.shard(params, specs, mesh)
+    else:
+        tree = sf.train_step(loss_fn, sf.optim.sgd(0.0), mesh, specs=specs).init(params).params
+    try:
+        loss, grads = sf.value_and_grad(loss_fn, apply=apply)(tree, tuple(t.chunk(dp)[dp_rank] for t in (ids, mask, labels)))
+    except ValueError as e:
+        if not shard:
+            raise
+        return dict(refused=str(e))
     want = forward(ref, None, ids, mask, labels)
     want.backward()
     full = sf.to_state_dict(sf.gather(grads), apply)
@@ -251,6 +260,9 @@ def test_2d_mesh_trains_as_the_reference(pools):
 def test_degenerate_meshes_train_as_the_reference(pools):
     """(dp=1, tp=2) and (dp=2, tp=1): the same models, exact; and Llama on torch's fused attention."""
     pool = pools(2)
+    # At dp=1 the tree sf.shard gives for the ready rules is the transform's layout (dp has one rank).
+    got = pool.run(rank_value_and_grad, "gpt", dict(dp=1, tp=2), shard=True)[0]
+    assert got["loss"] < 1e-5 and got["err"][0] < TOL, got
     for axes in (dict(dp=1, tp=2), dict(dp=2, tp=1)):
         for name in ("llama", "gpt2", "gpt"):
             _check(pool.run(rank_train, name, axes, [dict()])[0], f"{name} on {axes}")
@@ -355,6 +367,9 @@ def test_value_and_grad_and_mixed_precision_on_a_2d_tree(pools):
     pool = pools(4)
     got = pool.run(rank_value_and_grad, "llama", dict(dp=2, tp=2))[0]
     assert got["loss"] < 1e-5 and got["err"][0] < TOL, got
+    # The tree sf.shard gives for the ready rules is not FSDP'd over dp: refused, naming the spec to use.
+    refused = pool.run(rank_value_and_grad, "gpt", dict(dp=2, tp=2), shard=True)[0]["refused"]
+    assert "P(('tp', 'dp'))" in refused and "sf.shard(params, specs, mesh)" in refused and "no_shard" not in refused, refused
     mp = pool.run(rank_mixed_precision, "llama", dict(dp=2, tp=2))[0]
     # Per step: the embedding's masked sum (adds zeros: exact in bf16), the rest in fp32.
     assert mp["dtypes"]["torch.bfloat16"] == 3 and mp["dtypes"]["torch.float32"] >= 3 * 9, mp
