@@ -47,7 +47,11 @@ cross-entropy of them (`F.cross_entropy`, what Hugging Face's losses call) runs 
 without gathering them: ignored labels, any reduction, class weights, label smoothing, and the
 log-probabilities read by other terms too (Note [cross-entropy on the shards]). Other ops on the
 sharded logits that DTensor has no sharded rule for (`softmax`, `logsumexp`) make it gather them
-whole, reported as a fallback (below).
+whole, reported as a fallback (below). The pointwise losses whose backward DTensor computes with a
+shard's element count under `reduction="mean"` (`mse_loss`, `smooth_l1_loss`, `huber_loss`,
+`soft_margin_loss`, `binary_cross_entropy`: gradients tp times too large) take the `"sum"` backward
+divided by the whole count (`_mean_loss_backward`). An op DTensor has no rule for at all is refused
+with its name and the fix (`TensorParallel.context`).
 
 Mixed precision: `reduce_dtype` holds for the tp all-reduces too: a partial sum is cast to it before
 its all-reduce and back after, in the forward and in the backward. (The embedding's masked sum adds
@@ -74,6 +78,7 @@ project GPT's `qkv`) stay whole on tp. Every other leaf is whole on tp and FSDP-
 
 from __future__ import annotations
 
+import re
 import warnings
 import weakref
 from collections import Counter
@@ -269,7 +274,18 @@ class TensorParallel:
             stack.enter_context(_dropout_whole(self))
             if self.watch:
                 stack.enter_context(_GatherWatch(self))
-            yield
+            try:
+                yield
+            except NotImplementedError as e:
+                found = re.search(r"Operator (\S+) does not have a sharding strategy", str(e))
+                if found is None:
+                    raise
+                raise NotImplementedError(
+                    f"tensor parallel: torch's DTensor has no rule for {found.group(1)} on tensors split over tp, which "
+                    "the loss or the model reached (in the forward, or in the backward for an op ending in _backward). "
+                    "Compute it on a whole tensor (x.full_tensor() of the DTensor it got) or keep the leaves that feed "
+                    "it whole on tp (a rule mapping them to P() before the ready rules)"
+                ) from e
 
     def same_randomness(self) -> None:
         """Gives every rank of this tp group the generator state of its tp rank 0 (Note [randomness
@@ -396,8 +412,36 @@ def _loss_parallel() -> Iterator[None]:
 
     handlers = {op: guarded(op, handler, arg, dim_arg) for op, (handler, arg, dim_arg) in ops.items()}
     handlers[torch.ops.aten.masked_fill_.Scalar] = _zero_fill_partial
+    handlers.update({op: _mean_loss_backward for op in _MEAN_LOSS_BACKWARDS})
     with _op_handlers(handlers):
         yield
+
+
+# The pointwise losses whose backward DTensor computes with `reduction="mean"` from a shard's own
+# element count (the gradient of a sharded input comes out tp times too large, silently): op -> the
+# position of its `reduction` argument.
+_MEAN_LOSS_BACKWARDS = {
+    torch.ops.aten.mse_loss_backward.default: 3,
+    torch.ops.aten.smooth_l1_loss_backward.default: 3,
+    torch.ops.aten.huber_loss_backward.default: 3,
+    torch.ops.aten.soft_margin_loss_backward.default: 3,
+    torch.ops.aten.binary_cross_entropy_backward.default: 4,
+}
+
+
+def _mean_loss_backward(op_call, args, kwargs):
+    """The backward of a pointwise loss with `reduction="mean"` on a sharded input: the `"sum"`
+    backward (which DTensor computes right) divided by the whole input's element count."""
+    at = _MEAN_LOSS_BACKWARDS[op_call]
+    x = args[1]
+    reduction = args[at] if len(args) > at else kwargs.get("reduction", 1)
+    if reduction != 1 or not isinstance(x, DTensor) or all(p.is_replicate() for p in x.placements):  # 1: mean
+        return _by_default(op_call, args, kwargs, _mean_loss_backward)
+    if len(args) > at:
+        args = (*args[:at], 2, *args[at + 1:])  # 2: sum
+    else:  # left at its default (mean)
+        kwargs = {**kwargs, "reduction": 2}
+    return _by_default(op_call, args, kwargs, _mean_loss_backward) / x.numel()
 
 
 # Note [cross-entropy on the shards]
