@@ -420,9 +420,11 @@ GATHER_BUCKET_BYTES = 64 << 20
 
 def _packable(x) -> bool:
     """Whether DTensor `x` is split only by plain `Shard`s, each tensor dim over one mesh dim at
-    most (replicated elsewhere): then its full value is one gather per splitting mesh dim."""
+    most (replicated elsewhere), one of them over several ranks: then its full value is one gather
+    per splitting mesh dim."""
     dims = [p.dim for p in x.placements if type(p) is Shard]
-    return bool(dims) and len(dims) == len(set(dims)) and all(type(p) in (Shard, Replicate) for p in x.placements)
+    several = any(type(p) is Shard and x.device_mesh.size(i) > 1 for i, p in enumerate(x.placements))
+    return several and len(dims) == len(set(dims)) and all(type(p) in (Shard, Replicate) for p in x.placements)
 
 
 def full_tensors(xs: list, what: str) -> list[torch.Tensor]:
@@ -431,8 +433,8 @@ def full_tensors(xs: list, what: str) -> list[torch.Tensor]:
     gathered one mesh dim at a time, from the last to the first, packed: at each mesh dim, every
     leaf it splits goes into one all-gather over that dim's group per dtype (each rank's piece
     padded to the largest), of up to `GATHER_BUCKET_BYTES` received (padding counted). A lone leaf
-    split over a 1-D mesh, and any other layout (`_StridedShard`, partial sums), goes through
-    `full_tensor`. Every rank must pass the same leaves in the same order.
+    split over a 1-D mesh, a leaf split only over mesh dims of one rank, and any other layout
+    (`_StridedShard`, partial sums) go through `full_tensor`. Every rank must pass the same leaves in the same order.
 
     Example: on a (dp, tp) mesh, leaves `(Shard(0), Replicate())`, `(Replicate(), Shard(1))` and
     `(Shard(0), Shard(1))` take one all-gather over tp (the last two), then one over dp (the first
@@ -440,7 +442,7 @@ def full_tensors(xs: list, what: str) -> list[torch.Tensor]:
     out: list = [None] * len(xs)
     pieces: dict[int, torch.Tensor] = {}  # leaf -> its value gathered over the mesh dims done so far
     for i, x in enumerate(xs):
-        if _packable(x) and x.device_mesh.size() > 1:
+        if _packable(x):
             pieces[i] = x._local_tensor
         else:
             out[i] = full_tensor(x, what)

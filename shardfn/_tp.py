@@ -405,6 +405,7 @@ def _loss_parallel() -> Iterator[None]:
             dim = args[dim_arg] if dim_arg is not None else (1 if x.dim() > 1 else 0)
             dim = dim % max(x.dim(), 1)
             if isinstance(x, DTensor) and any(p.is_shard(dim) for p in x.placements):
+                _refuse_empty_shards(x, dim)
                 return handler(op_call, args, kwargs)
             return _by_default(op_call, args, kwargs, run)
 
@@ -433,15 +434,16 @@ def _mean_loss_backward(op_call, args, kwargs):
     """The backward of a pointwise loss with `reduction="mean"` on a sharded input: the `"sum"`
     backward (which DTensor computes right) divided by the whole input's element count."""
     at = _MEAN_LOSS_BACKWARDS[op_call]
-    x = args[1]
     reduction = args[at] if len(args) > at else kwargs.get("reduction", 1)
-    if reduction != 1 or not isinstance(x, DTensor) or all(p.is_replicate() for p in x.placements):  # 1: mean
+    split = [a for a in (*args[1:at], kwargs.get("weight")) if isinstance(a, DTensor) and not all(p.is_replicate() for p in a.placements)]
+    if reduction != 1 or not split:  # 1: mean; any operand split (the input, the target, a weight) makes DTensor count a shard
         return _by_default(op_call, args, kwargs, _mean_loss_backward)
+    numel = args[1].numel()  # the whole input's (every operand has its shape)
     if len(args) > at:
         args = (*args[:at], 2, *args[at + 1:])  # 2: sum
     else:  # left at its default (mean)
         kwargs = {**kwargs, "reduction": 2}
-    return _by_default(op_call, args, kwargs, _mean_loss_backward) / x.numel()
+    return _by_default(op_call, args, kwargs, _mean_loss_backward) / numel
 
 
 # Note [cross-entropy on the shards]
@@ -487,12 +489,30 @@ def _class_shard(x: DTensor, dim: int) -> tuple[int, Any, int]:
     return m, mesh.get_group(m), mesh.get_local_rank(m) * chunk
 
 
+def _refuse_empty_shards(x: DTensor, dim: int) -> None:
+    """A class dim split so that a rank holds no class (9 classes over tp=4: 3, 3, 3, 0) is refused
+    on every rank alike, before anything is computed: torch's forward handlers cannot run there."""
+    for m, p in enumerate(x.placements):
+        if p.is_shard(dim):
+            n, w = x.shape[dim], x.device_mesh.size(m)
+            if (w - 1) * -(-n // w) >= n:
+                raise NotImplementedError(
+                    f"a cross-entropy on logits whose {n} classes are split over {w} tp ranks as torch.chunk splits "
+                    f"them ({-(-n // w)} per rank) leaves the last rank none, which the loss on the shards cannot take "
+                    "yet: keep the head whole on tp (a rule mapping its weight to P() before the ready rules), or use "
+                    "a tp size that leaves every rank some classes"
+                )
+
+
 def _nll_loss_backward(op_call, args, kwargs):
     """The gradient of `nll_loss` with respect to log-probabilities sharded on the class dim."""
     grad_output, logp, target, weight, reduction, ignore_index, total_weight = args
     cd = 1 if logp.dim() > 1 else 0
     _, _, start = _class_shard(logp, cd)
     local = logp._local_tensor
+    if isinstance(grad_output, DTensor) and not all(p.is_replicate() for p in grad_output.placements):
+        grad_output = C.redistribute(grad_output, grad_output.device_mesh, [Replicate()] * grad_output.device_mesh.ndim,
+                                     "the tensor-parallel loss")  # e.g. per-token losses weighted by a partial sum
     t, g = _local_of(target), _local_of(grad_output)
     kept = t != ignore_index
     scale = g / _local_of(total_weight) if reduction == 1 else g  # 1: mean
@@ -519,7 +539,9 @@ def _log_softmax_backward(op_call, args, kwargs):
     total = g.sum(dim, keepdim=True, dtype=torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None)
     if total.device.type != "meta":  # a meta run (sf.estimate_memory) has no values to sum
         C.all_reduce_blocking(total, group, "the tensor-parallel loss")
-    res = (g - torch.exp(out) * total.to(g.dtype)).to(input_dtype)
+    res = torch.exp(out)  # one logits-sized buffer, filled in place: g - exp(logp) * sum(g)
+    res.mul_(total.to(res.dtype)).neg_().add_(g)
+    res = res.to(input_dtype)
     return DTensor.from_local(res, logp.device_mesh, logp.placements, run_check=False, shape=logp.shape, stride=logp.stride())
 
 

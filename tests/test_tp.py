@@ -269,12 +269,20 @@ def test_degenerate_meshes_train_as_the_reference(pools):
     # Cross-entropy variants on logits split over the vocabulary (tp), computed on the shards: label
     # smoothing, class weights with ignored labels, and log-probabilities read by two terms (the NLL's
     # gradient must not be taken for the whole log-softmax's: Note [cross-entropy on the shards]).
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = pool.run(rank_train, "gpt", dict(dp=1, tp=2), [dict(loss="smooth"), dict(loss="weighted"), dict(loss="distill")])[0]
+    got, reports = pool.run(rank_train_reported, "gpt", dict(dp=1, tp=2), [dict(loss="smooth"), dict(loss="weighted"), dict(loss="distill")])[0]
     for kind, res in zip(("smooth", "weighted", "distill"), got):
         _check([res], f"gpt, {kind} cross-entropy on tp")
-    assert not caught, [str(w.message) for w in caught]  # nothing gathered whole
+    assert not reports, reports  # nothing gathered whole
+
+
+def rank_train_reported(*args) -> tuple[list, list[str]]:
+    """`rank_train`, and the fallback gathers it reported on this rank."""
+    from shardfn._tp import FallbackWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FallbackWarning)
+        out = rank_train(*args)
+    return out, [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
     _check(pool.run(rank_train, "llama_sdpa", dict(dp=1, tp=2), [dict()], 2)[0], "llama (sdpa)")
 
 
@@ -379,6 +387,7 @@ def test_value_and_grad_and_mixed_precision_on_a_2d_tree(pools):
 # Losses read from the GPT's vocabulary-parallel logits (tp-sharded DTensors inside loss_fn).
 LOGIT_LOSSES = {
     "mse": lambda z, y: F.mse_loss(z, torch.full_like(z, 0.1)),
+    "mse_of_the_target": lambda z, y: F.mse_loss(torch.full(z.shape, 0.1), z),  # the split tensor as the target
     "smooth_l1": lambda z, y: F.smooth_l1_loss(z, torch.full_like(z, 0.1)),
     "huber": lambda z, y: F.huber_loss(z, torch.full_like(z, 0.1), delta=0.05),
     "soft_margin": lambda z, y: F.soft_margin_loss(z, torch.ones_like(z)),
@@ -415,6 +424,17 @@ def rank_logit_losses() -> dict:
         want.backward()
         full = sf.to_state_dict(sf.gather(grads), apply)
         out[name] = (abs(loss.item() - want.item()), max((_rel(full[n], p.grad), n) for n, p in ref.named_parameters()))
+    # A class dim split so that a rank holds no class: refused on every rank, before computing.
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from shardfn._tp import _loss_parallel
+
+    d = distribute_tensor(torch.randn(5, 1), mesh["tp"], [Shard(1)]).requires_grad_()
+    try:
+        with _loss_parallel():
+            F.cross_entropy(d, torch.zeros(5, dtype=torch.long))
+        out["empty_shard"] = ""
+    except NotImplementedError as e:
+        out["empty_shard"] = str(e)
     step = sf.train_step(lambda p, ids: F.logsigmoid(apply(p, ids)).mean(), sf.optim.sgd(0.1), mesh, specs=specs)
     try:
         step(step.init(params), ids)
@@ -432,6 +452,7 @@ def test_losses_of_sharded_logits_have_exact_gradients(pools):
         dloss, (err, leaf) = got[name]
         assert dloss < 1e-5 and err < TOL, (name, dloss, err, leaf)
     assert "no rule for aten.log_sigmoid_backward" in got["no_rule"] and "full_tensor()" in got["no_rule"], got["no_rule"]
+    assert "leaves the last rank none" in got["empty_shard"], got["empty_shard"]
 
 
 def rank_fallback_and_refusals() -> dict:
