@@ -117,6 +117,11 @@ def rank_gather_2d() -> dict:
     g = sf.gather(leaves)
     ((rank + 1) * sum((g[k] * full[k]).sum() for k in g)).backward()
     out["grad_err"] = max(rel_err(leaves[k].grad.full_tensor(), (world + 1) / 2 * full[k]) for k in full)
+    # Split only over a mesh dim of one rank: nothing to gather, and the leaf's own local tensor is
+    # neither handed out nor marked by autograd.
+    one = distribute_tensor(full["a"], sf.mesh(dp=1, tp=world), (Shard(0), Replicate())).requires_grad_()
+    whole = sf.gather({"a": one, "b": tree["b"]})["a"]
+    out["one_rank_dim"] = (torch.equal(whole, full["a"]), whole is not one._local_tensor, one._local_tensor.grad_fn is None)
     return out
 
 
@@ -125,6 +130,7 @@ def test_gather_on_a_2d_mesh_packs_each_mesh_dim(pools):
         # over tp: float32 (b, c, e) + float64 (d); over dp: float32 (a, c, e) + float64 (d); x and r alone
         assert r["exact"] and r["as_one_by_one"] and r["calls"] == 6, r
         assert r["grad_err"] < 1e-6, r
+        assert all(r["one_rank_dim"]), r["one_rank_dim"]
 
 
 def rank_sharded_apply() -> dict:
