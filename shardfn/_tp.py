@@ -51,7 +51,10 @@ whole, reported as a fallback (below). The pointwise losses whose backward DTens
 shard's element count under `reduction="mean"` (`mse_loss`, `smooth_l1_loss`, `huber_loss`,
 `soft_margin_loss`, `binary_cross_entropy`: gradients tp times too large) take the `"sum"` backward
 divided by the whole count (`_mean_loss_backward`). An op DTensor has no rule for at all is refused
-with its name and the fix (`TensorParallel.context`).
+with its name and the fix (`TensorParallel.context`). Not caught yet (torch 2.13's DTensor gets them
+wrong silently, on an activation split along the dim they work on, which the ready rules never
+give): `cumsum` along it, a linear op on a partial norm (`x.norm(dim=d).sum()`), an RMSNorm's
+gradient over it; `docs/API.md` tells users to keep such an activation whole on tp.
 
 Mixed precision: `reduce_dtype` holds for the tp all-reduces too: a partial sum is cast to it before
 its all-reduce and back after, in the forward and in the backward. (The embedding's masked sum adds
