@@ -51,10 +51,11 @@ whole, reported as a fallback (below). The pointwise losses whose backward DTens
 shard's element count under `reduction="mean"` (`mse_loss`, `smooth_l1_loss`, `huber_loss`,
 `soft_margin_loss`, `binary_cross_entropy`: gradients tp times too large) take the `"sum"` backward
 divided by the whole count (`_mean_loss_backward`). An op DTensor has no rule for at all is refused
-with its name and the fix (`TensorParallel.context`). Not caught yet (torch 2.13's DTensor gets them
-wrong silently, on an activation split along the dim they work on, which the ready rules never
-give): `cumsum` along it, a linear op on a partial norm (`x.norm(dim=d).sum()`), an RMSNorm's
-gradient over it; `docs/API.md` tells users to keep such an activation whole on tp.
+with its name and the fix (`TensorParallel.context`). A scan along a split dim (`cumsum`, which
+DTensor computes shard by shard) runs on the dim gathered whole (`_scan_whole`). Not caught yet
+(torch 2.13's DTensor gets them wrong silently, on an activation split along the dim they work on,
+which the ready rules never give): a linear op on a partial norm (`x.norm(dim=d).sum()`), an
+RMSNorm's gradient over it; `docs/API.md` tells users to keep such an activation whole on tp.
 
 Mixed precision: `reduce_dtype` holds for the tp all-reduces too: a partial sum is cast to it before
 its all-reduce and back after, in the forward and in the backward. (The embedding's masked sum adds
@@ -417,6 +418,7 @@ def _loss_parallel() -> Iterator[None]:
     handlers = {op: guarded(op, handler, arg, dim_arg) for op, (handler, arg, dim_arg) in ops.items()}
     handlers[torch.ops.aten.masked_fill_.Scalar] = _zero_fill_partial
     handlers.update({op: _mean_loss_backward for op in _MEAN_LOSS_BACKWARDS})
+    handlers.update({op: _scan_whole for op in _SCANS})
     with _op_handlers(handlers):
         yield
 
@@ -431,6 +433,23 @@ _MEAN_LOSS_BACKWARDS = {
     torch.ops.aten.soft_margin_loss_backward.default: 3,
     torch.ops.aten.binary_cross_entropy_backward.default: 4,
 }
+
+
+# Scans along a dim (a running sum, product, max): DTensor computes each shard's alone when the dim is
+# split (torch 2.13), silently; they run on the dim gathered whole instead (reported as a fallback).
+_SCANS = (torch.ops.aten.cumsum.default, torch.ops.aten.cumprod.default, torch.ops.aten.logcumsumexp.default,
+          torch.ops.aten.cummax.default, torch.ops.aten.cummin.default)
+
+
+def _scan_whole(op_call, args, kwargs):
+    """A scan along a split dim, on the dim gathered whole (exact); by DTensor's rule otherwise."""
+    x, dim = args[0], args[1]
+    if isinstance(x, DTensor) and x.dim() > 0:
+        d = dim % x.dim()
+        if any(p.is_shard(d) for p in x.placements):
+            whole = [Replicate() if p.is_shard(d) else p for p in x.placements]
+            args = (C.redistribute(x, x.device_mesh, whole, "tensor parallel"), *args[1:])
+    return _by_default(op_call, args, kwargs, _scan_whole)
 
 
 def _mean_loss_backward(op_call, args, kwargs):
