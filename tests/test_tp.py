@@ -406,6 +406,8 @@ def rank_logit_losses() -> dict:
     """The gradient of each loss of the GPT's vocabulary-parallel logits on (dp=1, tp=2), against the
     single-process gradient (a scale error, which Adam's steps would hide, shows here); and an op
     DTensor has no rule for, refused naming it."""
+    from shardfn._tp import FallbackWarning
+
     mesh = sf.mesh(dp=1, tp=2)
     model = _model("gpt")
     apply, params = sf.functionalize(copy.deepcopy(model), units=UNITS["gpt"])
@@ -419,7 +421,10 @@ def rank_logit_losses() -> dict:
             return f(apply(p, ids)[:, :-1], labels)
 
         tree = sf.train_step(loss_fn, sf.optim.sgd(0.0), mesh, specs=specs).init(params)
-        loss, grads = sf.value_and_grad(loss_fn, apply=apply)(tree.params, ids)
+        with warnings.catch_warnings(record=True) as caught:  # the fallback gathers, reported
+            warnings.simplefilter("always", FallbackWarning)
+            loss, grads = sf.value_and_grad(loss_fn, apply=apply)(tree.params, ids)
+        out[f"{name} reports"] = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
         ref = copy.deepcopy(model)
         want = f(ref(ids)[:, :-1], labels)
         want.backward()
@@ -453,6 +458,7 @@ def test_losses_of_sharded_logits_have_exact_gradients(pools):
         dloss, (err, leaf) = got[name]
         assert dloss < 1e-5 and err < TOL, (name, dloss, err, leaf)
     assert "no rule for aten.log_sigmoid_backward" in got["no_rule"] and "full_tensor()" in got["no_rule"], got["no_rule"]
+    assert any("aten.cumsum" in m for m in got["cumsum reports"]), got["cumsum reports"]  # gathered whole, reported
     assert "leaves the last rank none" in got["empty_shard"], got["empty_shard"]
 
 
