@@ -507,8 +507,7 @@ def _class_shard(x: DTensor, dim: int) -> tuple[int, Any, int]:
             "the head whole on tp for this loss (a rule mapping its weight to P() before the ready rules)"
         )
     mesh = x.device_mesh
-    chunk = -(-x.shape[dim] // mesh.size(m))
-    return m, mesh.get_group(m), mesh.get_local_rank(m) * chunk
+    return m, mesh.get_group(m), _chunk(0, x.shape[dim], mesh.size(m), mesh.get_local_rank(m))[0]
 
 
 def _refuse_empty_shards(x: DTensor, dim: int) -> None:
@@ -517,7 +516,8 @@ def _refuse_empty_shards(x: DTensor, dim: int) -> None:
     for m, p in enumerate(x.placements):
         if p.is_shard(dim):
             n, w = x.shape[dim], x.device_mesh.size(m)
-            if (w - 1) * -(-n // w) >= n:
+            lo, hi = _chunk(0, n, w, w - 1)  # the last rank's classes
+            if lo == hi:
                 raise NotImplementedError(
                     f"a cross-entropy on logits whose {n} classes are split over {w} tp ranks as torch.chunk splits "
                     f"them ({-(-n // w)} per rank) leaves the last rank none, which the loss on the shards cannot take "
