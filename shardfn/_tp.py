@@ -52,10 +52,10 @@ shard's element count under `reduction="mean"` (`mse_loss`, `smooth_l1_loss`, `h
 `soft_margin_loss`, `binary_cross_entropy`: gradients tp times too large) take the `"sum"` backward
 divided by the whole count (`_mean_loss_backward`). An op DTensor has no rule for at all is refused
 with its name and the fix (`TensorParallel.context`). A scan along a split dim (`cumsum`, which
-DTensor computes shard by shard) runs on the dim gathered whole (`_scan_whole`). Not caught yet
-(torch 2.13's DTensor gets them wrong silently, on an activation split along the dim they work on,
-which the ready rules never give): a linear op on a partial norm (`x.norm(dim=d).sum()`), an
-RMSNorm's gradient over it; `docs/API.md` tells users to keep such an activation whole on tp.
+DTensor computes shard by shard) runs on the dim gathered whole (`_scan_whole`). A vector norm over
+a split dim is made whole at once (`_norm_replicated`: DTensor's partial norm is summed as a partial
+sum by the ops after it, `x.norm(dim=d).sum()`), and torch's `rms_norm` over a split dim adds its eps
+to the partial mean on each rank (`_add_to_mean`: DTensor refuses that in-place add).
 
 Mixed precision: `reduce_dtype` holds for the tp all-reduces too: a partial sum is cast to it before
 its all-reduce and back after, in the forward and in the backward. (The embedding's masked sum adds
@@ -419,6 +419,8 @@ def _loss_parallel() -> Iterator[None]:
     handlers[torch.ops.aten.masked_fill_.Scalar] = _zero_fill_partial
     handlers.update({op: _mean_loss_backward for op in _MEAN_LOSS_BACKWARDS})
     handlers.update({op: _scan_whole for op in _SCANS})
+    handlers.update({op: _norm_replicated for op in _NORMS})
+    handlers[torch.ops.aten.add_.Scalar] = _add_to_mean
     with _op_handlers(handlers):
         yield
 
@@ -450,6 +452,34 @@ def _scan_whole(op_call, args, kwargs):
             whole = [Replicate() if p.is_shard(d) else p for p in x.placements]
             args = (C.redistribute(x, x.device_mesh, whole, "tensor parallel"), *args[1:])
     return _by_default(op_call, args, kwargs, _scan_whole)
+
+
+# Vector norms: over a split dim DTensor leaves a partial norm (`_NormPartial`), which later ops treat
+# as a partial SUM (torch 2.13): `x.norm(dim=d).sum()` sums the shards' norms, silently. Its result is
+# made whole at once (one all-reduce of the reduced, small tensor).
+_NORMS = (torch.ops.aten.linalg_vector_norm.default, torch.ops.aten.norm.Scalar, torch.ops.aten.norm.ScalarOpt_dim)
+
+
+def _norm_replicated(op_call, args, kwargs):
+    """A vector norm by DTensor's rule, its partial result (a norm over a split dim) made whole."""
+    out = _by_default(op_call, args, kwargs, _norm_replicated)
+    if isinstance(out, DTensor) and any(p.is_partial() for p in out.placements):
+        whole = [Replicate() if p.is_partial() else p for p in out.placements]
+        out = C.redistribute(out, out.device_mesh, whole, "tensor parallel")
+    return out
+
+
+def _add_to_mean(op_call, args, kwargs):
+    """`x.add_(c)` of a partial MEAN (an RMSNorm's `mean(x**2) + eps` over a split dim, as torch's
+    `rms_norm` writes it): the mean of `x_r + c` is the mean of `x_r` plus c, so each rank adds c to its
+    own part (DTensor refuses an in-place op on a partial); anything else by DTensor's own rule."""
+    x, other = args[0], args[1]
+    alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
+    means = [p for p in getattr(x, "placements", ()) if p.is_partial()]
+    if isinstance(x, DTensor) and means and all(getattr(p, "reduce_op", None) == "avg" for p in means) and not isinstance(other, torch.Tensor):
+        x._local_tensor.add_(other, alpha=alpha)
+        return x
+    return _by_default(op_call, args, kwargs, _add_to_mean)
 
 
 def _mean_loss_backward(op_call, args, kwargs):

@@ -394,6 +394,8 @@ LOGIT_LOSSES = {
     "bce": lambda z, y: F.binary_cross_entropy(torch.sigmoid(z), torch.full_like(z, 0.7)),
     "bce_weighted": lambda z, y: F.binary_cross_entropy(torch.sigmoid(z), torch.full_like(z, 0.7), weight=torch.linspace(0.5, 1.5, VOCAB)),
     "cumsum": lambda z, y: 1e-3 * z.cumsum(-1).pow(2).mean(),  # a scan along the split vocabulary
+    "norm_sum": lambda z, y: 1e-2 * z.norm(dim=-1).sum() - 1e-2 * torch.linalg.vector_norm(z, 3, dim=-1).mean(),  # a partial norm, summed
+    "rms_norm": lambda z, y: (F.rms_norm(z, (VOCAB,), eps=1e-3) * torch.linspace(-1.0, 1.0, VOCAB)).pow(2).mean(),  # its eps added to a partial mean
     "smooth_ce": lambda z, y: F.cross_entropy(z.flatten(0, 1), y, label_smoothing=0.2),
     "weighted_ce": lambda z, y: F.cross_entropy(z.flatten(0, 1), y, weight=torch.linspace(0.5, 1.5, VOCAB)),
     "ce_none": lambda z, y: (F.cross_entropy(z.flatten(0, 1), y, reduction="none") * torch.linspace(0, 1, y.numel())).sum(),
