@@ -205,7 +205,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(x: DTensor) -> torch.Tensor:  # type: ignore[override]
         with torch._C._DisableFuncTorch():
-            return C.full_tensor(x, "sf.gather") if isinstance(x, DTensor) else x.clone()
+            return _own(C.full_tensor(x, "sf.gather"), x) if isinstance(x, DTensor) else x.clone()
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
@@ -338,6 +338,15 @@ def gather(sharded: Any) -> Any:
         return optree.tree_unflatten(treedef, leaves)
 
 
+def _own(full: torch.Tensor, x: DTensor) -> torch.Tensor:
+    """`full` in memory of its own: a leaf whole on this rank (replicated, a mesh of one rank) comes
+    back from the gather as its local tensor, which the next train step overwrites in place."""
+    local = x._local_tensor
+    if local.numel() and full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        return full.clone()
+    return full
+
+
 def _transformed(leaves: list) -> bool:
     """Whether a torch.func transform or a forward-AD tangent sees the gather: each leaf then goes
     through `_Gather`, which has their rules. Either is the same on every rank for the same code, so
@@ -356,7 +365,7 @@ class _GatherMany(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *xs: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.metas = [(x.device_mesh, x.placements, x.shape, x._spec, False) for x in xs]
-        return tuple(C.full_tensors(list(xs), "sf.gather"))
+        return tuple(_own(full, x) for full, x in zip(C.full_tensors(list(xs), "sf.gather"), xs))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> Any:  # type: ignore[override]

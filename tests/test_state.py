@@ -253,3 +253,27 @@ def _local(x: torch.Tensor) -> torch.Tensor:
 def test_states_trees_and_gradients_pickle(pools, world):
     for rank, out in enumerate(pools(world).run(rank_pickle)):
         assert all(out.values()), (rank, out)
+
+
+def rank_gathered_snapshot(strategy: str) -> dict:
+    """`sf.gather` of a state's parameters and of the step's gradients, kept while training goes on:
+    leaves whole on this rank (one rank, `no_shard`, a `P()` leaf) come back from the gather in memory
+    of their own, which the next step does not overwrite."""
+    model = make_model("mlp")
+    apply, params = sf.functionalize(model, units=units_of("mlp"))
+    mesh = sf.mesh(dp=-1)
+    specs = sf.specs(params, mesh, rules=[(r"2\..*", sf.P())])  # one layer whole on every rank
+    step = sf.train_step(make_loss_fn("mlp", apply), sf.optim.sgd(0.1), mesh, strategy=strategy, specs=specs)
+    state, _ = step(step.init(params), _batch(0))
+    snaps = {"params": sf.gather(state.params), "grads": sf.gather(step.grads)}
+    kept = {k: [x.clone() for x in optree.tree_leaves(v)] for k, v in snaps.items()}
+    state, _ = step(state, _batch(1))
+    moved = {k: [n for n, (a, b) in enumerate(zip(optree.tree_leaves(snaps[k]), kept[k])) if not torch.equal(a, b)] for k in snaps}
+    return {"moved": moved, "leaves": len(kept["params"]), "trained": not torch.equal(kept["params"][0], optree.tree_leaves(sf.gather(state.params))[0])}
+
+
+@pytest.mark.parametrize("world,strategy", [(1, "full_shard"), (2, "no_shard"), (2, "full_shard")])
+def test_a_gathered_tree_is_not_changed_by_later_steps(pools, world, strategy):
+    for rank, out in enumerate(pools(world).run(rank_gathered_snapshot, strategy)):
+        assert out["leaves"] > 0 and out["trained"], out
+        assert out["moved"] == {"params": [], "grads": []}, (rank, out)
