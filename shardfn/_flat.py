@@ -608,7 +608,7 @@ class FlatUnit:
             if self.S_trained:
                 sh = [grads[i] for i in self._sh_trained]
                 if self.world == 1:
-                    torch._chunk_cat(sh, dim=0, num_chunks=1, out=out[: self.S_trained].view(1, -1))
+                    _chunk_cat(sh, 1, out[: self.S_trained].view(1, -1))
                 else:
                     if self.reduce_in_full and in_full:
                         self.arenas["full"].claim(self)
@@ -620,7 +620,7 @@ class FlatUnit:
                     if self._sh_trained_k:
                         self._chunks_k(grads, sh, inp.view(self.world, -1))
                     else:
-                        torch._chunk_cat(sh, dim=0, num_chunks=self.world, out=inp.view(self.world, -1))
+                        _chunk_cat(sh, self.world, inp.view(self.world, -1))
                 del sh
             del grads  # the full gradients are spent: free them before the collectives allocate
             if inp is not None:
@@ -640,7 +640,7 @@ class FlatUnit:
         # `_chunk_cat` keeps its fast path.
         zeros = torch.zeros(max(segs[i].seg_numel for i in self._sh_trained_k), dtype=sh[0].dtype, device=inp.device)
         stand_in = {i: zeros[: segs[i].seg_numel].view(1, segs[i].seg_numel) for i in self._sh_trained_k}
-        torch._chunk_cat([stand_in.get(i, g) for i, g in zip(self._sh_trained, sh)], dim=0, num_chunks=W, out=inp)
+        _chunk_cat([stand_in.get(i, g) for i, g in zip(self._sh_trained, sh)], W, inp)
         dst, src = [], []
         for i in self._sh_trained_k:
             s, g = segs[i], grads[i].contiguous()
@@ -666,3 +666,12 @@ class FlatUnit:
                 else:
                     dst.copy_(out)
         return None
+
+
+def _chunk_cat(tensors: list[torch.Tensor], chunks: int, out: torch.Tensor) -> None:
+    """`torch._chunk_cat(tensors, dim=0, num_chunks=chunks, out=out)` without the empty tensors (a
+    leaf of which this rank holds nothing, as a tensor-parallel split can leave a rank: no row of the
+    layout), which `_chunk_cat` refuses."""
+    tensors = [t for t in tensors if t.numel()]
+    if tensors:
+        torch._chunk_cat(tensors, dim=0, num_chunks=chunks, out=out)

@@ -55,7 +55,14 @@ with its name and the fix (`TensorParallel.context`). A scan along a split dim (
 DTensor computes shard by shard) runs on the dim gathered whole (`_scan_whole`). A vector norm over
 a split dim is made whole at once (`_norm_replicated`: DTensor's partial norm is summed as a partial
 sum by the ops after it, `x.norm(dim=d).sum()`), and torch's `rms_norm` over a split dim adds its eps
-to the partial mean on each rank (`_add_to_mean`: DTensor refuses that in-place add).
+to the partial mean on each rank (`_add_to_mean`: DTensor refuses that in-place add). Other torch 2.13
+DTensor errors mended here: pointwise losses with `reduction="mean"` over an uneven split (DTensor
+averages the shards' means; `_mean_loss_forward` divides the sum by the whole count), `fill_` of a
+partial sum (`1 - x` inside `cosine_embedding_loss`: every rank held the 1; `_fill_partial`), a
+`gather` along a split dim (`logp.gather(-1, labels)`, whose masked partial failed in the reductions
+after it; `_gather_on_shards`), the activations' backwards DTensor has no rule for (`logsigmoid`,
+`leaky_relu`, `elu`, `mish`, `softplus`, `hardswish`, ...: `_pointwise_local`), and convolutions with
+a weight split on its channels (Note [convolutions on tp shards]).
 
 Mixed precision: `reduce_dtype` holds for the tp all-reduces too: a partial sum is cast to it before
 its all-reduce and back after, in the forward and in the backward. (The embedding's masked sum adds
@@ -421,6 +428,13 @@ def _loss_parallel() -> Iterator[None]:
     handlers.update({op: _scan_whole for op in _SCANS})
     handlers.update({op: _norm_replicated for op in _NORMS})
     handlers[torch.ops.aten.add_.Scalar] = _add_to_mean
+    handlers.update({op: _mean_loss_forward for op in _MEAN_LOSSES})
+    handlers[torch.ops.aten.fill_.Scalar] = _fill_partial
+    handlers[torch.ops.aten.fill_.Tensor] = _fill_partial
+    handlers[torch.ops.aten.gather.default] = _gather_on_shards
+    handlers.update({op: _pointwise_local for op in _POINTWISE_WITHOUT_RULES})
+    handlers[torch.ops.aten.convolution.default] = _convolution
+    handlers[torch.ops.aten.convolution_backward.default] = _convolution_backward
     with _op_handlers(handlers):
         yield
 
@@ -482,20 +496,218 @@ def _add_to_mean(op_call, args, kwargs):
     return _by_default(op_call, args, kwargs, _add_to_mean)
 
 
+# The pointwise losses whose forward DTensor computes with `reduction="mean"` as the mean of the
+# shards' means: wrong where a split is uneven (5 classes over 2 ranks): op -> position of `reduction`.
+_MEAN_LOSSES = {
+    torch.ops.aten.mse_loss.default: 2,
+    torch.ops.aten.smooth_l1_loss.default: 2,
+    torch.ops.aten.huber_loss.default: 2,
+    torch.ops.aten.soft_margin_loss.default: 2,
+    torch.ops.aten.binary_cross_entropy.default: 3,
+    torch.ops.aten.binary_cross_entropy_with_logits.default: 4,
+}
+
+
+def _split(x: Any) -> bool:
+    return isinstance(x, DTensor) and not all(p.is_replicate() for p in x.placements)
+
+
+def _with_sum(args: tuple, kwargs: dict, at: int) -> tuple[int, tuple, dict]:
+    """(reduction, args, kwargs) with `reduction` (at position `at`, or a keyword) set to sum (2)."""
+    reduction = args[at] if len(args) > at else kwargs.get("reduction", 1)
+    if len(args) > at:
+        return reduction, (*args[:at], 2, *args[at + 1:]), kwargs
+    return reduction, args, {**kwargs, "reduction": 2}
+
+
+def _mean_loss_forward(op_call, args, kwargs):
+    """A pointwise loss with `reduction="mean"` of split operands: the `"sum"` one over the whole
+    input's element count (DTensor averages the shards' means, wrong for uneven shards)."""
+    at = _MEAN_LOSSES[op_call]
+    reduction, sum_args, sum_kwargs = _with_sum(args, kwargs, at)
+    operands = (*args[:at], *(v for k, v in kwargs.items() if k in ("weight", "pos_weight")))
+    if reduction != 1 or not any(_split(a) for a in operands):
+        return _by_default(op_call, args, kwargs, _mean_loss_forward)
+    return _by_default(op_call, sum_args, sum_kwargs, _mean_loss_forward) / args[0].numel()
+
+
+def _fill_partial(op_call, args, kwargs):
+    """`fill_` of a partial sum or mean (torch's `1 - x` of a partial `x`, in `cosine_embedding_loss`,
+    is `empty_like(x).fill_(1).sub_(x)`): DTensor fills every rank, so a partial sum holds the value
+    tp times. A partial sum takes it on its first rank and zeros elsewhere; a partial mean, max or min
+    on every rank; anything else by DTensor's own rule."""
+    x, value = args[0], args[1]
+    partial = [(i, p) for i, p in enumerate(getattr(x, "placements", ())) if p.is_partial()]
+    kinds = {getattr(p, "reduce_op", None) for _, p in partial}
+    plain = all(type(p) is Partial for _, p in partial)
+    if isinstance(x, DTensor) and partial and plain and not isinstance(value, DTensor) and (kinds == {"sum"} or kinds <= {"avg", "max", "min"}):
+        coordinate = x.device_mesh.get_coordinate()
+        first = kinds != {"sum"} or all(coordinate[i] == 0 for i, _ in partial)
+        x._local_tensor.fill_(value if first else 0)
+        return x
+    return _by_default(op_call, args, kwargs, _fill_partial)
+
+
+def _gather_on_shards(op_call, args, kwargs):
+    """`x.gather(d, index)` along a dim `d` split over tp: each rank picks the indices that fall in its
+    part and zeros elsewhere, a partial sum (DTensor's masked partial for it fails in the reductions
+    after it). Anything else by DTensor's own rule."""
+    x, dim, index = args[0], args[1], args[2]
+    d = dim % max(x.dim(), 1) if isinstance(x, DTensor) else dim
+    whole_index = not isinstance(index, DTensor) or all(p.is_replicate() for p in index.placements)
+    if not (isinstance(x, DTensor) and x.device_mesh.ndim == 1 and x.placements[0].is_shard(d) and whole_index and not kwargs.get("sparse_grad", False)):
+        return _by_default(op_call, args, kwargs, _gather_on_shards)
+    mesh = x.device_mesh
+    local = x._local_tensor
+    idx = index._local_tensor if isinstance(index, DTensor) else index
+    lo, hi = _chunk(0, x.shape[d], mesh.size(), mesh.get_local_rank())
+    rel = idx - lo
+    outside = (rel < 0) | (rel >= hi - lo)
+    if hi > lo:
+        picked = local.gather(d, rel.masked_fill(outside, 0)).masked_fill(outside, 0)
+    else:  # this rank holds none of the dim
+        picked = torch.zeros(idx.shape, dtype=local.dtype, device=local.device)
+    return DTensor.from_local(picked, mesh, [Partial()], run_check=False, shape=picked.shape, stride=picked.stride())
+
+
+# Elementwise ops (activations' backwards, mostly) that torch 2.13's DTensor has no rule for: every
+# tensor operand has the output's shape, so they run on each rank's part of a common layout.
+_POINTWISE_WITHOUT_RULES = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in ("log_sigmoid_forward", "log_sigmoid_backward", "softplus_backward", "hardswish_backward", "elu_backward",
+                 "leaky_relu_backward", "mish_backward", "hardsigmoid_backward", "hardtanh_backward",
+                 "softshrink_backward", "hardshrink_backward")
+)
+
+
+def _global_stride(shape) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
+def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements, shape) -> DTensor:
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=_global_stride(shape))
+
+
+def _as(x: Any, mesh: DeviceMesh, placements) -> torch.Tensor:
+    """This rank's part of `x` (a DTensor, or a plain tensor counted as replicated) laid out as `placements`."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    if tuple(x.placements) != tuple(placements):
+        x = C.redistribute(x, mesh, placements, "tensor parallel")
+    return x._local_tensor
+
+
+def _pointwise_local(op_call, args, kwargs):
+    """An elementwise op DTensor has no rule for: its operands in the layout of the first one that is
+    not a partial sum (Replicate if none), computed on this rank's part."""
+    dts = [a for a in args if isinstance(a, DTensor)]
+    mesh, shape = dts[0].device_mesh, dts[0].shape
+    target = next((tuple(a.placements) for a in dts if a.shape == shape and not any(p.is_partial() for p in a.placements)),
+                  (Replicate(),) * mesh.ndim)
+    whole = (Replicate(),) * mesh.ndim
+    local = [_as(a, mesh, target if a.shape == shape else whole) if isinstance(a, torch.Tensor) and (isinstance(a, DTensor) or a.dim()) else a
+             for a in args]
+    out = op_call(*local, **kwargs)
+    mine = _as(dts[0], mesh, target).shape if dts[0].shape == shape else None
+
+    def wrap(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return _wrap(t, mesh, target, shape) if t.shape == mine else _wrap(t, mesh, whole, t.shape)
+
+    return tuple(wrap(t) for t in out) if isinstance(out, (tuple, list)) else wrap(out)
+
+
+# Note [convolutions on tp shards]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch 2.13's DTensor convolution handler serves one layout, an input split along its width with a
+# whole weight (spatial parallelism, with halo exchanges over the default group); for a weight split
+# on its channels it runs the local convolution on the shards it is given and labels the result with
+# the layout its sharding rule chose, which the shards are not (a "Replicate" output holding half
+# the channels). So shardfn computes convolutions with a tp-split operand itself: a weight split on
+# its output channels (`P("tp", None, None, None)`, column-parallel) on a whole input gives the
+# output split on its channels; a weight split on its input channels with the input split so (the
+# next, row-parallel, convolution) gives a partial sum, the bias added on the first tp rank; any
+# other layout (groups, transposed, a split input with a whole weight) runs on the operands gathered
+# whole (exact, reported as a fallback). The backward follows the same three cases.
+
+
+def _conv_layout(x: Any, w: Any, b: Any, transposed: bool, groups: int) -> str:
+    """"column", "row" or "whole": how `_convolution` computes a convolution of these operands."""
+    def pl(t):
+        return t.placements[0] if isinstance(t, DTensor) else Replicate()
+
+    one_dim = all(t.device_mesh.ndim == 1 for t in (x, w, b) if isinstance(t, DTensor))
+    if one_dim and not transposed and groups == 1:
+        if pl(w).is_shard(0) and pl(x).is_replicate() and (b is None or pl(b).is_shard(0)):
+            return "column"
+        if pl(w).is_shard(1) and pl(x).is_shard(1) and (b is None or pl(b).is_replicate()):
+            return "row"
+    return "whole"
+
+
+def _convolution(op_call, args, kwargs):
+    """A convolution with a tp-split operand (Note [convolutions on tp shards]); DTensor's otherwise."""
+    x, w, b, transposed, groups = args[0], args[1], args[2], args[6], args[8]
+    dts = [t for t in (x, w, b) if isinstance(t, DTensor)]
+    if kwargs or not any(_split(t) for t in dts):
+        return _by_default(op_call, args, kwargs, _convolution)
+    mesh = dts[0].device_mesh
+    whole = [Replicate()] * mesh.ndim
+    layout = _conv_layout(x, w, b, transposed, groups)
+    rest = args[3:]
+    if layout == "column":
+        out = op_call(_as(x, mesh, whole), w._local_tensor, None if b is None else b._local_tensor, *rest)
+        shape = list(out.shape)
+        shape[1] = w.shape[0]
+        return _wrap(out, mesh, [Shard(1)], shape)
+    if layout == "row":
+        out = op_call(x._local_tensor, w._local_tensor, None, *rest)
+        if b is not None and mesh.get_local_rank() == 0:
+            out = out + _as(b, mesh, whole).view(1, -1, *([1] * (out.dim() - 2)))
+        return _wrap(out, mesh, [Partial()], out.shape)
+    out = op_call(*(None if t is None else _as(t, mesh, whole) for t in (x, w, b)), *rest)
+    return _wrap(out, mesh, whole, out.shape)
+
+
+def _convolution_backward(op_call, args, kwargs):
+    """The backward of `_convolution`, case by case (Note [convolutions on tp shards])."""
+    go, x, w = args[0], args[1], args[2]
+    bias_sizes, transposed, groups = args[3], args[7], args[9]
+    dts = [t for t in (go, x, w) if isinstance(t, DTensor)]
+    if kwargs or not any(_split(t) for t in (x, w)):
+        return _by_default(op_call, args, kwargs, _convolution_backward)
+    mesh = dts[0].device_mesh
+    whole = [Replicate()] * mesh.ndim
+    # The layout from the input and weight alone: a bias the forward took whole with a column-split
+    # weight gets its gradient split on the channels here, then made whole by autograd (exact).
+    layout = _conv_layout(x, w, None, transposed, groups)
+    rest = list(args[3:])
+    if layout == "column":
+        rest[0] = None if bias_sizes is None else [w._local_tensor.shape[0]]
+        gi, gw, gb = op_call(_as(go, mesh, [Shard(1)]), _as(x, mesh, whole), w._local_tensor, *rest)
+        return (None if gi is None else _wrap(gi, mesh, [Partial()], x.shape),
+                None if gw is None else _wrap(gw, mesh, [Shard(0)], w.shape),
+                None if gb is None else _wrap(gb, mesh, [Shard(0)], [w.shape[0]]))
+    if layout == "row":
+        gi, gw, gb = op_call(_as(go, mesh, whole), x._local_tensor, w._local_tensor, *rest)
+        return (None if gi is None else _wrap(gi, mesh, [Shard(1)], x.shape),
+                None if gw is None else _wrap(gw, mesh, [Shard(1)], w.shape),
+                None if gb is None else _wrap(gb, mesh, whole, gb.shape))
+    gi, gw, gb = op_call(*(_as(t, mesh, whole) for t in (go, x, w)), *rest)
+    return tuple(None if g is None else _wrap(g, mesh, whole, g.shape) for g in (gi, gw, gb))
+
+
 def _mean_loss_backward(op_call, args, kwargs):
     """The backward of a pointwise loss with `reduction="mean"` on a sharded input: the `"sum"`
     backward (which DTensor computes right) divided by the whole input's element count."""
     at = _MEAN_LOSS_BACKWARDS[op_call]
-    reduction = args[at] if len(args) > at else kwargs.get("reduction", 1)
-    split = [a for a in (*args[1:at], kwargs.get("weight")) if isinstance(a, DTensor) and not all(p.is_replicate() for p in a.placements)]
-    if reduction != 1 or not split:  # 1: mean; any operand split (the input, the target, a weight) makes DTensor count a shard
+    reduction, sum_args, sum_kwargs = _with_sum(args, kwargs, at)
+    # 1: mean; any operand split (the input, the target, a weight) makes DTensor count a shard
+    if reduction != 1 or not any(_split(a) for a in (*args[1:at], kwargs.get("weight"))):
         return _by_default(op_call, args, kwargs, _mean_loss_backward)
     numel = args[1].numel()  # the whole input's (every operand has its shape)
-    if len(args) > at:
-        args = (*args[:at], 2, *args[at + 1:])  # 2: sum
-    else:  # left at its default (mean)
-        kwargs = {**kwargs, "reduction": 2}
-    return _by_default(op_call, args, kwargs, _mean_loss_backward) / numel
+    return _by_default(op_call, sum_args, sum_kwargs, _mean_loss_backward) / numel
 
 
 # Note [cross-entropy on the shards]
