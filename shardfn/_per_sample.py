@@ -233,6 +233,23 @@ class _Model:
         return 1 if self.mesh is None else self.mesh.size()
 
 
+def _refuse_empty(model: _Model, n: int, who: str) -> None:
+    """A `ValueError` on every rank, before any other collective, if a rank has no example: a vmap
+    over none fails inside torch's backward on that rank alone, while the others would wait for it."""
+    world = model.world()
+    empty = torch.zeros(world, dtype=torch.int32, device=model.mesh.device_type if model.mesh is not None else "cpu")
+    if n == 0:
+        empty[dist.get_rank(model.group()) if world > 1 else 0] = 1
+    if world > 1:
+        C.all_reduce_blocking(empty, model.group(), who)
+    ranks = empty.nonzero().flatten().tolist()
+    if ranks:
+        raise ValueError(
+            f"{who}: rank(s) {ranks} of the mesh pass no example; every rank needs at least one (drop or re-split a "
+            "last global batch smaller than the world; the train step takes empty shares, the per-example transforms do not)"
+        )
+
+
 def _per_example(
     model: _Model, loss_fn: Callable, batch: Any, randomness: str, hold: set, rng: tuple | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,8 +327,9 @@ def per_sample_grad_norms(
 
     def fn(params: Any, batch: Any) -> torch.Tensor:
         with _watch.watched("sf.per_sample_grad_norms"):
-            _batch_size(batch, "sf.per_sample_grad_norms")
+            n = _batch_size(batch, "sf.per_sample_grad_norms")
             model = _Model(params, apply, frozen_rx, "sf.per_sample_grad_norms")
+            _refuse_empty(model, n, "sf.per_sample_grad_norms")
             _, sq = _per_example(model, loss_fn, batch, randomness, hold)
             return sq.sqrt()
 
@@ -349,6 +367,7 @@ def per_sample_grads(
         with _watch.watched("sf.per_sample_grads"):
             n = _batch_size(batch, "sf.per_sample_grads")
             model = _Model(params, apply, frozen_rx, "sf.per_sample_grads")
+            _refuse_empty(model, n, "sf.per_sample_grads")
             world = model.world()
             if world > 1:
                 sizes = torch.tensor([n, -n], dtype=torch.int64, device=model.mesh.device_type)
@@ -427,6 +446,7 @@ class DPValueAndGrad:
                 raise ValueError(
                     "sf.dp_value_and_grad takes a sharded tree (DTensor leaves, e.g. from sf.shard), as sf.value_and_grad does"
                 )
+            _refuse_empty(model, n, "sf.dp_value_and_grad")
             # Dropout and other random ops must draw the same in both passes (the clip factor of
             # an example is that of the gradient it scales): each pass starts from the same RNG state.
             rng = _rng_state(model.mesh.device_type)

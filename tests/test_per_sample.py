@@ -285,6 +285,9 @@ def rank_refusals() -> list[str]:
         lambda: sf.per_sample_grad_norms(lambda p, e: (apply(p, e[0][None]) - e[1]).pow(2))(sharded, (x, y)),
         lambda: sf.per_sample_grads(lambda p, e: F.mse_loss(apply(p, e[0][None]), e[1][None]))(sharded, (x[: 1 + rank], y[: 1 + rank])),
         lambda: sf.per_sample_grads(lambda p, e: apply(p, e[0][None]))(sharded, (x, y)),
+        # rank 1 passes no example (a last global batch smaller than the world): refused on every rank
+        lambda: sf.per_sample_grad_norms(lambda p, e: F.mse_loss(apply(p, e[0][None]), e[1][None]))(sharded, (x[: 3 * (1 - rank)], y[: 3 * (1 - rank)])),
+        lambda: sf.dp_value_and_grad(lambda p, e: F.mse_loss(apply(p, e[0][None]), e[1][None]), 1.0, 0.0)(sharded, (x[: 3 * (1 - rank)], y[: 3 * (1 - rank)]), seed=0),
     ):
         try:
             call()
@@ -300,6 +303,7 @@ def test_bad_input_is_refused_with_the_fix(pools):
         assert "one element" in said[1], said
         assert "same number on every rank" in said[2], said
         assert "one element" in said[3], said
+        assert "rank(s) [1] of the mesh pass no example" in said[4] and "rank(s) [1]" in said[5], said
     loss = lambda p, e: p["w"].sum()  # noqa: E731
     for bad in (0.0, -1.0, math.inf, True, "1"):
         with pytest.raises(ValueError, match="l2_norm_clip"):
