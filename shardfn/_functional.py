@@ -301,15 +301,16 @@ def to_state_dict(tree: Any, apply: Apply | None = None) -> dict[str, torch.Tens
 
     Returns:
         An ordered dict of names to tensors (DTensor leaves stay DTensors; buffers are the
-        module's own tensors).
+        module's own tensors; a gradient tree's None leaves, its frozen ones, stay None).
 
     Example:
         >>> model.load_state_dict(sf.to_state_dict(params))            # strict=True
         >>> torch.save(sf.to_state_dict(sf.gather(state.params)), "model.pt")
     """
     tree = params_of(tree)
-    info = model_of(tree, apply)
-    paths, leaves, _ = tree_flatten_with_paths(tree)
+    # None leaves count as leaves: a gradient tree holds None at its frozen leaves.
+    paths, leaves, _ = tree_flatten_with_paths(tree, none_is_leaf=True)
+    info = model_of(apply=apply, flat=(paths, leaves))
     out = dict(zip(paths, leaves))
     if info is None:
         return out

@@ -19,9 +19,10 @@ def _entry_name(entry: Any) -> str:
     return str(entry)
 
 
-def tree_flatten_with_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None):
-    """Flattens `tree` into (dotted paths, leaves, treespec), in optree's leaf order."""
-    paths, leaves, spec = optree.tree_flatten_with_path(tree, is_leaf=is_leaf, none_is_leaf=False)
+def tree_flatten_with_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None, none_is_leaf: bool = False):
+    """Flattens `tree` into (dotted paths, leaves, treespec), in optree's leaf order; `none_is_leaf`
+    keeps None entries (a gradient tree's frozen leaves) as leaves."""
+    paths, leaves, spec = optree.tree_flatten_with_path(tree, is_leaf=is_leaf, none_is_leaf=none_is_leaf)
     return [".".join(_entry_name(e) for e in p) for p in paths], leaves, spec
 
 

@@ -132,6 +132,21 @@ def test_tree_paths_and_state_dict_round_trip():
         sf.from_state_dict(apply, {k: v for k, v in sd.items() if k != "ln_f.weight"})
 
 
+def test_to_state_dict_of_gradients_with_frozen_leaves():
+    """A gradient tree holds None at its frozen leaves: its state dict keeps them as None."""
+    model = make_model("gpt")
+    model.blocks[0].attn.qkv.weight.requires_grad_(False)
+    apply, params = sf.functionalize(model)
+    mesh = sf.mesh(dp=1)
+    x = torch.randint(0, GPT_CFG.vocab, (2, 8))
+    _, grads = sf.value_and_grad(lambda p, x: apply(p, x).float().pow(2).mean())(sf.shard(params, sf.specs(params, mesh), mesh), x)
+    for tree in (grads, sf.gather(grads)):
+        for a in (apply, None):
+            full = sf.to_state_dict(tree, a)
+            assert full["blocks.0.attn.qkv.weight"] is None and full["blocks.1.attn.qkv.weight"] is not None, list(full)
+            assert list(full) == list(model.state_dict()), list(full)
+
+
 def test_to_state_dict_between_models_with_the_same_names():
     """Twins that would give the same state dict are no ambiguity; twins whose buffers differ are."""
     a_apply, a_params = sf.functionalize(make_model("gpt"))
