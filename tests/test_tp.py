@@ -515,6 +515,8 @@ def rank_uneven_and_unruled() -> dict:
     """Class-split logits over an uneven split (5 over tp=2), activations and losses torch's DTensor has
     no rule for or gets wrong, convolutions split on their channels: loss and every gradient of
     `sf.value_and_grad`, against autograd on the unsharded model."""
+    from shardfn._tp import FallbackWarning
+
     mesh = sf.mesh(dp=1, tp=2)
     out = {}
     for name, (act, f) in UNEVEN_CASES.items():
@@ -528,7 +530,10 @@ def rank_uneven_and_unruled() -> dict:
             return f(apply(p, x))
 
         tree = sf.train_step(loss_fn, sf.optim.sgd(0.0), mesh, specs=specs).init(params)
-        loss, grads = sf.value_and_grad(loss_fn, apply=apply)(tree.params, x)
+        with warnings.catch_warnings(record=True) as caught:  # the fallback gathers, reported
+            warnings.simplefilter("always", FallbackWarning)
+            loss, grads = sf.value_and_grad(loss_fn, apply=apply)(tree.params, x)
+        out[f"{name} reports"] = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
         want = f(model(x))
         want.backward()
         full = sf.to_state_dict(sf.gather(grads), apply)
@@ -545,6 +550,11 @@ def test_uneven_splits_unruled_ops_and_convolutions_are_exact(pools):
     for name in UNEVEN_CASES:
         dloss, (err, leaf) = got[name]
         assert dloss < TOL and err < TOL, (name, dloss, err, leaf)
+        # Computed on the shards: nothing gathered whole but the DPO term's slice of one class, and the
+        # matmuls of a layer a rank holds no row of (DTensor gathers for an empty shard; exact)
+        ops = {m.split(" in ")[0].removeprefix("tensor parallel: ") for m in got[f"{name} reports"]}
+        expected = {"dpo": {"aten.slice.Tensor"}, "empty_tp_rank": {"aten.addmm.default", "aten.mm.default"}}.get(name, set())
+        assert ops == expected, (name, got[f"{name} reports"])
 
 
 def rank_fallback_and_refusals() -> dict:
