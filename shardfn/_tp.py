@@ -602,13 +602,14 @@ def _pointwise_local(op_call, args, kwargs):
     not a partial sum (Replicate if none), computed on this rank's part."""
     dts = [a for a in args if isinstance(a, DTensor)]
     mesh, shape = dts[0].device_mesh, dts[0].shape
-    target = next((tuple(a.placements) for a in dts if a.shape == shape and not any(p.is_partial() for p in a.placements)),
-                  (Replicate(),) * mesh.ndim)
     whole = (Replicate(),) * mesh.ndim
+    # A split layout if an operand has one (a whole operand takes its part without communication).
+    layouts = [tuple(a.placements) for a in dts if a.shape == shape and not any(p.is_partial() for p in a.placements)]
+    target = next((pl for pl in layouts if any(p.is_shard() for p in pl)), whole)
     local = [_as(a, mesh, target if a.shape == shape else whole) if isinstance(a, torch.Tensor) and (isinstance(a, DTensor) or a.dim()) else a
              for a in args]
     out = op_call(*local, **kwargs)
-    mine = _as(dts[0], mesh, target).shape if dts[0].shape == shape else None
+    mine = next((t.shape for a, t in zip(args, local) if isinstance(a, DTensor) and a.shape == shape), None)
 
     def wrap(t):
         if not isinstance(t, torch.Tensor):
