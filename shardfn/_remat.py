@@ -6,7 +6,14 @@ gathered by pre-backward before the recompute starts (a hook on its outputs fire
 gathered through its backward, so one gather serves both the recompute and the backward.
 
 The recompute runs after `apply`'s re-parametrization has ended, so the wrapper captures the
-tensors the unit's module held when its forward ran and puts them back for the recompute. The
+tensors the unit's module held when its forward ran and puts them back for the recompute.
+
+Note [buffers under remat]: a forward may update its module's buffers in place (BatchNorm's running
+statistics and batch count in training mode). Run again by the recompute, it would update them a
+second time: statistics off by one extra momentum step, `num_batches_tracked` counting twice. So the
+wrapper copies the unit's buffers as its forward starts; the recompute reads those copies (what the
+forward read) and updates copies of them, which are dropped: the module's buffers take exactly the
+one update of the step, as without remat. The
 wrapper is installed once (the unit module's `forward` attribute) and is the plain forward unless
 the active runtime asks for remat of that unit during a forward with grad enabled.
 """
@@ -64,9 +71,20 @@ def install(info: Any, unit: int) -> None:
                 "append to the cache a second time. Pass use_cache=False to the model when training with remat "
                 "(as Hugging Face does under gradient checkpointing)"
             )
-        tensors = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+        params = dict(module.named_parameters(remove_duplicate=False))
+        buffers = dict(module.named_buffers(remove_duplicate=False))
+        # The buffers as the forward reads them (Note [buffers under remat]): copies, one per tensor
+        # (a buffer under two names stays one tensor).
+        saved = {id(b): b.clone() for b in buffers.values()}
+        calls = [0]
 
         def run(*a: Any, **k: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:  # the forward: the module's own buffers, updated once
+                tensors = {**params, **buffers}
+            else:  # a recompute: what the forward read, in copies its updates go to
+                fresh = {i: t.clone() for i, t in saved.items()}
+                tensors = {**params, **{n: fresh[id(b)] for n, b in buffers.items()}}
             with _reparametrize_module(module, tensors):
                 return original(*a, **k)
 

@@ -6,6 +6,7 @@ The reference (tests/reference.py) trains the unsharded model on the global batc
 
 from __future__ import annotations
 
+import copy
 import re
 
 import optree
@@ -249,3 +250,34 @@ def test_remat_recomputes_the_chosen_units(pools):
     assert pool.run(rank_remat_recomputes, False) == [3, 3]
     assert pool.run(rank_remat_recomputes, True) == [6, 6]  # forward + recompute, per unit
     assert pool.run(rank_remat_recomputes, r"blocks\.[01]") == [5, 5]
+
+
+def rank_remat_batchnorm(remat) -> dict:
+    """Two SGD steps of a model with BatchNorm inside its units, the same batch on every rank, against
+    the same steps in one process: the buffers take one update a step, remat or not (Note [buffers
+    under remat] in shardfn/_remat.py)."""
+    torch.manual_seed(0)
+    block = lambda: torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6), torch.nn.Tanh())  # noqa: E731
+    model = torch.nn.Sequential(block(), block(), torch.nn.Linear(6, 2))
+    ref = copy.deepcopy(model)
+    apply, params = sf.functionalize(model, units=r"[01]")
+    loss = lambda out, y: torch.nn.functional.mse_loss(out, y)  # noqa: E731
+    step = sf.train_step(lambda p, b: loss(apply(p, b[0]), b[1]), sf.optim.sgd(0.1), sf.mesh(dp=-1), remat=remat)
+    state = step.init(params)
+    opt = torch.optim.SGD(ref.parameters(), 0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+        state, _ = step(state, (x, y))
+        opt.zero_grad()
+        loss(ref(x), y).backward()
+        opt.step()
+    got = sf.to_state_dict(sf.gather(state.params), apply)
+    return {n: (got[n].double() - t.double()).abs().max().item() for n, t in ref.state_dict().items()}
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_remat_updates_batchnorm_statistics_once(pools, remat):
+    for errs in pools(2).run(rank_remat_batchnorm, remat):
+        assert errs["0.1.num_batches_tracked"] == 0 and errs["1.1.num_batches_tracked"] == 0, errs
+        assert max(errs.values()) < 1e-6, errs
