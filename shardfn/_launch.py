@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import linecache
 import logging
 import math
 import multiprocessing
@@ -79,6 +80,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 import uuid
 from typing import Any, Callable
 
@@ -199,11 +201,25 @@ def _refuse(obj: Any) -> str | None:
 def _dumps(obj: Any, what: str) -> bytes:
     import cloudpickle
 
+    sent: set[str] = set()  # source files whose lines (a notebook cell's) already travel
+
     class Pickler(cloudpickle.Pickler):
         def reducer_override(self, o):
             why = _refuse(o)
             if why is not None:
                 raise ValueError(f"{what} cannot be sent to another process: it holds {why}")
+            if isinstance(o, types.CodeType) and o.co_filename != _DYNAMIC:
+                # cloudpickle sends code under the file name "<dynamic-code>": a rank's traceback would
+                # show neither the user's file nor its lines. The name goes along, put back on load,
+                # with the lines of a source that is no file (a notebook cell, which linecache holds).
+                name, lines = o.co_filename, None
+                if not os.path.isfile(name):
+                    entry = linecache.cache.get(name)
+                    if entry is None or len(entry) < 3:
+                        return super().reducer_override(o)
+                    lines = None if name in sent else list(entry[2])
+                    sent.add(name)
+                return _code_in_file, (o.replace(co_filename=_DYNAMIC), name, lines)
             return super().reducer_override(o)
 
     buf = io.BytesIO()
@@ -214,6 +230,18 @@ def _dumps(obj: Any, what: str) -> bytes:
     except Exception as e:  # noqa: BLE001 - pickling errors come in many types
         raise ValueError(f"{what} cannot be sent to another process: {type(e).__name__}: {e}") from e
     return buf.getvalue()
+
+
+_DYNAMIC = "<dynamic-code>"
+"""The file name cloudpickle gives code it sends by value."""
+
+
+def _code_in_file(code: types.CodeType, filename: str, lines: list[str] | None) -> types.CodeType:
+    """`code` as defined in `filename` (its tracebacks show that file's lines); `lines`: the source
+    of a file that is not on disk (a notebook cell), for linecache."""
+    if lines is not None and filename not in linecache.cache:
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)  # mtime None: kept by checkcache
+    return code.replace(co_filename=filename)
 
 
 # ---- the ranks -----------------------------------------------------------------------------------

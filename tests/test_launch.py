@@ -103,6 +103,8 @@ e, after = failing("raise")
 print(f"raise: RankError after {after:.1f} s: {e}")
 assert e.rank == 1 and e.kind == "failed" and after < 10, (e.rank, e.kind, after)
 assert "planted on rank 1 at step 2" in str(e) and "Traceback" in str(e)
+# The rank's traceback shows the cell's line that raised (its code travels as "<dynamic-code>")
+assert 'raise ValueError("planted on rank 1 at step 2")' in str(e) and "<dynamic-code>" not in str(e), str(e)
 assert isinstance(e.__cause__, ValueError) and "planted" in str(e.__cause__)
 '''
 
