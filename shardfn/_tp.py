@@ -55,14 +55,17 @@ with its name and the fix (`TensorParallel.context`). A scan along a split dim (
 DTensor computes shard by shard) runs on the dim gathered whole (`_scan_whole`). A vector norm over
 a split dim is made whole at once (`_norm_replicated`: DTensor's partial norm is summed as a partial
 sum by the ops after it, `x.norm(dim=d).sum()`), and torch's `rms_norm` over a split dim adds its eps
-to the partial mean on each rank (`_add_to_mean`: DTensor refuses that in-place add). Other torch 2.13
+to the partial mean on each rank (`_add_to_partial`: DTensor refuses that in-place add). Other torch 2.13
 DTensor errors mended here: pointwise losses with `reduction="mean"` over an uneven split (DTensor
 averages the shards' means; `_mean_loss_forward` divides the sum by the whole count), `fill_` of a
-partial sum (`1 - x` inside `cosine_embedding_loss`: every rank held the 1; `_fill_partial`), a
+partial sum (`1 - x` inside `cosine_embedding_loss`: every rank held the 1; `_fill`, which also fills
+a row `x[0] = v` DTensor has no rule for), an in-place constant added to a partial sum, a
 `gather` along a split dim (`logp.gather(-1, labels)`, whose masked partial failed in the reductions
 after it; `_gather_on_shards`), the activations' backwards DTensor has no rule for (`logsigmoid`,
 `leaky_relu`, `elu`, `mish`, `softplus`, `hardswish`, ...: `_pointwise_local`), and convolutions with
-a weight split on its channels (Note [convolutions on tp shards]).
+a weight split on its channels (Note [convolutions on tp shards]). An in-place write through a view
+that crosses a split (`x[..., :k] *= s`, `x[..., i] = v` on the split dim), which DTensor computes
+on a gathered copy so that the write never reaches the tensor, is refused (`_in_place`).
 
 Mixed precision: `reduce_dtype` holds for the tp all-reduces too: a partial sum is cast to it before
 its all-reduce and back after, in the forward and in the backward. (The embedding's masked sum adds
@@ -383,14 +386,55 @@ def _op_handlers(ops: dict) -> Iterator[None]:
                 handlers[op] = h
 
 
-def _by_default(op_call, args, kwargs, handler):
-    """`op_call` by DTensor's own rule, from inside `handler`, its custom handler."""
+def _by_default(op_call, args, kwargs):
+    """`op_call` by DTensor's own rule, from inside its custom handler (put back after)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    handlers.pop(op_call, None)
+    handler = handlers.pop(op_call, None)
     try:
         return op_call(*args, **kwargs)
     finally:
-        handlers[op_call] = handler
+        if handler is not None:
+            handlers[op_call] = handler
+
+
+# In-place ops a model or a loss may apply to a view (`x[..., :k].mul_(s)`, `x[..., i] = v`). A view
+# across a tp split (a slice of the split dim) is, in torch 2.13's DTensor, computed on a gathered
+# copy: a write through it never reaches the tensor, silently. Such writes are refused (`_in_place`).
+_IN_PLACE = tuple(
+    getattr(getattr(torch.ops.aten, op), overload)
+    for op, overloads in {
+        "add_": ("Tensor", "Scalar"), "sub_": ("Tensor", "Scalar"), "mul_": ("Tensor", "Scalar"), "div_": ("Tensor", "Scalar"),
+        "fill_": ("Scalar", "Tensor"), "zero_": ("default",), "copy_": ("default",), "masked_fill_": ("Scalar", "Tensor"),
+        "clamp_": ("default",), "clamp_min_": ("default",), "clamp_max_": ("default",), "neg_": ("default",),
+        "exp_": ("default",), "pow_": ("Scalar",), "addcmul_": ("default",), "addcdiv_": ("default",),
+        "index_fill_": ("int_Scalar",), "scatter_": ("value", "src"), "index_put_": ("default",),
+    }.items()
+    for overload in overloads
+)
+
+
+def _through_a_copy(x: Any) -> bool:
+    """Whether DTensor `x` is a view whose local tensor is not part of its base's (a gathered copy)."""
+    base = getattr(x, "_base", None)
+    return (isinstance(x, DTensor) and isinstance(base, DTensor)
+            and x._local_tensor.untyped_storage().data_ptr() != base._local_tensor.untyped_storage().data_ptr())
+
+
+def _in_place(handler=None):
+    """The handler of an in-place op: refuses a write through a view that DTensor computed on a copy
+    (see `_IN_PLACE`), then runs `handler` (DTensor's own rule if None)."""
+    def run(op_call, args, kwargs):
+        if args and _through_a_copy(args[0]):
+            raise NotImplementedError(
+                f"tensor parallel: {op_call} writes in place through a view of a tp-split tensor that crosses its split "
+                f"(a view of shape {tuple(args[0].shape)} of a tensor of shape {tuple(args[0]._base.shape)} placed "
+                f"{tuple(args[0]._base.placements)}): torch's DTensor computes such a view on a gathered copy, so the "
+                "write would never reach the tensor. Write it out of place (torch.where, masked_fill, index_fill, a "
+                "product with a mask) or on x.full_tensor()"
+            )
+        return handler(op_call, args, kwargs) if handler is not None else _by_default(op_call, args, kwargs)
+
+    return run
 
 
 # -- cross-entropy on vocabulary-sharded logits ---------------------------------------------------
@@ -418,7 +462,7 @@ def _loss_parallel() -> Iterator[None]:
             if isinstance(x, DTensor) and any(p.is_shard(dim) for p in x.placements):
                 _refuse_empty_shards(x, dim)
                 return handler(op_call, args, kwargs)
-            return _by_default(op_call, args, kwargs, run)
+            return _by_default(op_call, args, kwargs)
 
         return run
 
@@ -427,14 +471,16 @@ def _loss_parallel() -> Iterator[None]:
     handlers.update({op: _mean_loss_backward for op in _MEAN_LOSS_BACKWARDS})
     handlers.update({op: _scan_whole for op in _SCANS})
     handlers.update({op: _norm_replicated for op in _NORMS})
-    handlers[torch.ops.aten.add_.Scalar] = _add_to_mean
+    handlers[torch.ops.aten.add_.Scalar] = _add_to_partial
+    handlers[torch.ops.aten.add_.Tensor] = _add_to_partial
     handlers.update({op: _mean_loss_forward for op in _MEAN_LOSSES})
-    handlers[torch.ops.aten.fill_.Scalar] = _fill_partial
-    handlers[torch.ops.aten.fill_.Tensor] = _fill_partial
+    handlers[torch.ops.aten.fill_.Scalar] = _fill
+    handlers[torch.ops.aten.fill_.Tensor] = _fill
     handlers[torch.ops.aten.gather.default] = _gather_on_shards
     handlers.update({op: _pointwise_local for op in _POINTWISE_WITHOUT_RULES})
     handlers[torch.ops.aten.convolution.default] = _convolution
     handlers[torch.ops.aten.convolution_backward.default] = _convolution_backward
+    handlers.update({op: _in_place(handlers.get(op)) for op in _IN_PLACE})
     with _op_handlers(handlers):
         yield
 
@@ -465,7 +511,7 @@ def _scan_whole(op_call, args, kwargs):
         if any(p.is_shard(d) for p in x.placements):
             whole = [Replicate() if p.is_shard(d) else p for p in x.placements]
             args = (C.redistribute(x, x.device_mesh, whole, "tensor parallel"), *args[1:])
-    return _by_default(op_call, args, kwargs, _scan_whole)
+    return _by_default(op_call, args, kwargs)
 
 
 # Vector norms: over a split dim DTensor leaves a partial norm (`_NormPartial`), which later ops treat
@@ -476,24 +522,57 @@ _NORMS = (torch.ops.aten.linalg_vector_norm.default, torch.ops.aten.norm.Scalar,
 
 def _norm_replicated(op_call, args, kwargs):
     """A vector norm by DTensor's rule, its partial result (a norm over a split dim) made whole."""
-    out = _by_default(op_call, args, kwargs, _norm_replicated)
+    out = _by_default(op_call, args, kwargs)
     if isinstance(out, DTensor) and any(p.is_partial() for p in out.placements):
         whole = [Replicate() if p.is_partial() else p for p in out.placements]
         out = C.redistribute(out, out.device_mesh, whole, "tensor parallel")
     return out
 
 
-def _add_to_mean(op_call, args, kwargs):
-    """`x.add_(c)` of a partial MEAN (an RMSNorm's `mean(x**2) + eps` over a split dim, as torch's
-    `rms_norm` writes it): the mean of `x_r + c` is the mean of `x_r` plus c, so each rank adds c to its
-    own part (DTensor refuses an in-place op on a partial); anything else by DTensor's own rule."""
-    x, other = args[0], args[1]
+def _first_of_partial(x: DTensor, kinds: set) -> bool:
+    """Whether this rank holds the one part of a partial sum that takes a constant (its coordinate is 0
+    on every mesh dim the sum is over); True for a partial mean, max or min (every part takes it)."""
+    if kinds != {"sum"}:
+        return True
+    coordinate = x.device_mesh.get_coordinate()
+    return all(coordinate[i] == 0 for i, p in enumerate(x.placements) if p.is_partial())
+
+
+def _partial_kinds(x: Any) -> set | None:
+    """The reduce ops of `x`'s partial placements when a constant can be written into it part by part
+    (plain partial sums alone, or means, maxima and minima alone); None otherwise."""
+    if not isinstance(x, DTensor):
+        return None
+    partial = [p for p in x.placements if p.is_partial()]
+    kinds = {getattr(p, "reduce_op", None) for p in partial}
+    if partial and all(type(p) is Partial for p in partial) and (kinds == {"sum"} or kinds <= {"avg", "max", "min"}):
+        return kinds
+    return None
+
+
+def _constant(value: Any) -> Any:
+    """A scalar operand as a number or plain 0-dim tensor; None if it is anything else."""
+    if isinstance(value, DTensor):
+        return value._local_tensor if value.dim() == 0 and all(p.is_replicate() for p in value.placements) else None
+    if isinstance(value, torch.Tensor):
+        return value if value.dim() == 0 else None
+    return value
+
+
+def _add_to_partial(op_call, args, kwargs):
+    """`x.add_(c)` of a partial sum, mean, max or min and a constant `c` (an RMSNorm's `mean(x**2) +
+    eps` over a split dim, as torch's `rms_norm` writes it; `x.sum(-1).add_(1)`): DTensor refuses an
+    in-place op on a partial. The mean, max or min of `x_r + c` is that of `x_r` plus c: every part
+    takes c; a sum takes it once, on its first part. Anything else by DTensor's own rule."""
+    x = args[0]
+    other = _constant(args[1]) if len(args) > 1 else None
     alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
-    means = [p for p in getattr(x, "placements", ()) if p.is_partial()]
-    if isinstance(x, DTensor) and means and all(getattr(p, "reduce_op", None) == "avg" for p in means) and not isinstance(other, torch.Tensor):
+    kinds = _partial_kinds(x)
+    if kinds is None or other is None:
+        return _by_default(op_call, args, kwargs)
+    if _first_of_partial(x, kinds):
         x._local_tensor.add_(other, alpha=alpha)
-        return x
-    return _by_default(op_call, args, kwargs, _add_to_mean)
+    return x
 
 
 # The pointwise losses whose forward DTensor computes with `reduction="mean"` as the mean of the
@@ -527,25 +606,28 @@ def _mean_loss_forward(op_call, args, kwargs):
     reduction, sum_args, sum_kwargs = _with_sum(args, kwargs, at)
     operands = (*args[:at], *(v for k, v in kwargs.items() if k in ("weight", "pos_weight")))
     if reduction != 1 or not any(_split(a) for a in operands):
-        return _by_default(op_call, args, kwargs, _mean_loss_forward)
-    return _by_default(op_call, sum_args, sum_kwargs, _mean_loss_forward) / args[0].numel()
+        return _by_default(op_call, args, kwargs)
+    return _by_default(op_call, sum_args, sum_kwargs) / args[0].numel()
 
 
-def _fill_partial(op_call, args, kwargs):
-    """`fill_` of a partial sum or mean (torch's `1 - x` of a partial `x`, in `cosine_embedding_loss`,
-    is `empty_like(x).fill_(1).sub_(x)`): DTensor fills every rank, so a partial sum holds the value
-    tp times. A partial sum takes it on its first rank and zeros elsewhere; a partial mean, max or min
-    on every rank; anything else by DTensor's own rule."""
-    x, value = args[0], args[1]
-    partial = [(i, p) for i, p in enumerate(getattr(x, "placements", ())) if p.is_partial()]
-    kinds = {getattr(p, "reduce_op", None) for _, p in partial}
-    plain = all(type(p) is Partial for _, p in partial)
-    if isinstance(x, DTensor) and partial and plain and not isinstance(value, DTensor) and (kinds == {"sum"} or kinds <= {"avg", "max", "min"}):
-        coordinate = x.device_mesh.get_coordinate()
-        first = kinds != {"sum"} or all(coordinate[i] == 0 for i, _ in partial)
-        x._local_tensor.fill_(value if first else 0)
+def _fill(op_call, args, kwargs):
+    """`fill_` of a tp DTensor with a constant. Split or whole, each rank fills its own part (DTensor
+    has no rule for `fill_.Tensor`, which `x[0] = v` reaches; a view that DTensor computed on a copy is
+    refused before, by `_in_place`). A partial sum takes the value on its first part and zeros
+    elsewhere (torch's `1 - x` of a partial `x`, in `cosine_embedding_loss`, is
+    `empty_like(x).fill_(1).sub_(x)`, and DTensor fills every rank: the sum held tp times the value);
+    a partial mean, max or min on every part. Anything else by DTensor's own rule."""
+    x, value = args[0], _constant(args[1])
+    if not isinstance(x, DTensor) or value is None:
+        return _by_default(op_call, args, kwargs)
+    if not any(p.is_partial() for p in x.placements):  # each rank fills its own part (no copy: `_in_place`)
+        x._local_tensor.fill_(value)
         return x
-    return _by_default(op_call, args, kwargs, _fill_partial)
+    kinds = _partial_kinds(x)
+    if kinds is None:
+        return _by_default(op_call, args, kwargs)
+    x._local_tensor.fill_(value if _first_of_partial(x, kinds) else 0)
+    return x
 
 
 def _gather_on_shards(op_call, args, kwargs):
@@ -556,7 +638,7 @@ def _gather_on_shards(op_call, args, kwargs):
     d = dim % max(x.dim(), 1) if isinstance(x, DTensor) else dim
     whole_index = not isinstance(index, DTensor) or all(p.is_replicate() for p in index.placements)
     if not (isinstance(x, DTensor) and x.device_mesh.ndim == 1 and x.placements[0].is_shard(d) and whole_index and not kwargs.get("sparse_grad", False)):
-        return _by_default(op_call, args, kwargs, _gather_on_shards)
+        return _by_default(op_call, args, kwargs)
     mesh = x.device_mesh
     local = x._local_tensor
     idx = index._local_tensor if isinstance(index, DTensor) else index
@@ -652,7 +734,7 @@ def _convolution(op_call, args, kwargs):
     x, w, b, transposed, groups = args[0], args[1], args[2], args[6], args[8]
     dts = [t for t in (x, w, b) if isinstance(t, DTensor)]
     if kwargs or not any(_split(t) for t in dts):
-        return _by_default(op_call, args, kwargs, _convolution)
+        return _by_default(op_call, args, kwargs)
     mesh = dts[0].device_mesh
     whole = [Replicate()] * mesh.ndim
     layout = _conv_layout(x, w, b, transposed, groups)
@@ -677,7 +759,7 @@ def _convolution_backward(op_call, args, kwargs):
     bias_sizes, transposed, groups = args[3], args[7], args[9]
     dts = [t for t in (go, x, w) if isinstance(t, DTensor)]
     if kwargs or not any(_split(t) for t in (x, w)):
-        return _by_default(op_call, args, kwargs, _convolution_backward)
+        return _by_default(op_call, args, kwargs)
     mesh = dts[0].device_mesh
     whole = [Replicate()] * mesh.ndim
     # The layout from the input and weight alone: a bias the forward took whole with a column-split
@@ -706,9 +788,9 @@ def _mean_loss_backward(op_call, args, kwargs):
     reduction, sum_args, sum_kwargs = _with_sum(args, kwargs, at)
     # 1: mean; any operand split (the input, the target, a weight) makes DTensor count a shard
     if reduction != 1 or not any(_split(a) for a in (*args[1:at], kwargs.get("weight"))):
-        return _by_default(op_call, args, kwargs, _mean_loss_backward)
+        return _by_default(op_call, args, kwargs)
     numel = args[1].numel()  # the whole input's (every operand has its shape)
-    return _by_default(op_call, sum_args, sum_kwargs, _mean_loss_backward) / numel
+    return _by_default(op_call, sum_args, sum_kwargs) / numel
 
 
 # Note [cross-entropy on the shards]
@@ -821,7 +903,7 @@ def _zero_fill_partial(op_call, args, kwargs):
         local = mask._local_tensor if isinstance(mask, DTensor) else mask
         x._local_tensor.masked_fill_(local, 0)
         return x
-    return _by_default(op_call, args, kwargs, _zero_fill_partial)
+    return _by_default(op_call, args, kwargs)
 
 
 # -- dropout on tp-sharded activations ---------------------------------------------------------------
@@ -856,7 +938,7 @@ def _dropout_whole(tp: "TensorParallel") -> Iterator[None]:
     def fill(op_call, args, kwargs):
         x = args[0]
         if not isinstance(x, DTensor) or x.device_mesh.ndim != 1:
-            return _by_default(op_call, args, kwargs, fill)
+            return _by_default(op_call, args, kwargs)
         local = x._local_tensor
         dim = _shard_dim(x)
         if dim is None:  # whole on tp: every peer draws the same numbers from the same state
@@ -872,7 +954,7 @@ def _dropout_whole(tp: "TensorParallel") -> Iterator[None]:
     def dropout(op_call, args, kwargs):
         x, p = args[0], args[1]
         if not isinstance(x, DTensor) or x.device_mesh.ndim != 1:
-            return _by_default(op_call, args, kwargs, dropout)
+            return _by_default(op_call, args, kwargs)
         train = args[2] if len(args) > 2 else kwargs.get("train")  # None: training, as ATen reads it
         local = x._local_tensor
         dim = _shard_dim(x)

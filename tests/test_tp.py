@@ -395,6 +395,7 @@ LOGIT_LOSSES = {
     "bce_weighted": lambda z, y: F.binary_cross_entropy(torch.sigmoid(z), torch.full_like(z, 0.7), weight=torch.linspace(0.5, 1.5, VOCAB)),
     "cumsum": lambda z, y: 1e-3 * z.cumsum(-1).pow(2).mean(),  # a scan along the split vocabulary
     "norm_sum": lambda z, y: 1e-2 * z.norm(dim=-1).sum() - 1e-2 * torch.linalg.vector_norm(z, 3, dim=-1).mean(),  # a partial norm, summed
+    "row_fill": lambda z, y: (lambda t: (t.__setitem__(0, 0.0), t.pow(2).mean())[1])(z * 1),  # x[0] = v: each rank fills its part
     "rms_norm": lambda z, y: (F.rms_norm(z, (VOCAB,), eps=1e-3) * torch.linspace(-1.0, 1.0, VOCAB)).pow(2).mean(),  # its eps added to a partial mean
     "smooth_ce": lambda z, y: F.cross_entropy(z.flatten(0, 1), y, label_smoothing=0.2),
     "weighted_ce": lambda z, y: F.cross_entropy(z.flatten(0, 1), y, weight=torch.linspace(0.5, 1.5, VOCAB)),
@@ -449,6 +450,18 @@ def rank_logit_losses() -> dict:
         out["no_rule"] = ""
     except NotImplementedError as e:
         out["no_rule"] = str(e)
+
+    def scaled_in_place(p, ids):  # a write through a slice of the split vocabulary: DTensor writes a copy
+        z = apply(p, ids) * 1
+        z[..., :3] *= 0.5
+        return z.pow(2).mean()
+
+    step = sf.train_step(scaled_in_place, sf.optim.sgd(0.1), mesh, specs=specs)
+    try:
+        step(step.init(params), ids)
+        out["view_write"] = ""
+    except NotImplementedError as e:
+        out["view_write"] = str(e)
     return out
 
 
@@ -460,6 +473,7 @@ def test_losses_of_sharded_logits_have_exact_gradients(pools):
         dloss, (err, leaf) = got[name]
         assert dloss < 1e-5 and err < TOL, (name, dloss, err, leaf)
     assert "no rule for aten._cdist_forward" in got["no_rule"] and "full_tensor()" in got["no_rule"], got["no_rule"]
+    assert "writes in place through a view of a tp-split tensor" in got["view_write"] and "out of place" in got["view_write"], got["view_write"]
     assert any("aten.cumsum" in m for m in got["cumsum reports"]), got["cumsum reports"]  # gathered whole, reported
     assert "leaves the last rank none" in got["empty_shard"], got["empty_shard"]
 
