@@ -11,11 +11,13 @@ tensors the unit's module held when its forward ran and puts them back for the r
 Note [buffers under remat]: a forward may update its module's buffers in place (BatchNorm's running
 statistics and batch count in training mode). Run again by the recompute, it would update them a
 second time: statistics off by one extra momentum step, `num_batches_tracked` counting twice. So the
-wrapper copies the unit's buffers as its forward starts; the recompute reads those copies (what the
-forward read) and updates copies of them, which are dropped: the module's buffers take exactly the
-one update of the step, as without remat. The
-wrapper is installed once (the unit module's `forward` attribute) and is the plain forward unless
-the active runtime asks for remat of that unit during a forward with grad enabled.
+wrapper copies the unit's buffers as its forward starts, and keeps past the forward the copies of
+those the forward changed (compared by value: a kernel's in-place update of BatchNorm's statistics
+does not move a buffer's version counter); the recompute reads fresh copies of those (what the
+forward read) and writes into them, and they are dropped: the module's buffers take exactly the one
+update of the step, as without remat. Buffers the forward leaves as they were (masks, rotary tables)
+hold no copy past the forward; the recompute reads them directly. The cost: a copy of the unit's
+buffers during its forward, and of the changed ones until its recompute.
 """
 
 from __future__ import annotations
@@ -73,22 +75,33 @@ def install(info: Any, unit: int) -> None:
             )
         params = dict(module.named_parameters(remove_duplicate=False))
         buffers = dict(module.named_buffers(remove_duplicate=False))
-        # The buffers as the forward reads them (Note [buffers under remat]): copies, one per tensor
-        # (a buffer under two names stays one tensor).
-        saved = {id(b): b.clone() for b in buffers.values()}
+        # Note [buffers under remat]: the buffers as the forward reads them, one copy per tensor (a
+        # buffer under two names stays one tensor, by its first name).
+        first: dict[int, str] = {}
+        for n, b in buffers.items():
+            first.setdefault(id(b), n)
+        saved = {n: buffers[n].clone() for n in first.values()}
         calls = [0]
 
         def run(*a: Any, **k: Any) -> Any:
             calls[0] += 1
             if calls[0] == 1:  # the forward: the module's own buffers, updated once
-                tensors = {**params, **buffers}
-            else:  # a recompute: what the forward read, in copies its updates go to
-                fresh = {i: t.clone() for i, t in saved.items()}
-                tensors = {**params, **{n: fresh[id(b)] for n, b in buffers.items()}}
-            with _reparametrize_module(module, tensors):
+                with _reparametrize_module(module, {**params, **buffers}):
+                    out = original(*a, **k)
+                for n in [n for n, t in saved.items() if _same(t, buffers[n])]:
+                    del saved[n]  # not written: the recompute reads the buffer itself
+                return out
+            # A recompute: what the forward read, in fresh copies that take its writes.
+            mine = {n: t.clone() for n, t in saved.items()}
+            with _reparametrize_module(module, {**params, **{n: mine.get(first[id(b)], b) for n, b in buffers.items()}}):
                 return original(*a, **k)
 
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     forward._shardfn_remat = True  # type: ignore[attr-defined]
     module.forward = forward
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether buffer `b` still holds the values of its copy `a` (NaN equal to NaN)."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())))

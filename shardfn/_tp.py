@@ -711,20 +711,29 @@ def _pointwise_local(op_call, args, kwargs):
 # its output channels (`P("tp", None, None, None)`, column-parallel) on a whole input gives the
 # output split on its channels; a weight split on its input channels with the input split so (the
 # next, row-parallel, convolution) gives a partial sum, the bias added on the first tp rank; any
-# other layout (groups, transposed, a split input with a whole weight) runs on the operands gathered
-# whole (exact, reported as a fallback). The backward follows the same three cases.
+# other layout (groups, transposed, an input split on its width, a split leaving a tp rank no channel)
+# runs on the operands gathered whole (exact, reported as a fallback). An input split along its batch
+# with a whole weight is DTensor's (a local convolution). The backward follows the same cases.
 
 
 def _conv_layout(x: Any, w: Any, b: Any, transposed: bool, groups: int) -> str:
-    """"column", "row" or "whole": how `_convolution` computes a convolution of these operands."""
+    """"column", "row", "whole" or "dtensor" (DTensor's own rule): how `_convolution` computes a
+    convolution of these operands. The same on every tp rank: it reads placements and global shapes."""
     def pl(t):
         return t.placements[0] if isinstance(t, DTensor) else Replicate()
 
+    if not _split(w) and not _split(b) and not pl(x).is_shard(1) and not pl(x).is_partial():
+        if pl(x).is_shard(0):  # split along the batch with a whole weight: DTensor computes it locally
+            return "dtensor"
+    w_mesh = w.device_mesh if isinstance(w, DTensor) else None
     one_dim = all(t.device_mesh.ndim == 1 for t in (x, w, b) if isinstance(t, DTensor))
-    if one_dim and not transposed and groups == 1:
-        if pl(w).is_shard(0) and pl(x).is_replicate() and (b is None or pl(b).is_shard(0)):
+    if one_dim and not transposed and groups == 1 and w_mesh is not None:
+        # A split that leaves a tp rank no channel: every rank computes it whole instead.
+        n = w_mesh.size()
+        holds_all = lambda channels: _chunk(0, channels, n, n - 1)[1] > _chunk(0, channels, n, n - 1)[0]  # noqa: E731
+        if pl(w).is_shard(0) and pl(x).is_replicate() and (b is None or pl(b).is_shard(0) or pl(b).is_replicate()) and holds_all(w.shape[0]):
             return "column"
-        if pl(w).is_shard(1) and pl(x).is_shard(1) and (b is None or pl(b).is_replicate()):
+        if pl(w).is_shard(1) and pl(x).is_shard(1) and (b is None or pl(b).is_replicate()) and holds_all(w.shape[1]):
             return "row"
     return "whole"
 
@@ -738,9 +747,11 @@ def _convolution(op_call, args, kwargs):
     mesh = dts[0].device_mesh
     whole = [Replicate()] * mesh.ndim
     layout = _conv_layout(x, w, b, transposed, groups)
+    if layout == "dtensor":
+        return _by_default(op_call, args, kwargs)
     rest = args[3:]
-    if layout == "column":
-        out = op_call(_as(x, mesh, whole), w._local_tensor, None if b is None else b._local_tensor, *rest)
+    if layout == "column":  # a whole bias: this rank's channels of it (a slice)
+        out = op_call(_as(x, mesh, whole), w._local_tensor, None if b is None else _as(b, mesh, [Shard(0)]), *rest)
         shape = list(out.shape)
         shape[1] = w.shape[0]
         return _wrap(out, mesh, [Shard(1)], shape)
@@ -765,6 +776,8 @@ def _convolution_backward(op_call, args, kwargs):
     # The layout from the input and weight alone: a bias the forward took whole with a column-split
     # weight gets its gradient split on the channels here, then made whole by autograd (exact).
     layout = _conv_layout(x, w, None, transposed, groups)
+    if layout == "dtensor":
+        return _by_default(op_call, args, kwargs)
     rest = list(args[3:])
     if layout == "column":
         rest[0] = None if bias_sizes is None else [w._local_tensor.shape[0]]
