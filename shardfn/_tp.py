@@ -738,17 +738,25 @@ def _conv_layout(x: Any, w: Any, b: Any, transposed: bool, groups: int) -> str:
     return "whole"
 
 
+def _conv_plan(operands: tuple, split: tuple, layout_of: tuple, kwargs: dict) -> tuple[DeviceMesh, str] | None:
+    """(mesh, layout) for a convolution or its backward over `operands`, when one of `split` is
+    split over tp and the layout (`_conv_layout(*layout_of)`) is not DTensor's own; None otherwise."""
+    if kwargs or not any(_split(t) for t in split):
+        return None
+    layout = _conv_layout(*layout_of)
+    if layout == "dtensor":
+        return None
+    return next(t for t in operands if isinstance(t, DTensor)).device_mesh, layout
+
+
 def _convolution(op_call, args, kwargs):
     """A convolution with a tp-split operand (Note [convolutions on tp shards]); DTensor's otherwise."""
     x, w, b, transposed, groups = args[0], args[1], args[2], args[6], args[8]
-    dts = [t for t in (x, w, b) if isinstance(t, DTensor)]
-    if kwargs or not any(_split(t) for t in dts):
+    plan = _conv_plan((x, w, b), (x, w, b), (x, w, b, transposed, groups), kwargs)
+    if plan is None:
         return _by_default(op_call, args, kwargs)
-    mesh = dts[0].device_mesh
+    mesh, layout = plan
     whole = [Replicate()] * mesh.ndim
-    layout = _conv_layout(x, w, b, transposed, groups)
-    if layout == "dtensor":
-        return _by_default(op_call, args, kwargs)
     rest = args[3:]
     if layout == "column":  # a whole bias: this rank's channels of it (a slice)
         out = op_call(_as(x, mesh, whole), w._local_tensor, None if b is None else _as(b, mesh, [Shard(0)]), *rest)
@@ -768,16 +776,13 @@ def _convolution_backward(op_call, args, kwargs):
     """The backward of `_convolution`, case by case (Note [convolutions on tp shards])."""
     go, x, w = args[0], args[1], args[2]
     bias_sizes, transposed, groups = args[3], args[7], args[9]
-    dts = [t for t in (go, x, w) if isinstance(t, DTensor)]
-    if kwargs or not any(_split(t) for t in (x, w)):
-        return _by_default(op_call, args, kwargs)
-    mesh = dts[0].device_mesh
-    whole = [Replicate()] * mesh.ndim
     # The layout from the input and weight alone: a bias the forward took whole with a column-split
     # weight gets its gradient split on the channels here, then made whole by autograd (exact).
-    layout = _conv_layout(x, w, None, transposed, groups)
-    if layout == "dtensor":
+    plan = _conv_plan((go, x, w), (x, w), (x, w, None, transposed, groups), kwargs)
+    if plan is None:
         return _by_default(op_call, args, kwargs)
+    mesh, layout = plan
+    whole = [Replicate()] * mesh.ndim
     rest = list(args[3:])
     if layout == "column":
         rest[0] = None if bias_sizes is None else [w._local_tensor.shape[0]]

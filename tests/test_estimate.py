@@ -111,7 +111,7 @@ def _collectives_counted(calls: list):
 
 
 def rank_estimates(cases: list) -> list:
-    """Per case: (label, estimate, measured peak over two steps, estimate from real params).
+    """Per case: (label, estimate, measured peak over two steps (median of three runs), estimate from real params).
 
     The estimate is this rank's alone: it issues no collective (one rank of a tensor-parallel job may
     estimate while its peers do something else), which is asserted here on every rank."""
@@ -129,7 +129,10 @@ def rank_estimates(cases: list) -> list:
         if with_real:  # the same step's estimate from real parameters: the same figures
             _, real_params, _, _ = _build(name, meta=False)
             real = sf.estimate_memory(step, real_params, batch=batch).peak
-        out.append((f"{name} {strategy} {opts}", est.peak, step_peak(step, params, batch).peak, real))
+        # The measured peak moves by a few percent from run to run on these tiny models (when async
+        # collectives free their buffers): the median of three measurements.
+        measured = sorted(step_peak(step, params, batch).peak for _ in range(3))[1]
+        out.append((f"{name} {strategy} {opts}", est.peak, measured, real))
     return out
 
 
