@@ -407,7 +407,11 @@ def _shards(placements, mesh) -> int:
 
 def full_tensor(x, what: str) -> torch.Tensor:
     """The full value of DTensor `x` on every rank of its mesh (DTensor's own gathers). Counted as
-    one all-gather of its shards: (S - 1) / S of the full tensor's bytes for S shards."""
+    one all-gather of its shards: (S - 1) / S of the full tensor's bytes for S shards. A leaf of a
+    mesh of several dims that `full_tensors` packs, outside autograd, goes that way (one gather per
+    splitting mesh dim, where DTensor gathers over each mesh dim, those of one rank too)."""
+    if x.device_mesh.ndim > 1 and _packable(x) and not (torch.is_grad_enabled() and x.requires_grad):
+        return full_tensors([x], what)[0]
     shards = _shards(x.placements, x.device_mesh)
     STATS.add("all_gather", x.numel() * x.element_size() * (shards - 1) // shards)
     with watching(what):
@@ -419,12 +423,12 @@ GATHER_BUCKET_BYTES = 64 << 20
 
 
 def _packable(x) -> bool:
-    """Whether DTensor `x` is split only by plain `Shard`s, each tensor dim over one mesh dim at
-    most (replicated elsewhere), one of them over several ranks: then its full value is one gather
-    per splitting mesh dim."""
-    dims = [p.dim for p in x.placements if type(p) is Shard]
-    several = any(type(p) is Shard and x.device_mesh.size(i) > 1 for i, p in enumerate(x.placements))
-    return several and len(dims) == len(set(dims)) and all(type(p) in (Shard, Replicate) for p in x.placements)
+    """Whether DTensor `x` is split only by plain `Shard`s, each tensor dim over one mesh dim of
+    several ranks at most (a mesh dim of one rank splits nothing: `(Shard(0), Shard(0))` on a (dp=1,
+    tp) mesh is one split), one of them at least: then its full value is one gather per splitting
+    mesh dim."""
+    dims = [p.dim for i, p in enumerate(x.placements) if type(p) is Shard and x.device_mesh.size(i) > 1]
+    return bool(dims) and len(dims) == len(set(dims)) and all(type(p) in (Shard, Replicate) for p in x.placements)
 
 
 def full_tensors(xs: list, what: str) -> list[torch.Tensor]:
