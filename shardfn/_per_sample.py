@@ -367,7 +367,6 @@ def per_sample_grads(
         with _watch.watched("sf.per_sample_grads"):
             n = _batch_size(batch, "sf.per_sample_grads")
             model = _Model(params, apply, frozen_rx, "sf.per_sample_grads")
-            _refuse_empty(model, n, "sf.per_sample_grads")
             world = model.world()
             if world > 1:
                 sizes = torch.tensor([n, -n], dtype=torch.int64, device=model.mesh.device_type)
@@ -377,6 +376,8 @@ def per_sample_grads(
                         f"sf.per_sample_grads: the ranks pass batches of {-int(sizes[1])} to {int(sizes[0])} examples; the "
                         "gradients are sharded along the examples, which needs the same number on every rank"
                     )
+            if n == 0:  # the same number on every rank (checked): none anywhere
+                raise ValueError("sf.per_sample_grads: the ranks pass no example; every rank needs at least one")
             with torch.no_grad():
                 full = [gather(x) for x in model.leaves]
             trained = [x for x, t in zip(full, model.trained) if t]

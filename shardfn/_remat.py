@@ -88,8 +88,8 @@ def install(info: Any, unit: int) -> None:
             if calls[0] == 1:  # the forward: the module's own buffers, updated once
                 with _reparametrize_module(module, {**params, **buffers}):
                     out = original(*a, **k)
-                for n in [n for n, t in saved.items() if _same(t, buffers[n])]:
-                    del saved[n]  # not written: the recompute reads the buffer itself
+                for n in [n for n, t in saved.items() if torch.equal(t, buffers[n])]:
+                    del saved[n]  # not written (a NaN counts as written: its copy stays): read as it is
                 return out
             # A recompute: what the forward read, in fresh copies that take its writes.
             mine = {n: t.clone() for n, t in saved.items()}
@@ -101,7 +101,3 @@ def install(info: Any, unit: int) -> None:
     forward._shardfn_remat = True  # type: ignore[attr-defined]
     module.forward = forward
 
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether buffer `b` still holds the values of its copy `a` (NaN equal to NaN)."""
-    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())))

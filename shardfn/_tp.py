@@ -649,7 +649,7 @@ def _gather_on_shards(op_call, args, kwargs):
         picked = local.gather(d, rel.masked_fill(outside, 0)).masked_fill(outside, 0)
     else:  # this rank holds none of the dim
         picked = torch.zeros(idx.shape, dtype=local.dtype, device=local.device)
-    return DTensor.from_local(picked, mesh, [Partial()], run_check=False, shape=picked.shape, stride=picked.stride())
+    return _wrap(picked, mesh, [Partial()], picked.shape)
 
 
 # Elementwise ops (activations' backwards, mostly) that torch 2.13's DTensor has no rule for: every
