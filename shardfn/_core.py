@@ -163,6 +163,13 @@ class GradientCore:
                 )
             if offload is not None:
                 raise NotImplementedError(f"offload={offload!r} with tensor parallel (a 2-D mesh {names}) is not supported yet")
+            if names[0] == "tp" or names[1] == "dp":
+                # The roles go by position; these are the names `sf.rules` and `sf.specs` use for them.
+                raise ValueError(
+                    f"on a 2-D mesh the first axis is the data (FSDP) axis and the second tensor parallel, by position; "
+                    f"this mesh's axes are {names}: build it with the data axis first, "
+                    f"sf.mesh({names[1]}={mesh.size(1)}, {names[0]}={mesh.size(0)})"
+                )
             self.shard_axis, self.replicate_axis = names[0], None
         else:
             if mesh.ndim != 1:
@@ -239,6 +246,7 @@ class GradientCore:
         spec_tree = self.specs if self.specs is not None else make_specs(params, self.mesh, default=P(self.shard_axis))
         paths, leaves, spec_list, treespec = match_specs(params, spec_tree, self.mesh)
         if self.tp_axis is not None:
+            self._refuse_idle_tp_axis(spec_list)
             self._tp_dims = [split_specs(p, x.shape, s, self.shard_axis, self.tp_axis, self.shard_world) for p, x, s in zip(paths, leaves, spec_list)]
             # Every leaf is FSDP'd over dp, within its tp shard: on the dim its spec names dp on, else dim 0.
             self._dims = [dp_dim(s, self.shard_axis) if x.dim() > 0 else None for x, s in zip(leaves, spec_list)]
@@ -260,6 +268,23 @@ class GradientCore:
             self._dims.append(split[0] if split else None)
         self._refuse_offload_off_dim0(paths, leaves, spec_list)
         return paths, leaves, spec_list, treespec
+
+    def _refuse_idle_tp_axis(self, spec_list: list) -> None:
+        """A 2-D mesh whose second (tensor-parallel) axis no spec names would have its ranks repeat
+        each other's work, every leaf whole on them: most often the axes are in the other order
+        (`sf.mesh(tp=2, dp=2)`, whose data axis is `tp`). Refused before anything is built."""
+        if self.tp_size == 1 or any(self.tp_axis in s.axes for s in spec_list):
+            return
+        named = sorted({a for s in spec_list for a in s.axes})
+        first, second = self.shard_axis, self.tp_axis
+        raise ValueError(
+            f"on a 2-D mesh the first axis is the data (FSDP) axis and the second tensor parallel: here {first!r} "
+            f"and {second!r}, but no leaf's spec names {second!r} (the specs name {named or 'no axis'}), so its "
+            f"{self.tp_size} ranks would each compute the whole model on the same batch. If {first!r} is meant to be "
+            f"tensor parallel, put the data axis first: sf.mesh({second}={self.mesh.size(1)}, {first}={self.mesh.size(0)}); "
+            f"else pass specs that split leaves over {second!r} (sf.specs(params, mesh, rules=...)), or use a 1-D mesh "
+            "for FSDP alone"
+        )
 
     def _refuse_offload_off_dim0(self, paths: list[str], leaves: list, spec_list: list) -> None:
         """CPU offload keeps leaves split on dim 0 only, for now."""
@@ -589,7 +614,7 @@ class GradientCore:
         k = self.accumulation_steps
         local = self.accumulation == "local"
         scale = 1.0 / (self.data_world * k)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device_type)
+        loss_sum = None
         aux = None
         engine = self.engine
         tp = self.tp.context() if self.tp is not None else contextlib.nullcontext()
@@ -599,7 +624,7 @@ class GradientCore:
                     last = m == k - 1
                     engine.begin(accumulate=m > 0 and not local, reduce=last or not local)
                     loss, aux = _split_loss(self.loss_fn(engine.user_tree, micro))
-                    loss_sum += loss.detach().float()
+                    loss_sum = _add_loss(loss_sum, loss)
                     engine.end_forward()
                     torch.autograd.backward(loss * scale)
                     engine.end()
@@ -623,7 +648,7 @@ class GradientCore:
         `sf.gather` is the reduce-scatter of the mean over ranks (Note [steps off the unit schedule])."""
         k = self.accumulation_steps
         scale = 1.0 / k  # the gather's backward averages over the ranks
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.mesh.device_type)
+        loss_sum = None
         aux = None
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_(t) for x, t in zip(self.dt_params, self.trained)]
@@ -632,7 +657,7 @@ class GradientCore:
             sums: list = [None] * len(trained)
             for micro in _split_batch(batch, k):
                 loss, aux = _split_loss(self.loss_fn(full, micro))
-                loss_sum += loss.detach().float()
+                loss_sum = _add_loss(loss_sum, loss)
                 grads = torch.autograd.grad(loss * scale, trained, allow_unused=True, retain_graph=k > 1)
                 sums = [g if s is None else s if g is None else s + g for s, g in zip(sums, grads)]
         del full
@@ -695,11 +720,12 @@ def _explain(e: BaseException) -> BaseException | None:
             "decoders also need use_cache=False under remat)"
         )
     if isinstance(e, RuntimeError) and ("unflatten unevenly sharded" in msg or "flatten unevenly sharded" in msg):
+        said = "; ".join(line.strip() for line in msg.splitlines() if line.strip())
         return ValueError(
-            "tensor parallel: a view of a tp-sharded activation splits a dim that tp does not divide "
-            "evenly (e.g. attention heads or key/value heads not a multiple of the tp size), which DTensor "
-            "cannot lay out on the shards: give that projection's rule a size tp divides (heads % tp == 0), "
-            "or keep its leaves whole on tp (drop their rules). DTensor said: " + msg
+            f"tensor parallel: a view of a tp-sharded activation splits a dim that tp does not divide evenly (DTensor "
+            f"said: {said}). This is most often attention heads or key/value heads that are not a multiple of the tp "
+            "size, which cannot be laid out on the shards: give that projection's rule a size tp divides "
+            "(heads % tp == 0), or keep its leaves whole on tp (drop their rules)"
         )
     if isinstance(e, torch.utils.checkpoint.CheckpointError):
         return NotImplementedError(
@@ -707,6 +733,14 @@ def _explain(e: BaseException) -> BaseException | None:
             f"not supported yet: leave those units out of remat= ({msg.splitlines()[0]})"
         )
     return None
+
+
+def _add_loss(total: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
+    """`total` + `loss` (detached), in the loss's dtype or float32 if that is narrower: an fp64
+    model reports its loss in fp64, a bf16 one in fp32."""
+    x = loss.detach()
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x.clone() if total is None else total + x
 
 
 def trained_leaves(info: Any, paths: list[str], frozen: list) -> list[bool]:

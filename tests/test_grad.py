@@ -58,6 +58,34 @@ def rank_gradients(kind: str) -> dict:
     return out
 
 
+def rank_fp64_loss() -> dict:
+    """An fp64 model: the loss `value_and_grad` and `train_step` report is the fp64 mean over ranks
+    (it was accumulated in fp32: 2e-7 off while the parameters matched to 1e-16)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+    ref = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4 * world, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = torch.func.functional_call(model, dict(zip(["0.weight", "0.bias", "2.weight", "2.bias"], ref)), x).pow(2).mean() + 1 / 3
+    apply, params = sf.functionalize(model)
+    mesh = sf.mesh(dp=-1)
+
+    def loss_fn(p, xb):
+        return apply(p, xb).pow(2).mean() + 1 / 3
+
+    loss, _ = sf.value_and_grad(loss_fn)(sf.shard(params, sf.specs(params, mesh), mesh), x.chunk(world)[rank])
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.0), mesh)
+    _, m = step(step.init(params), x.chunk(world)[rank])
+    return {"dtypes": (loss.dtype, m["loss"].dtype), "errs": (abs(loss.item() - want.item()), abs(m["loss"].item() - want.item()))}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_fp64_loss_is_reported_in_fp64(pools, world):
+    for out in pools(world).run(rank_fp64_loss):
+        assert out["dtypes"] == (torch.float64, torch.float64), out
+        assert max(out["errs"]) < 1e-15, out
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("kind", KINDS)
 def test_value_and_grad_equals_the_unsharded_gradient(pools, kind, world):

@@ -646,6 +646,30 @@ def test_dp_major_on_a_tp_split_dim_is_refused(spec):
     assert split_specs("w", torch.Size((6, 4)), spec, "dp", "tp", 1) == spec.index(("dp", "tp"))
 
 
+def rank_axes_in_the_other_order() -> list[str]:
+    """`sf.mesh(tp=2, dp=2)`: the roles go by position, so "tp" would be the data axis and "dp"
+    tensor parallel, the ready rules' "tp" splits FSDP's dim: refused, naming the order to use. A
+    (dp, tp) mesh whose tp axis no spec names (no specs at all) would have its tp ranks repeat each
+    other's work: refused at init too."""
+    refused = []
+    for axes, rules in ((dict(tp=2, dp=2), RULES["gpt"]), (dict(dp=2, tp=2), None)):
+        mesh = sf.mesh(**axes)
+        apply, params = sf.functionalize(_model("gpt"), units=UNITS["gpt"])
+        specs = sf.specs(params, mesh, rules=rules) if rules else None
+        try:
+            sf.train_step(_loss_fn("gpt", apply), sf.optim.sgd(0.1), mesh, specs=specs).init(params)
+        except ValueError as e:
+            refused.append(str(e))
+    return refused
+
+
+def test_a_tp_axis_no_spec_names_is_refused(pools):
+    for refused in pools(4).run(rank_axes_in_the_other_order):
+        assert len(refused) == 2, refused
+        assert "('tp', 'dp')" in refused[0] and "sf.mesh(dp=2, tp=2)" in refused[0], refused[0]
+        assert "no leaf's spec names 'tp'" in refused[1] and "rules=" in refused[1], refused[1]
+
+
 def _resume(path: str, axes: dict, steps: range, load: bool):
     """A fresh Llama step on `axes`, loaded from `path` when `load`, trained on the global batches of
     `steps` (split over dp)."""
