@@ -191,109 +191,189 @@ _VMAP_REFUSED = (
 # gathered, nothing averaged) and composes the same way (`jvp(grad(f))`, a gradient of a jvp).
 
 
+# Note [one node for the tree]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A gather's backward is a collective, so every rank must run it for the same leaves in the same
+# order, whatever its own function used. A rank whose data routes around a leaf (an expert no
+# example of its batch reaches, a task head it has no example for) computes no gradient for that
+# leaf; with one autograd node per leaf, that node never ran there, and the next leaf's
+# reduce-scatter paired with the other ranks' reduce-scatter of the skipped one: wrong gradients on
+# one rank, a stall on another. So the tree is gathered by one node, and reduced by one: autograd
+# runs a node's backward once, with zeros for the outputs nothing used (materialized gradients), as
+# soon as any output got a gradient, and the node reduces every leaf, in leaf order. The reduction
+# is one node as well, so a gradient of a gradient (a Hessian-vector product) gathers every leaf
+# again on every rank. A rank whose function used no leaf of the tree at all runs neither, and the
+# others wait for it until the collective timeout names it.
+
+
+def _meta(x: Any, under_vmap: bool) -> tuple | None:
+    """What the reduction of a gathered leaf needs: its mesh, placements, shape and spec (None for
+    a plain tensor, whose gradient passes through)."""
+    return (x.device_mesh, x.placements, x.shape, x._spec, under_vmap) if isinstance(x, DTensor) else None
+
+
+def _reduce_one(grad: torch.Tensor, meta: tuple) -> DTensor:
+    mesh, placements, shape, spec, _ = meta
+    with torch._C._DisableFuncTorch():
+        local = _reduce_to_placements(grad, mesh, placements, shape)
+    # The plain constructor: `DTensor.from_local` is an autograd.Function, refused inside torch.func.
+    return _donate.wrap(local, spec)
+
+
+def _reduce_batched(grad: torch.Tensor, meta: tuple) -> DTensor:
+    """A batch of cotangents (jacrev), batch dim first, reduced as one: batch dim last so every
+    Shard dim keeps its index, then first again on the shard."""
+    mesh, placements, shape, _, under_vmap = meta
+    if under_vmap or len(placements) != mesh.ndim:
+        raise NotImplementedError(_VMAP_REFUSED)
+    # This batch is reduced outside any recorded graph: a transform that would differentiate
+    # the Jacobian (jacrev(jacrev(f)), a Jacobian-norm penalty) would see zeros. Refuse it.
+    if grad.requires_grad or any(i.key() in (TransformType.Grad, TransformType.Jvp) for i in retrieve_all_functorch_interpreters()):
+        raise NotImplementedError(
+            "a derivative of jacrev with respect to a sharded tree (jacrev(jacrev(f)), a gradient of a Jacobian) "
+            "is not supported yet: gather outside the transforms (`full = sf.gather(params)`), or use a "
+            "Hessian-vector product, torch.func.vjp(torch.func.grad(f), params)"
+        )
+    n = grad.shape[0]
+    with torch._C._DisableFuncTorch():
+        local = _reduce_to_placements(grad.movedim(0, -1), mesh, placements, (*shape, n)).movedim(-1, 0).contiguous()
+    out_placements = tuple(_shifted(p) for p in placements)
+    full_shape = torch.Size((n, *shape))
+    out_spec = DTensorSpec(mesh, out_placements, TensorMeta(full_shape, torch.empty(0).new_empty(full_shape, device="meta").stride(), local.dtype))
+    return _donate.wrap(local, out_spec)
+
+
+def _same_batch_everywhere(n: int, meta: tuple) -> None:
+    """jacrev averages J_r over the ranks: every rank must have as many outputs (else gloo would
+    receive messages of the wrong size and abort the process). One small exchange, then a
+    ValueError on every rank."""
+    mesh = meta[0]
+    with torch._C._DisableFuncTorch():
+        sizes = C.all_gather_object(n, "jacrev through sf.gather", group=mesh_group(mesh))
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"jacrev with respect to a sharded tree gives mean_r J_r, the mean over ranks of each rank's Jacobian, "
+            f"which needs the same number of outputs on every rank; the ranks have {sizes}. Give every rank outputs "
+            "of one shape (e.g. pad the last batch), or gather outside the transform (`full = sf.gather(params)`) "
+            "for each rank's own Jacobian"
+        )
+
+
 class _Gather(torch.autograd.Function):
-    """DTensor -> full tensor; backward averages the full gradients of all ranks into the shards
-    (Note [the mean over ranks]).
+    """DTensors -> full tensors, one autograd node for the whole tree (Note [one node for the
+    tree]); backward averages the full gradients of all ranks into the shards (Note [the mean over
+    ranks]).
 
     The collectives run under `torch._C._DisableFuncTorch()`, so the function composes with
-    torch.func transforms (without it, a transform refuses the collective's in-place copy into a captured tensor). The backward is itself a
-    Function (`_ReduceScatter`, whose backward is this gather), so a gradient of a gradient
-    (`vjp(grad(f))`, a Hessian-vector product) is recorded and exact. Its jvp gathers the
-    tangent's shards (Note [dual DTensors] in `_forward_ad.py`).
+    torch.func transforms (without it, a transform refuses the collective's in-place copy into a
+    captured tensor). The backward is itself a Function (`_ReduceScatter`, whose backward is this
+    gather), so a gradient of a gradient (`vjp(grad(f))`, a Hessian-vector product) is recorded
+    and exact. Its jvp gathers the tangents' shards (Note [dual DTensors] in `_forward_ad.py`).
     """
 
     @staticmethod
-    def forward(x: DTensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         with torch._C._DisableFuncTorch():
-            return _own(C.full_tensor(x, "sf.gather"), x) if isinstance(x, DTensor) else x.clone()
+            return tuple(_own(C.full_tensor(x, "sf.gather"), x) if isinstance(x, DTensor) else x.clone() for x in xs)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x = unwrap(inputs[0])
         # Whether the forward itself ran under vmap: a vmap over examples, whose batched gradient
-        # the reduce-scatter refuses (_VMAP_REFUSED); a vmap over the cotangents alone (jacrev)
-        # is served, one reduce-scatter for the whole batch.
+        # the reduction refuses (_VMAP_REFUSED); a vmap over the cotangents alone (jacrev) is
+        # served, one reduce-scatter per leaf for the whole batch.
         under_vmap = any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
-        ctx.meta = (x.device_mesh, x.placements, x.shape, x._spec, under_vmap) if isinstance(x, DTensor) else None
+        ctx.metas = tuple(_meta(unwrap(x), under_vmap) for x in inputs)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        if ctx.meta is None:
-            return grad
-        return _ReduceScatter.apply(grad, ctx.meta)
+    def backward(ctx, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        at = [i for i, m in enumerate(ctx.metas) if m is not None]
+        out = list(grads)
+        if at:
+            reduced = _ReduceScatter.apply(tuple(ctx.metas[i] for i in at), *[_materialized(grads[i], ctx.metas[i]) for i in at])
+            for i, r in zip(at, reduced):
+                out[i] = r
+        return tuple(out)
 
     @staticmethod
-    def vmap(info, in_dims, x):  # type: ignore[override]
-        if in_dims[0] is not None:
+    def vmap(info, in_dims, *xs):  # type: ignore[override]
+        if any(d is not None for d in in_dims):
             raise NotImplementedError("sf.gather of a tree batched by vmap is not supported: vmap over the gathered tree")
-        return _Gather.apply(x), None
+        return _Gather.apply(*xs), (None,) * len(xs)
 
     @staticmethod
-    def jvp(ctx, tangent: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if ctx.meta is None:
-            return tangent
-        if batched(tangent):
-            raise NotImplementedError(_JACFWD_REFUSED)
-        mesh, placements, shape, _, _ = ctx.meta
-        t = unwrap(tangent)
-        if not isinstance(t, DTensor) or (t.device_mesh, t.placements, t.shape) != (mesh, placements, shape):
-            raise ValueError(_TANGENT_LAYOUT.format(kind=type(t).__name__, shape=tuple(t.shape), spec=ctx.meta[3]))
-        # The tangent's gather is this Function again, so a transform around the jvp that
-        # differentiates the tangent (grad of a jvp, jvp of a jvp) records it too.
-        return _Gather.apply(tangent)
+    def jvp(ctx, *tangents: torch.Tensor | None) -> tuple:  # type: ignore[override]
+        for t, meta in zip(tangents, ctx.metas):
+            if t is None or meta is None:
+                continue
+            if batched(t):
+                raise NotImplementedError(_JACFWD_REFUSED)
+            _, placements, shape, spec, _ = meta
+            u = unwrap(t)
+            if not isinstance(u, DTensor) or (u.device_mesh, u.placements, u.shape) != (meta[0], placements, shape):
+                raise ValueError(_TANGENT_LAYOUT.format(kind=type(u).__name__, shape=tuple(u.shape), spec=spec))
+        # The tangents' gather is this Function again, so a transform around the jvp that
+        # differentiates the tangents (grad of a jvp, jvp of a jvp) records it too.
+        present = [t for t in tangents if t is not None]
+        fulls = iter(_Gather.apply(*present) if present else ())
+        return tuple(None if t is None else next(fulls) for t in tangents)
+
+
+def _materialized(grad: torch.Tensor | None, meta: tuple) -> torch.Tensor:
+    """A leaf's gradient, zeros where autograd passed none (every leaf is reduced on every rank)."""
+    if grad is not None:
+        return grad
+    tm = meta[3].tensor_meta
+    return torch.zeros(meta[2], dtype=tm.dtype, device=meta[0].device_type)
 
 
 class _ReduceScatter(torch.autograd.Function):
-    """Full tensor (one per rank) -> the DTensor of their mean, laid out as `meta` says; the
-    gradient of `_Gather`, and its backward is `_Gather` (its adjoint: Note [the mean over ranks])."""
+    """Full tensors (one set per rank) -> the DTensors of their mean, laid out as `metas` say; the
+    gradient of `_Gather`, and its backward is `_Gather` (its adjoint: Note [the mean over ranks]).
+    One node for the tree, as `_Gather` (Note [one node for the tree])."""
 
     @staticmethod
-    def forward(grad: torch.Tensor, meta: tuple) -> DTensor:  # type: ignore[override]
-        mesh, placements, shape, spec, _ = meta
-        with torch._C._DisableFuncTorch():
-            local = _reduce_to_placements(grad, mesh, placements, shape)
-        # The plain constructor: `DTensor.from_local` is an autograd.Function, refused inside torch.func.
-        return _donate.wrap(local, spec)
+    def forward(metas: tuple, *grads: torch.Tensor) -> tuple[DTensor, ...]:  # type: ignore[override]
+        return tuple(_reduce_one(g, m) for g, m in zip(grads, metas))
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        ctx.meta = inputs[1]
+        ctx.metas = inputs[0]
 
     @staticmethod
-    def backward(ctx, grad: DTensor) -> Any:  # type: ignore[override]
-        return _Gather.apply(grad), None
+    def backward(ctx, *grads: DTensor) -> Any:  # type: ignore[override]
+        return (None, *_Gather.apply(*[g if g is not None else _zeros_like_shard(m) for g, m in zip(grads, ctx.metas)]))
 
     @staticmethod
-    def vmap(info, in_dims, grad, meta):  # type: ignore[override]
-        if in_dims[0] is None:
-            return _ReduceScatter.apply(grad, meta), None
-        mesh, placements, shape, spec, under_vmap = meta
-        if under_vmap or len(placements) != mesh.ndim:
-            raise NotImplementedError(_VMAP_REFUSED)
-        # This batch is reduced outside any recorded graph: a transform that would differentiate
-        # the Jacobian (jacrev(jacrev(f)), a Jacobian-norm penalty) would see zeros. Refuse it.
-        if grad.requires_grad or any(i.key() in (TransformType.Grad, TransformType.Jvp) for i in retrieve_all_functorch_interpreters()):
-            raise NotImplementedError(
-                "a derivative of jacrev with respect to a sharded tree (jacrev(jacrev(f)), a gradient of a Jacobian) "
-                "is not supported yet: gather outside the transforms (`full = sf.gather(params)`), or use a "
-                "Hessian-vector product, torch.func.vjp(torch.func.grad(f), params)"
-            )
-        # The batch of cotangents (jacrev): batch dim last, so every Shard dim keeps its index,
-        # one reduce-scatter, then the batch dim first again on the shard.
-        batched = grad.movedim(in_dims[0], -1)
-        n = batched.shape[-1]
-        with torch._C._DisableFuncTorch():
-            local = _reduce_to_placements(batched, mesh, placements, (*shape, n)).movedim(-1, 0).contiguous()
-        out_placements = tuple(_shifted(p) for p in placements)
-        full_shape = torch.Size((n, *shape))
-        out_spec = DTensorSpec(mesh, out_placements, TensorMeta(full_shape, torch.empty(0).new_empty(full_shape, device="meta").stride(), local.dtype))
-        return _donate.wrap(local, out_spec), 0
+    def vmap(info, in_dims, metas, *grads):  # type: ignore[override]
+        dims = in_dims[1:]
+        if all(d is None for d in dims):
+            return _ReduceScatter.apply(metas, *grads), (None,) * len(grads)
+        # The batch of cotangents (jacrev). A leaf no output reached has an unbatched (zero)
+        # cotangent on this rank and perhaps a batched one on another: every leaf goes as a batch,
+        # so that the ranks issue the same collectives of the same sizes.
+        n = info.batch_size
+        _same_batch_everywhere(n, metas[0])
+        out = []
+        for g, d, m in zip(grads, dims, metas):
+            g = g.movedim(d, 0) if d is not None else g.unsqueeze(0).expand(n, *g.shape)
+            out.append(_reduce_batched(g, m))
+        return tuple(out), (0,) * len(grads)
 
     @staticmethod
-    def jvp(ctx, tangent: torch.Tensor, _meta: None) -> DTensor:  # type: ignore[override]
-        if batched(tangent):
+    def jvp(ctx, _metas: None, *tangents: torch.Tensor | None) -> tuple:  # type: ignore[override]
+        if any(t is not None and batched(t) for t in tangents):
             raise NotImplementedError(_JACFWD_REFUSED)
-        return _ReduceScatter.apply(tangent, ctx.meta)
+        at = [i for i, t in enumerate(tangents) if t is not None]
+        reduced = iter(_ReduceScatter.apply(tuple(ctx.metas[i] for i in at), *[tangents[i] for i in at]) if at else ())
+        return tuple(None if t is None else next(reduced) for t in tangents)
+
+
+def _zeros_like_shard(meta: tuple) -> DTensor:
+    """A zero cotangent for a reduced leaf autograd passed none for."""
+    mesh, placements, shape, spec, _ = meta
+    box = local_slices(spec_of(placements, mesh, len(shape)), mesh, shape)
+    local = torch.zeros(shape, dtype=spec.tensor_meta.dtype, device=mesh.device_type)[box].contiguous()
+    return _donate.wrap(local, spec)
 
 
 def _shifted(p: Any) -> Any:
@@ -331,7 +411,10 @@ def gather(sharded: Any) -> Any:
     note_gathered(leaves)
     with _watch.watched("sf.gather"):
         if _transformed(leaves):
-            return optree.tree_unflatten(treedef, [_Gather.apply(x) if _holds_dtensor(x) else x for x in leaves])
+            at = [i for i, x in enumerate(leaves) if _holds_dtensor(x)]
+            for i, full in zip(at, _Gather.apply(*[leaves[i] for i in at]) if at else ()):
+                leaves[i] = full
+            return optree.tree_unflatten(treedef, leaves)
         at = [i for i, x in enumerate(leaves) if isinstance(x, DTensor)]
         for i, full in zip(at, _GatherMany.apply(*[leaves[i] for i in at]) if at else ()):
             leaves[i] = full
@@ -348,7 +431,7 @@ def _own(full: torch.Tensor, x: DTensor) -> torch.Tensor:
 
 
 def _transformed(leaves: list) -> bool:
-    """Whether a torch.func transform or a forward-AD tangent sees the gather: each leaf then goes
+    """Whether a torch.func transform or a forward-AD tangent sees the gather: the tree then goes
     through `_Gather`, which has their rules. Either is the same on every rank for the same code, so
     every rank issues the same collectives."""
     if torch._C._are_functorch_transforms_active():
@@ -369,4 +452,4 @@ class _GatherMany(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> Any:  # type: ignore[override]
-        return tuple(None if g is None else _ReduceScatter.apply(g, meta) for g, meta in zip(grads, ctx.metas))
+        return _ReduceScatter.apply(tuple(ctx.metas), *[_materialized(g, m) for g, m in zip(grads, ctx.metas)])

@@ -183,6 +183,75 @@ def test_grad_and_vjp_through_gather_are_sharded_and_exact(pools, world):
         assert out["mixed"]["after"] == 0, out["mixed"]
 
 
+class _Routed(torch.nn.Module):
+    """An encoder and an expert that only examples with x[:, 0] > 0 reach (routing by the data)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = torch.nn.Linear(6, 6)
+        self.expert = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = torch.tanh(self.enc(x))
+        sel = x[:, 0] > 0
+        return h + torch.zeros_like(h).index_put((sel,), self.expert(h[sel])) if sel.any() else h
+
+
+def _routed_x(rank: int, n: int = 4) -> torch.Tensor:
+    """Rank 0's examples all reach the expert, the others' none."""
+    x = torch.randn(n, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    x[:, 0] = x[:, 0].abs() if rank == 0 else -x[:, 0].abs()
+    return x
+
+
+def rank_leaf_unused_on_some_ranks() -> dict:
+    """A leaf that only some ranks' functions use (Note [one node for the tree] in shardfn/_shard.py):
+    each rank reduced the leaves its own function reached, so the next leaf's reduce-scatter met the
+    other ranks' reduce-scatter of the skipped one: wrong gradients on one rank, a stall on the other.
+    Now exact through sf.gather and apply, for grad, vjp and a Hessian-vector product; and a jacrev
+    whose ranks have different numbers of outputs is a ValueError on every rank (gloo aborted)."""
+    from torch.func import grad, jacrev, jvp, vjp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    apply, params = sf.functionalize(_Routed().double())
+    mesh = sf.mesh(dp=-1)
+    sharded = sf.shard(params, sf.specs(params, mesh), mesh)
+
+    def f(p, x):
+        return (apply(p, x) ** 2).sum()
+
+    ref = _mean([grad(f)(params, _routed_x(r)) for r in range(world)])
+    v = optree.tree_map(lambda t: torch.ones_like(t) / t.numel(), params)
+    ref_hvp = _mean([jvp(lambda p: grad(f)(p, _routed_x(r)), (params,), (v,))[1] for r in range(world)])
+    errs = {}
+    x = _routed_x(rank)
+    got = {
+        "grad_gather": grad(lambda p: f(sf.gather(p), x))(sharded),
+        "grad_apply": grad(lambda p: f(p, x))(sharded),
+        "vjp_gather": vjp(lambda p: f(sf.gather(p), x), sharded)[1](torch.tensor(1.0, dtype=torch.float64))[0],
+    }
+    for k, g in got.items():
+        errs[k] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(g), ref))
+    vs = sf.shard(v, sf.specs(v, mesh), mesh)
+    hvp = vjp(lambda p: grad(lambda q: f(sf.gather(q), x))(p), sharded)[1](vs)[0]
+    errs["hvp"] = max(rel_err(sf.gather(a), b) for a, b in zip(optree.tree_leaves(hvp), ref_hvp))
+    try:
+        jacrev(lambda p: apply(p, _routed_x(rank, 3 + rank)))(sharded)
+        errs["jacrev_sizes"] = "no error"
+    except ValueError as e:
+        errs["jacrev_sizes"] = str(e)
+    return errs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_leaf_unused_on_some_ranks(pools, world):
+    for rank, out in enumerate(pools(world).run(rank_leaf_unused_on_some_ranks)):
+        sizes = out.pop("jacrev_sizes")
+        assert "same number of outputs on every rank" in sizes, (rank, sizes)
+        assert max(out.values()) < 1e-12, (rank, out)
+
+
 def rank_forward_mode() -> dict:
     """jvp with respect to a sharded tree (Note [dual DTensors]): the tangents are sharded as the
     tree; each rank's output tangent is that of its own function, equal to the unsharded jvp."""
