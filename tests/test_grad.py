@@ -161,6 +161,59 @@ def test_a_hand_written_step_equals_train_step(pools, world):
         assert out["gathers"].get("all_gather", 0) > 0 and out["gathers"].get("reduce_scatter", 0) > 0, out
 
 
+def rank_hand_step_with_a_frozen_leaf() -> dict:
+    """A hand-written step on a model with a frozen leaf (requires_grad=False, as peft freezes):
+    value_and_grad gives None there. A plain optimizer refuses the None, naming the leaf and the
+    recipe; with that recipe (masked) the step, pure or in place, equals torch's AdamW."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+    model[0].bias.requires_grad_(False)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+    ref.load_state_dict(model.state_dict())
+    ref[0].bias.requires_grad_(False)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    apply, params = sf.functionalize(model)
+    mesh = sf.mesh(dp=-1)
+    out = {}
+    trees = {}
+    for how in ("pure", "in_place"):
+        tree = sf.shard(params, sf.specs(params, mesh), mesh)
+        vg = sf.value_and_grad(lambda p, x: apply(p, x).pow(2).mean())
+        opt = sf.optim.adamw(1e-2, weight_decay=0.1)
+        _, grads = vg(tree, torch.zeros(world, 8, dtype=torch.float64))
+        try:
+            opt.update(grads, opt.init(tree), tree)
+        except ValueError as e:
+            out["plain"] = str(e)
+        opt = sf.optim.masked(opt, optree.tree_map(lambda g: g is not None, grads, none_is_leaf=True))
+        state = opt.init(tree)
+        for s in range(3):
+            x = torch.randn(2 * world, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(s))
+            _, grads = vg(tree, x.chunk(world)[rank])
+            if how == "pure":
+                updates, state = opt.update(grads, state, tree)
+                tree = sf.apply_updates(tree, updates)
+            else:
+                state = opt.step_(grads, state, tree)
+            if how == "pure":
+                ref_opt.zero_grad()
+                ref(x).pow(2).mean().backward()
+                ref_opt.step()
+        trees[how] = sf.to_state_dict(sf.gather(tree))
+    want = ref.state_dict()
+    out["errs"] = {how: max(rel_err(t[n], want[n]) for n in want) for how, t in trees.items()}
+    out["frozen_kept"] = all(torch.equal(t["0.bias"], want["0.bias"]) for t in trees.values())
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_hand_written_step_with_a_frozen_leaf(pools, world):
+    for out in pools(world).run(rank_hand_step_with_a_frozen_leaf):
+        assert "None at ['0.bias']" in out["plain"] and "sf.optim.masked" in out["plain"], out["plain"]
+        assert max(out["errs"].values()) < 1e-12 and out["frozen_kept"], out
+
+
 def test_value_and_grad_refuses_full_tensors():
     fn = sf.value_and_grad(lambda p, b: p["w"].sum())
     with pytest.raises(ValueError, match="sharded tree"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Optional, Protocol
 
+import optree
 import torch
 
 from ._local import flatten, flatten_as, locals_, wrap
@@ -87,7 +88,11 @@ def donating(t: GradientTransformation) -> Callable:
 def add_updates_(params: Params, updates: Updates) -> None:
     """``params += updates`` leafwise, in place on the local tensors (one foreach call)."""
     p_leaves, spec = flatten(params)
-    u_leaves = flatten_as(spec, updates, "updates")
+    if optree.tree_structure(updates) != spec and optree.tree_structure(updates, none_is_leaf=True) == optree.tree_structure(params, none_is_leaf=True):
+        pairs = [(p, u) for p, u in zip(optree.tree_leaves(params, none_is_leaf=True), optree.tree_leaves(updates, none_is_leaf=True)) if p is not None and u is not None]
+        p_leaves, u_leaves = [p for p, _ in pairs], [u for _, u in pairs]  # a None update (a frozen leaf): unchanged
+    else:
+        u_leaves = flatten_as(spec, updates, "updates")
     if p_leaves:
         torch._foreach_add_(locals_(p_leaves), locals_(u_leaves))
 
@@ -127,7 +132,8 @@ def apply_updates(params: Params, updates: Updates) -> Params:
 
     Args:
         params: a pytree of tensors or DTensors.
-        updates: a pytree of the same structure, e.g. from ``opt.update``.
+        updates: a pytree of the same structure, e.g. from ``opt.update``; a ``None`` update
+            (a frozen leaf's) leaves its parameter as it is.
 
     Returns:
         The updated parameters, a new pytree.
@@ -137,6 +143,13 @@ def apply_updates(params: Params, updates: Updates) -> Params:
         >>> params = apply_updates(params, updates)
     """
     p_leaves, spec = flatten(params)
+    if optree.tree_structure(updates) != spec and optree.tree_structure(updates, none_is_leaf=True) == optree.tree_structure(params, none_is_leaf=True):
+        # None updates (frozen leaves; optax's apply_updates takes them too): those params stay as they are.
+        p_all, all_spec = optree.tree_flatten(params, none_is_leaf=True)
+        u_all = optree.tree_leaves(updates, none_is_leaf=True)
+        moved = apply_updates([p for p, u in zip(p_all, u_all) if p is not None and u is not None], [u for p, u in zip(p_all, u_all) if p is not None and u is not None])
+        it = iter(moved)
+        return all_spec.unflatten([p if p is None or u is None else next(it) for p, u in zip(p_all, u_all)])
     u_leaves = flatten_as(spec, updates, "updates (in apply_updates)")
     if not p_leaves:
         return params

@@ -110,9 +110,19 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
             flags = resolve_mask(mask, params if params is not None else updates)
             leaves, spec = flatten(updates)
             if len(flags) != len(leaves):
-                raise ValueError("the mask does not match the structure of the updates")
+                # None updates (a frozen leaf's, from sf.value_and_grad) where the mask is False.
+                leaves, spec = optree.tree_flatten(updates, none_is_leaf=True)
+                if len(flags) != len(leaves):
+                    raise ValueError("the mask does not match the structure of the updates")
+                missing = [i for i, (x, f) in enumerate(zip(leaves, flags)) if x is None and f]
+                if missing:
+                    raise ValueError(
+                        f"the updates are None at leaves {missing[:5]} (in leaf order) where the mask is True: mask "
+                        "out the leaves that get no gradient (frozen ones), e.g. mask = optree.tree_map(lambda g: "
+                        "g is not None, grads, none_is_leaf=True)"
+                    )
             sub_params = None if params is None else _select(params, flags)
-            sub, inner_state = fn(_select(updates, flags), state.inner_state, sub_params)
+            sub, inner_state = fn(optree.tree_unflatten(spec, [x if f else None for x, f in zip(leaves, flags)]), state.inner_state, sub_params)
             it = iter(flatten(sub)[0])
             out = [next(it) if f else x for x, f in zip(leaves, flags)]
             return optree.tree_unflatten(spec, out), MaskedState(inner_state)

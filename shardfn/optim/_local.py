@@ -27,10 +27,29 @@ def flatten_as(spec: optree.PyTreeSpec, tree: Tree, what: str) -> list[Any]:
     """Leaves of `tree`, which must have structure `spec`; a ValueError naming `what` otherwise."""
     leaves, other = optree.tree_flatten(tree)
     if other != spec:
+        frozen = _none_where_tensors(spec, tree)
+        if frozen:
+            raise ValueError(
+                f"the updates are None at {frozen[:5]}{' ...' if len(frozen) > 5 else ''}, where {what} holds tensors: "
+                "sf.value_and_grad gives None for frozen leaves. Optimize the trained leaves only: "
+                "opt = sf.optim.masked(opt, mask) with mask = optree.tree_map(lambda g: g is not None, grads, "
+                "none_is_leaf=True), then opt.init(params) as before; sf.apply_updates leaves a parameter whose "
+                "update is None as it is"
+            )
         raise ValueError(
             f"{what} does not match the structure of the updates:\n  expected {spec}\n  got      {other}"
         )
     return leaves
+
+
+def _none_where_tensors(spec: optree.PyTreeSpec, tree: Tree) -> list[str]:
+    """The dotted paths where the updates (structure `spec`, None an empty subtree) hold None and
+    `tree` a leaf, if that is the only difference; else []."""
+    updates = spec.unflatten([0] * spec.num_leaves)
+    paths, leaves, u_spec = optree.tree_flatten_with_path(updates, none_is_leaf=True)
+    if u_spec != optree.tree_structure(tree, none_is_leaf=True):
+        return []
+    return [".".join(map(str, p)) for p, x, t in zip(paths, leaves, optree.tree_leaves(tree, none_is_leaf=True)) if x is None and t is not None]
 
 
 def local(x: torch.Tensor) -> torch.Tensor:
