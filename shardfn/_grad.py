@@ -188,7 +188,8 @@ def value_and_grad(
     """The loss and its gradient with respect to a sharded tree, on the FSDP unit schedule.
 
     Each rank passes its own batch; the loss is the mean over ranks and the gradients are those of
-    that mean (the global batch's), as in `train_step`, which is this plus the optimizer update
+    that mean (the global batch's when the ranks hold equal shares of it; with unequal shares, the
+    mean of the ranks' mean losses), as in `train_step`, which is this plus the optimizer update
     (Note [gradient transform] in `shardfn/_grad.py`).
 
     Args:

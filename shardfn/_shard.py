@@ -177,8 +177,9 @@ _VMAP_REFUSED = (
 # gradient shardfn returns, here as in the train step and `value_and_grad`, is that of the mean of
 # those functions over the W ranks of the leaf's mesh: the gather's backward averages the ranks'
 # full gradients (a reduce-scatter, or an all-reduce for a replicated leaf, divided by W). So the
-# same data on every rank gives the unsharded gradient exactly, and each rank's share of a global
-# batch gives the global batch's.
+# same data on every rank gives the unsharded gradient exactly, and each rank's equal share of a
+# global batch gives the global batch's (with unequal shares, the mean of the ranks' means:
+# `sf.dp_value_and_grad` divides by the global count).
 #
 # For gradients of gradients to stay exact, the averaging reduce-scatter's own backward is the
 # plain gather, without a 1/W. Seen as linear maps with the inner product of the mean over ranks
