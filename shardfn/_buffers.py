@@ -2,18 +2,32 @@
 
 Note [buffers]
 --------------
-Each rank runs the forward on its own share of the batch, so a buffer the forward updates in place
-(BatchNorm's `running_mean`, `running_var`, `num_batches_tracked`) would drift apart across ranks:
-each rank's statistics are those of its own data. DDP avoids it by broadcasting rank 0's buffers
-before every forward (`broadcast_buffers=True`, its default). A train step does the same, once
-per step after the backward, for the buffers of every module one of whose buffers changed version
-during the step (an in-place update bumps it; BatchNorm's kernel updates the running statistics
-without a bump, but always adds to `num_batches_tracked`), in one broadcast per dtype from the
-mesh's first rank: afterwards every rank holds rank 0's buffers, and a model whose forward updates
-no buffer costs nothing. (The
-statistics are those of rank 0's share of the batch, as with DDP; a single process on the global
-batch sees all of it, so data-parallel BatchNorm never matches it exactly: use SyncBatchNorm-style
-statistics in the model for that.)
+Each rank runs the forward on its own share of the batch, so a buffer the forward updates (BatchNorm's
+`running_mean`, an EMA codebook) would drift apart across ranks: each rank's statistics are those of
+its own data. DDP avoids it by broadcasting rank 0's buffers before every forward
+(`broadcast_buffers=True`, its default). A train step does the same once per step, after the
+backward, for the buffers of every module that changed one of them on some rank, in one broadcast
+per dtype from the mesh's first rank: afterwards every rank holds rank 0's buffers, and a model
+whose forward updates no buffer costs nothing. (The statistics are those of rank 0's share of the
+batch, as with DDP; a single process on the global batch sees all of it, so data-parallel BatchNorm
+never matches it exactly: use SyncBatchNorm-style statistics in the model for that.)
+
+A forward changes a buffer in one of three ways, and each is seen: in place through autograd's
+view of it (its version counter moves), by reassignment (`self.ema = 0.9 * self.ema + ...`: the
+module holds another tensor), or where no counter moves (`self.ema.data.mul_(...)`, a kernel that
+writes its running statistics itself, as `F.batch_norm` does). The last is seen by value: until a
+step has shown which modules update buffers, a step keeps a copy of every buffer and compares;
+afterwards only the buffers of the modules that did (those are compared every step). So a module
+that starts updating a buffer out of autograd's sight after the first step is not synced; one
+updated in place or reassigned always is. Which modules changed travels with the step's one
+all-reduce of its loss and norm, so every rank broadcasts the same buffers (a change on one rank
+only, a routed expert's statistics, is synced as well), with no collective of its own.
+
+The copies serve a step that fails too: the buffers that have copies get their values (and
+tensors) from before it back, so an exception in `loss_fn` leaves the buffers of the modules known
+to update them as they were, as it leaves the parameters.
+
+Reading the flags back is a host sync once per step on a GPU, for models with buffers only.
 """
 
 from __future__ import annotations
@@ -31,68 +45,64 @@ class ModuleBuffers:
     """The buffers of `module` (None: none), synced from the mesh's first rank (Note [buffers])."""
 
     def __init__(self, module: torch.nn.Module | None, mesh: DeviceMesh):
-        self.module = module
-        self.mesh = mesh
         self.group = mesh_group(mesh) if mesh.size() > 1 else None
         self.src = int(mesh.mesh.flatten()[0])
-        self._versions: list[list[int]] = []
-        self._groups: list[list[torch.Tensor]] = []  # the buffers of each module that has some
-        self._updating: set | None = None  # modules whose buffers a forward updated (None: not known yet)
-        self._saved: list = []
-        self._saved_versions: list = []
+        # The modules that hold buffers, in one order on every rank (the flags of `changed` follow it).
+        self.owners = [m for m in module.modules() if m._buffers] if module is not None else []
+        self._updating: set | None = None  # modules whose buffers a forward changed (None: no step yet)
+        self._before: list[list[tuple]] = []  # per owner: (name, tensor, version, copy or None)
 
-    def mark(self) -> None:
-        """Records the buffers' versions at the start of a step."""
-        if self.module is None or self.group is None:
-            return
-        self._groups = [g for g in (list(m.buffers(recurse=False)) for m in self.module.modules()) if g]
-        self._versions = [[b._version for b in g] for g in self._groups]
+    def start(self) -> None:
+        """A step starts: each buffer's tensor and version, and copies of those a forward may
+        change (every buffer until a step has shown which modules change theirs)."""
+        self._before = []
+        for m in self.owners:
+            keep = self._updating is None or m in self._updating
+            self._before.append([(n, b, b._version, b.detach().clone() if keep else None) for n, b in m._buffers.items() if b is not None])
 
-    def save(self) -> None:
-        """Before a step that may be given up and run again (Note [steps off the unit schedule] in
-        `_core.py`): copies of the buffers a forward may update. Until a step has shown which
-        modules' buffers the forward updates, every buffer is copied; afterwards only those."""
-        self._saved, self._saved_versions = [], []
-        if self.module is None:
-            return
-        groups = [(m, list(m.buffers(recurse=False))) for m in self.module.modules()]
-        groups = [(m, g) for m, g in groups if g]
-        self._saved_versions = [(m, g, [b._version for b in g]) for m, g in groups]
-        for m, g in groups:
-            if self._updating is None or m in self._updating:
-                self._saved += [(b, b.clone()) for b in g]
+    def changed(self) -> list[bool]:
+        """Per owner, whether this rank's step changed one of its buffers (in place, by
+        reassignment, or by value where a copy was kept); remembered for the next steps."""
+        flags = []
+        for m, entries in zip(self.owners, self._before):
+            flags.append(any(m._buffers.get(n) is not b or b._version != v or (c is not None and not torch.equal(c, b)) for n, b, v, c in entries))
+        self._updating = {m for m, f in zip(self.owners, flags) if f} | (self._updating or set())
+        return flags
 
-    def learn(self) -> None:
-        """After a step: which modules' buffers its forward updated (those are copied from now on)."""
-        changed = {m for m, g, vs in self._saved_versions if any(b._version != v for b, v in zip(g, vs))}
-        self._updating = changed | (self._updating or set())
-        self._saved, self._saved_versions = [], []
-
-    def restore(self) -> None:
-        """The step is given up: the buffers get their values from before it back."""
-        saved = {id(b) for b, _ in self._saved}
-        for m, g, vs in self._saved_versions:
-            if any(b._version != v and id(b) not in saved for b, v in zip(g, vs)):
-                raise NotImplementedError(
-                    f"a buffer of {type(m).__name__} changed in a step that is run again, and no copy of it was kept "
-                    "(its module had not updated buffers in earlier steps)"
-                )
+    def restore(self, strict: bool = True) -> None:
+        """The step is given up: the buffers get their tensors and values from before it back.
+        `strict`: a buffer changed in place with no copy kept raises (a step about to be run again
+        must not see it changed); otherwise (the step failed) it stays as it is."""
         with torch.no_grad():
-            for b, c in self._saved:
-                b.copy_(c)
+            for m, entries in zip(self.owners, self._before):
+                for n, b, v, c in entries:
+                    if m._buffers.get(n) is not b:
+                        m._buffers[n] = b
+                    if c is not None:
+                        b.copy_(c)
+                    elif b._version != v and strict:
+                        raise NotImplementedError(
+                            f"a buffer of {type(m).__name__} changed in a step that is run again, and no copy of it was kept "
+                            "(its module had not updated buffers in earlier steps)"
+                        )
 
-    def sync(self) -> None:
-        """Broadcasts the buffers the step changed from the first rank to all."""
-        if not self._groups:
+    def sync(self, changed: list[bool]) -> None:
+        """Broadcasts from the first rank the buffers of the owners `changed` flags (the same list
+        on every rank: the union over ranks of `changed()`)."""
+        if self.group is None or not any(changed):
             return
-        changed = [b for g, vs in zip(self._groups, self._versions) if any(b._version != v for b, v in zip(g, vs)) for b in g]
+        bufs, seen = [], set()
+        for m, f in zip(self.owners, changed):
+            for b in m._buffers.values() if f else ():
+                if b is not None and id(b) not in seen:
+                    seen.add(id(b))
+                    bufs.append(b)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for b in changed:
+        for b in bufs:
             by_dtype.setdefault(b.dtype, []).append(b)
-        for bufs in by_dtype.values():
-            flat = torch.cat([b.reshape(-1) for b in bufs])
+        for same in by_dtype.values():
+            flat = torch.cat([b.detach().reshape(-1) for b in same])
             C.broadcast(flat, self.src, self.group)
             with torch.no_grad():
-                for b, x in zip(bufs, flat.split([b.numel() for b in bufs])):
+                for b, x in zip(same, flat.split([b.numel() for b in same])):
                     b.copy_(x.view_as(b))
-        self._groups = []

@@ -565,48 +565,58 @@ class GradientCore:
         for u in self.units.values():  # the last step's gradient shards are spent
             u.release_grad()
         k = self.accumulation_steps
-        self._buffers.mark()
-        if self.off_schedule:
-            loss_sum, aux = self._gradients_gathered(batch)
-        else:
-            rng = _rng_state(self.mesh.device_type)
-            self._buffers.save()
-            try:
-                loss_sum, aux = self._gradients_on_schedule(batch)
-            except OffSchedule as e:
-                if self.tp_axis is not None:
-                    raise NotImplementedError(
-                        f"{e}: with tensor parallel (a 2-D mesh) train_step cannot compute this step yet (Note [steps "
-                        "off the unit schedule] in shardfn/_core.py)"
-                    ) from e
-                if self.mp.param_dtype is not None or self.offload is not None:
-                    raise NotImplementedError(
-                        f"{e}: with mixed_precision or offload, train_step cannot compute this step yet (Note [steps off "
-                        "the unit schedule] in shardfn/_core.py)"
-                    ) from e
-                self.off_schedule = True
-                for u in self.units.values():
-                    u.release_grad()
-                # The same random draws and buffers (BatchNorm's statistics) as the attempt had.
-                _set_rng_state(rng)
-                self._buffers.restore()
+        self._buffers.start()
+        try:
+            if self.off_schedule:
                 loss_sum, aux = self._gradients_gathered(batch)
-            self._buffers.learn()
-        self._buffers.sync()
+            else:
+                loss_sum, aux = self._gradients_scheduled_or_gathered(batch)
+        except BaseException:
+            self._buffers.restore(strict=False)  # Note [buffers]: a failed step leaves them as they were
+            raise
+        changed = self._buffers.changed()
         # One all-reduce for the loss, the squared gradient norm, and which leaves got a gradient
         # on some rank (Note [leaves without a gradient]).
         weights = self._norm_weights if self.tp_axis is not None else None
         sq = local_sumsq(self._norm_parts, weights).to(loss_sum.device) if self._norm_parts else loss_sum.new_zeros(())
         had = [self.units[u].had_grad[j] for u, j in self._trained_where]
-        stats = torch.cat([torch.stack([loss_sum / k, sq]), torch.tensor(had, dtype=torch.float32).to(sq.device)])
+        # And which modules changed a buffer on some rank (Note [buffers]): their buffers are synced.
+        stats = torch.cat([torch.stack([loss_sum / k, sq]), torch.tensor(had + changed, dtype=torch.float32).to(sq.device)])
         if self.world > 1:
             C.all_reduce(stats, None if self.replicate_group is not None or self.tp_axis is not None else self.group)
         loss_mean = stats[0] / self.world
         grad_norm = stats[1].sqrt()
+        n_had = len(had)
+        if changed:
+            self._buffers.sync([x > 0 for x in stats[2 + n_had :].tolist()])
         # Read back (a host sync on GPUs) only where this rank saw a leaf without a gradient.
-        skip = [i for i, n in enumerate(stats[2:].tolist()) if n == 0] if not all(had) else []
+        skip = [i for i, n in enumerate(stats[2 : 2 + n_had].tolist()) if n == 0] if not all(had) else []
         aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux, none_is_leaf=True)
         return Gradients(loss_mean, grad_norm, skip, aux)
+
+    def _gradients_scheduled_or_gathered(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        """The step on the unit schedule; if the model leaves it (Note [steps off the unit
+        schedule]), the same step again, with the same random draws and buffers, on the gathered tree."""
+        rng = _rng_state(self.mesh.device_type)
+        try:
+            return self._gradients_on_schedule(batch)
+        except OffSchedule as e:
+            if self.tp_axis is not None:
+                raise NotImplementedError(
+                    f"{e}: with tensor parallel (a 2-D mesh) train_step cannot compute this step yet (Note [steps "
+                    "off the unit schedule] in shardfn/_core.py)"
+                ) from e
+            if self.mp.param_dtype is not None or self.offload is not None:
+                raise NotImplementedError(
+                    f"{e}: with mixed_precision or offload, train_step cannot compute this step yet (Note [steps off "
+                    "the unit schedule] in shardfn/_core.py)"
+                ) from e
+            self.off_schedule = True
+            for u in self.units.values():
+                u.release_grad()
+            _set_rng_state(rng)
+            self._buffers.restore()
+            return self._gradients_gathered(batch)
 
     def _gradients_on_schedule(self, batch: Any) -> tuple[torch.Tensor, Any]:
         """Forward and backward on the unit schedule; returns this rank's loss (summed over

@@ -88,6 +88,17 @@ def install(info: Any, unit: int) -> None:
             if calls[0] == 1:  # the forward: the module's own buffers, updated once
                 with _reparametrize_module(module, {**params, **buffers}):
                     out = original(*a, **k)
+                    # A buffer the forward reassigned (`self.ema = 0.9 * self.ema + ...`) is put back
+                    # by the swap's exit: its new value goes into the module's own tensor.
+                    now = dict(module.named_buffers(remove_duplicate=False))
+                    moved = {n: t for n, t in now.items() if n in buffers and t is not buffers[n]}
+                with torch.no_grad():
+                    for n, t in moved.items():
+                        if t.shape == buffers[n].shape and t.dtype == buffers[n].dtype:
+                            buffers[n].copy_(t)
+                        else:
+                            owner, _, leaf = n.rpartition(".")
+                            module.get_submodule(owner)._buffers[leaf] = buffers[n] = t
                 for n in [n for n, t in saved.items() if torch.equal(t, buffers[n])]:
                     del saved[n]  # not written (a NaN counts as written: its copy stays): read as it is
                 return out

@@ -281,3 +281,89 @@ def test_remat_updates_batchnorm_statistics_once(pools, remat):
     for errs in pools(2).run(rank_remat_batchnorm, remat):
         assert errs["0.1.num_batches_tracked"] == 0 and errs["1.1.num_batches_tracked"] == 0, errs
         assert max(errs.values()) < 1e-6, errs
+
+
+class _EmaBlock(torch.nn.Module):
+    """A block whose forward updates buffers in one of the ways users write: in place under no_grad,
+    through `.data` (no version counter moves), by reassignment (a new tensor), or inside a kernel
+    (`F.batch_norm` on buffers of a module that is no BatchNorm class, no counter)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc = torch.nn.Linear(5, 5)
+        self.how = how
+        self.register_buffer("ema", torch.zeros(5, dtype=torch.float64))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("var", torch.ones(5, dtype=torch.float64))
+
+    def forward(self, x):
+        m = x.detach().mean(0)
+        if self.how == "in_place":
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * m)
+                self.count += 1
+        elif self.how == "data":
+            self.ema.data.mul_(0.9).add_(0.1 * m)
+            self.count.data += 1
+        elif self.how == "reassign":
+            self.ema = 0.9 * self.ema + 0.1 * m
+            self.count = self.count + 1
+        elif self.how == "kernel":
+            x = torch.nn.functional.batch_norm(x, self.ema, self.var, training=True, momentum=0.1)
+        return x + torch.tanh(self.fc(x - self.ema))
+
+
+def rank_buffer_updates(how: str, remat: bool, fail_at: int) -> dict:
+    """Three SGD steps against one process that runs each rank's share in turn from the same buffers
+    and keeps rank 0's (what the sync gives, as DDP's broadcast): parameters and buffers exact, on
+    every rank (Note [buffers] in shardfn/_buffers.py). With `fail_at`, that step's loss_fn raises
+    after the forward on every rank: the buffers are as before it, and the run goes on."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(_EmaBlock(how), _EmaBlock(how), torch.nn.Linear(5, 2)).double()
+
+    model, ref = make(), make()
+    apply, params = sf.functionalize(model, units=r"[01]")
+    attempt = [0]
+
+    def loss_fn(p, b):
+        out = torch.nn.functional.mse_loss(apply(p, b[0]), b[1])
+        attempt[0] += 1
+        if attempt[0] == fail_at:
+            raise FloatingPointError("planted")
+        return out
+
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.1), sf.mesh(dp=-1), remat=remat)
+    state = step.init(params)
+    opt = torch.optim.SGD(ref.parameters(), 0.1)
+    for s in range(3):
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(4 * world, 5, generator=g, dtype=torch.float64), torch.randn(4 * world, 2, generator=g, dtype=torch.float64)
+        if s + 1 == fail_at:
+            before = {n: b.clone() for n, b in model.named_buffers()}
+            try:
+                step(state, (x.chunk(world)[rank], y.chunk(world)[rank]))
+            except FloatingPointError:
+                pass
+            kept = max((b - before[n]).abs().max().item() for n, b in model.named_buffers())
+        state, _ = step(state, (x.chunk(world)[rank], y.chunk(world)[rank]))
+        opt.zero_grad()
+        start = {n: b.clone() for n, b in ref.named_buffers()}
+        for r in reversed(range(world)):  # rank 0 last: its buffers stay
+            for n, b in ref.named_buffers():
+                b.copy_(start[n])
+            (torch.nn.functional.mse_loss(ref(x.chunk(world)[r]), y.chunk(world)[r]) / world).backward()
+        opt.step()
+    got = {**sf.to_state_dict(sf.gather(state.params), apply), **dict(model.named_buffers())}
+    errs = {n: (got[n].double() - t.double()).abs().max().item() for n, t in ref.state_dict().items()}
+    return {"errs": errs, "failed_step_moved": kept if fail_at else 0.0}
+
+
+@pytest.mark.parametrize("how", ["in_place", "data", "reassign", "kernel"])
+@pytest.mark.parametrize("remat", [False, True])
+def test_buffers_a_forward_updates_are_synced(pools, how, remat):
+    for world in (2, 3):
+        for out in pools(world).run(rank_buffer_updates, how, remat, 0 if remat else 2):
+            assert max(out["errs"].values()) < 1e-12, (world, out)
+            assert out["failed_step_moved"] == 0.0, (world, out)
