@@ -1032,6 +1032,8 @@ class Engine:
         self._reduced.add(u)
         if self._active.pop(u, 0):
             self._busy_end(u)
+        if unit.num_trained and not self._reduce_now:
+            unit.stash_grads()
         if unit.num_trained and self._reduce_now:
             self._event("reduce", u)
             # At most `max_reductions` in flight (their full-size inputs are memory too): wait for

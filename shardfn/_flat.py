@@ -365,6 +365,7 @@ class FlatUnit:
         self.num_trained = len(self._sh_trained) + len(self._rep_trained)
         self.arenas: dict[str, Arena] = {}
         self.had_grad = [False] * len(segs)  # per leaf: a gradient reached it in this step
+        self._stash: dict[int, torch.Tensor] = {}  # leaf -> its full gradient so far, local accumulation (`stash_grads`)
         self.proxies: list[torch.Tensor] = []
         self._readers: tuple[torch.Tensor, ...] = ()
         self.valid = False
@@ -564,6 +565,20 @@ class FlatUnit:
         """Drops the full gradients (after a reduction, or when a micro-batch keeps them)."""
         for p in self.proxies:
             p.grad = None
+        self._stash.clear()
+
+    def stash_grads(self) -> None:
+        """Local accumulation, a micro-batch that is not reduced: where the gradients are narrower
+        than `reduce_dtype` (bf16 compute, fp32 reduce), they move into accumulators in
+        `reduce_dtype`, so that the micro-batches add up in it, as FSDP2 accumulates; autograd
+        would add them in bf16."""
+        if self.reduce_dtype == self.compute_dtype or torch.finfo(self.reduce_dtype).bits <= torch.finfo(self.compute_dtype).bits:
+            return
+        for i, p in enumerate(self.proxies):
+            if p.grad is not None:
+                g = p.grad.to(self.reduce_dtype)
+                self._stash[i] = g if i not in self._stash else self._stash[i].add_(g)
+                p.grad = None
 
     def alloc_grad(self) -> None:
         """Gives the gradient shard storage again (its trained segments are then overwritten)."""
@@ -585,9 +600,13 @@ class FlatUnit:
         (another unit holds it now). Returns the pending state for `finish_reduce`.
         """
         trained = {i: self.proxies[i] for i in (*self._sh_trained, *self._rep_trained)}
+        if self._stash:  # local accumulation: the last micro-batch adds up in the stash too
+            self.stash_grads()
         for i, p in trained.items():
-            self.had_grad[i] |= p.grad is not None
-        grads = {i: p.grad if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device) for i, p in trained.items()}
+            self.had_grad[i] |= p.grad is not None or i in self._stash
+        zeros_dtype = self.reduce_dtype if self._stash else None
+        grads = {i: self._stash[i] if i in self._stash else p.grad if p.grad is not None else torch.zeros(p.shape, dtype=zeros_dtype or p.dtype, device=p.device)
+                 for i, p in trained.items()}
         del trained
         self.take_grads()
         direct = self.direct and not accumulate
