@@ -912,8 +912,11 @@ class _Sim:
         self.reduce(-1)
         while self.in_flight:
             self.finish_oldest()
-        if not self.reduce_now:  # local accumulation: the full gradients wait for the last micro-batch
-            self.kept.update(self.full_grads)
+        if not self.reduce_now:  # local accumulation: the full gradients wait for the last micro-batch,
+            for i, n in self.full_grads.items():  # in reduce_dtype where it is wider (`FlatUnit.stash_grads`)
+                gr = self.g.get(self.leaf_group[i])
+                wider = gr is not None and _itemsize(gr.reduce) > _itemsize(gr.compute)
+                self.kept[i] = n * _itemsize(gr.reduce) // _itemsize(gr.compute) if wider else n
             self.full_grads.clear()
         self.free(-1)
         for key in list(self.alloc):
