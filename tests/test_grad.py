@@ -60,13 +60,16 @@ def rank_gradients(kind: str) -> dict:
 
 def rank_fp64_loss() -> dict:
     """An fp64 model: the loss `value_and_grad` and `train_step` report is the fp64 mean over ranks
-    (it was accumulated in fp32: 2e-7 off while the parameters matched to 1e-16)."""
+    (it was accumulated in fp32: 2e-7 off while the parameters matched to 1e-16), and the gradient
+    norm that clipping scales by is fp64 too (it was summed in fp32: 5e-8 off)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
     ref = [p.detach().clone() for p in model.parameters()]
     x = torch.randn(4 * world, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref = [p.requires_grad_() for p in ref]
     want = torch.func.functional_call(model, dict(zip(["0.weight", "0.bias", "2.weight", "2.bias"], ref)), x).pow(2).mean() + 1 / 3
+    want_norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in torch.autograd.grad(want, ref)]))
     apply, params = sf.functionalize(model)
     mesh = sf.mesh(dp=-1)
 
@@ -74,15 +77,16 @@ def rank_fp64_loss() -> dict:
         return apply(p, xb).pow(2).mean() + 1 / 3
 
     loss, _ = sf.value_and_grad(loss_fn)(sf.shard(params, sf.specs(params, mesh), mesh), x.chunk(world)[rank])
-    step = sf.train_step(loss_fn, sf.optim.sgd(0.0), mesh)
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.0), mesh, max_grad_norm=1e-3)
     _, m = step(step.init(params), x.chunk(world)[rank])
-    return {"dtypes": (loss.dtype, m["loss"].dtype), "errs": (abs(loss.item() - want.item()), abs(m["loss"].item() - want.item()))}
+    return {"dtypes": (loss.dtype, m["loss"].dtype, m["grad_norm"].dtype),
+            "errs": (abs(loss.item() - want.item()), abs(m["loss"].item() - want.item()), abs(m["grad_norm"].item() / want_norm.item() - 1))}
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_an_fp64_loss_is_reported_in_fp64(pools, world):
     for out in pools(world).run(rank_fp64_loss):
-        assert out["dtypes"] == (torch.float64, torch.float64), out
+        assert out["dtypes"] == (torch.float64,) * 3, out
         assert max(out["errs"]) < 1e-15, out
 
 

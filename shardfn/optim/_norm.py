@@ -28,9 +28,14 @@ def _replicas(x: DTensor) -> int:
 
 def local_sumsq(tensors: list[torch.Tensor], weights: list[float] | None = None) -> torch.Tensor:
     """The sum of squares of `tensors` (each weighted, if given) on this rank: one foreach kernel,
-    in fp32, on the first tensor's device. The one place a norm is computed (`global_norm` and the
-    train step add these sums over ranks)."""
+    in fp32 (in fp64 when every tensor is fp64), on the first tensor's device. The one place a norm
+    is computed (`global_norm` and the train step add these sums over ranks)."""
     device = tensors[0].device
+    if all(t.dtype == torch.float64 for t in tensors):  # an fp64 model clips exactly
+        sq = torch.stack([n if n.device == device else n.to(device) for n in torch._foreach_norm(tensors, 2)]).square_()
+        if weights is not None and any(w != 1.0 for w in weights):
+            sq = sq * torch.tensor(weights, dtype=torch.float64).to(device, non_blocking=True)
+        return sq.sum()
     wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]  # kept in fp64, summed in fp32
     norms = list(torch._foreach_norm([t for t in tensors if t.dtype != torch.float64], 2, dtype=torch.float32)) if len(wide) < len(tensors) else []
     for i, n in zip(wide, torch._foreach_norm([tensors[i] for i in wide], 2) if wide else ()):
@@ -42,7 +47,7 @@ def local_sumsq(tensors: list[torch.Tensor], weights: list[float] | None = None)
 
 
 def global_norm(tree: Any) -> torch.Tensor:
-    """The L2 norm of all leaves of `tree` together, as a 0-d fp32 tensor.
+    """The L2 norm of all leaves of `tree` together, as a 0-d fp32 tensor (fp64 if every leaf is).
 
     On a sharded tree (DTensor leaves) it is the norm of the full tree: each leaf's local sum of squares
     is divided by its number of replicas (the product of the mesh sizes along its `Replicate` dims),
@@ -54,7 +59,7 @@ def global_norm(tree: Any) -> torch.Tensor:
         tree: a pytree of tensors and/or DTensors (all DTensors on meshes spanning the same ranks).
 
     Returns:
-        A 0-d float32 tensor on the leaves' device, equal on every rank.
+        A 0-d float32 tensor (float64 when every leaf is) on the leaves' device, equal on every rank.
 
     Example:
         >>> global_norm({"w": torch.ones(2, 2), "b": torch.zeros(3)})
