@@ -21,7 +21,11 @@ afterwards only the buffers of the modules that did (those are compared every st
 that starts updating a buffer out of autograd's sight after the first step is not synced; one
 updated in place or reassigned always is. Which modules changed travels with the step's one
 all-reduce of its loss and norm, so every rank broadcasts the same buffers (a change on one rank
-only, a routed expert's statistics, is synced as well), with no collective of its own.
+only, a routed expert's statistics, is synced as well, and the module is compared by value on
+every rank from then on), with no collective of its own. A reassigned buffer may have another
+shape on each rank (a mask grown to the longest sequence seen): then rank 0's shapes are sent
+first, in one small broadcast, and every rank takes them, as DDP's broadcast would. Buffers a
+module registers after the step's first use (lazily, in a forward) are not watched.
 
 The copies serve a step that fails too: the buffers that have copies get their values (and
 tensors) from before it back, so an exception in `loss_fn` leaves the buffers of the modules known
@@ -61,13 +65,17 @@ class ModuleBuffers:
             self._before.append([(n, b, b._version, b.detach().clone() if keep else None) for n, b in m._buffers.items() if b is not None])
 
     def changed(self) -> list[bool]:
-        """Per owner, whether this rank's step changed one of its buffers (in place, by
-        reassignment, or by value where a copy was kept); remembered for the next steps."""
-        flags = []
+        """Per owner, whether this rank's step changed one of its buffers (reassigned, in place, or
+        by value where a copy was kept); then per owner, whether it reassigned one (the new tensor's
+        shape may differ between ranks: a cache grown to the longest sequence seen)."""
+        moved, swapped = [], []
         for m, entries in zip(self.owners, self._before):
-            flags.append(any(m._buffers.get(n) is not b or b._version != v or (c is not None and not torch.equal(c, b)) for n, b, v, c in entries))
-        self._updating = {m for m, f in zip(self.owners, flags) if f} | (self._updating or set())
-        return flags
+            new = any(m._buffers.get(n) is not b for n, b, _, _ in entries)
+            # Counters first: a value comparison is a host sync on a GPU.
+            moved.append(new or any(b._version != v for _, b, v, _ in entries)
+                         or any(c is not None and not torch.equal(c, b) for _, b, _, c in entries))
+            swapped.append(new)
+        return moved + swapped
 
     def restore(self, strict: bool = True) -> None:
         """The step is given up: the buffers get their tensors and values from before it back.
@@ -86,17 +94,28 @@ class ModuleBuffers:
                             "(its module had not updated buffers in earlier steps)"
                         )
 
-    def sync(self, changed: list[bool]) -> None:
-        """Broadcasts from the first rank the buffers of the owners `changed` flags (the same list
-        on every rank: the union over ranks of `changed()`)."""
+    def sync(self, changed: list[bool], swapped: list[bool]) -> None:
+        """Broadcasts from the first rank the buffers of the owners flagged in `changed`, and
+        remembers them as updating (Note [buffers]). The flags are the union over ranks of
+        `changed()`'s, the same on every rank; where an owner reassigned a buffer on some rank
+        (`swapped`), rank 0's shapes and dtypes go first and the others take them."""
+        self._updating = {m for m, f in zip(self.owners, changed) if f} | (self._updating or set())
         if self.group is None or not any(changed):
             return
+        slots = [(m, n) for m, f, entries in zip(self.owners, changed, self._before) if f for n, *_ in entries if m._buffers.get(n) is not None]
+        if any(swapped):
+            layout = C.broadcast_object([(tuple(m._buffers[n].shape), m._buffers[n].dtype) for m, n in slots], "the train step (module buffers)",
+                                        src=self.src, group=self.group)
+            for (m, n), (shape, dtype) in zip(slots, layout):
+                t = m._buffers[n]
+                if tuple(t.shape) != shape or t.dtype != dtype:
+                    m._buffers[n] = torch.empty(shape, dtype=dtype, device=t.device)
         bufs, seen = [], set()
-        for m, f in zip(self.owners, changed):
-            for b in m._buffers.values() if f else ():
-                if b is not None and id(b) not in seen:
-                    seen.add(id(b))
-                    bufs.append(b)
+        for m, n in slots:
+            b = m._buffers[n]
+            if id(b) not in seen:
+                seen.add(id(b))
+                bufs.append(b)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for b in bufs:
             by_dtype.setdefault(b.dtype, []).append(b)

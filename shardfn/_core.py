@@ -584,13 +584,15 @@ class GradientCore:
         stats = torch.cat([torch.stack([loss_sum / k, sq]), torch.tensor(had + changed, dtype=torch.float32).to(sq.device)])
         if self.world > 1:
             C.all_reduce(stats, None if self.replicate_group is not None or self.tp_axis is not None else self.group)
-        loss_mean = stats[0] / self.world
-        grad_norm = stats[1].sqrt()
-        n_had = len(had)
+        loss_mean = (stats[0] / self.world).to(loss_sum.dtype)
+        grad_norm = stats[1].sqrt().to(sq.dtype)
+        # Read back (a host sync on GPUs) only where this rank saw a leaf without a gradient, or the
+        # model has buffers (Note [buffers]).
+        n_had, n_buf = len(had), len(changed) // 2
+        flags = stats[2:].tolist() if changed or not all(had) else []
+        skip = [i for i, n in enumerate(flags[:n_had]) if n == 0] if not all(had) else []
         if changed:
-            self._buffers.sync([x > 0 for x in stats[2 + n_had :].tolist()])
-        # Read back (a host sync on GPUs) only where this rank saw a leaf without a gradient.
-        skip = [i for i, n in enumerate(stats[2 : 2 + n_had].tolist()) if n == 0] if not all(had) else []
+            self._buffers.sync([x > 0 for x in flags[n_had : n_had + n_buf]], [x > 0 for x in flags[n_had + n_buf :]])
         aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux, none_is_leaf=True)
         return Gradients(loss_mean, grad_norm, skip, aux)
 
@@ -747,7 +749,8 @@ def _explain(e: BaseException) -> BaseException | None:
 
 def _add_loss(total: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
     """`total` + `loss` (detached), in the loss's dtype or float32 if that is narrower: an fp64
-    model reports its loss in fp64, a bf16 one in fp32."""
+    loss is reported in fp64, a bf16 one in fp32 (`metrics["grad_norm"]` is in the gradients'
+    dtype, fp32 at least)."""
     x = loss.detach()
     x = x.to(torch.promote_types(x.dtype, torch.float32))
     return x.clone() if total is None else total + x

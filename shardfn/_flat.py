@@ -576,8 +576,10 @@ class FlatUnit:
             return
         for i, p in enumerate(self.proxies):
             if p.grad is not None:
-                g = p.grad.to(self.reduce_dtype)
-                self._stash[i] = g if i not in self._stash else self._stash[i].add_(g)
+                if i in self._stash:
+                    self._stash[i].add_(p.grad)  # promotes: no temporary in reduce_dtype
+                else:
+                    self._stash[i] = p.grad.to(self.reduce_dtype)
                 p.grad = None
 
     def alloc_grad(self) -> None:

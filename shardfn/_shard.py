@@ -204,7 +204,10 @@ _VMAP_REFUSED = (
 # soon as any output got a gradient, and the node reduces every leaf, in leaf order. The reduction
 # is one node as well, so a gradient of a gradient (a Hessian-vector product) gathers every leaf
 # again on every rank. A rank whose function used no leaf of the tree at all runs neither, and the
-# others wait for it until the collective timeout names it.
+# others wait for it until the collective timeout names it. The cost: every leaf's full gradient
+# is alive at once before the reduction starts (a node per leaf could reduce and free each as it
+# came), the same as for `sf.gather` outside transforms; the train step, which reduces unit by
+# unit, does not go through here.
 
 
 def _meta(x: Any, under_vmap: bool) -> tuple | None:
@@ -221,20 +224,50 @@ def _reduce_one(grad: torch.Tensor, meta: tuple) -> DTensor:
     return _donate.wrap(local, spec)
 
 
+_JACREV_OF_JACREV = (
+    "a derivative of jacrev with respect to a sharded tree (jacrev(jacrev(f)), a gradient of a Jacobian) "
+    "is not supported yet: gather outside the transforms (`full = sf.gather(params)`), or use a "
+    "Hessian-vector product, torch.func.vjp(torch.func.grad(f), params)"
+)
+
+
+def _batch_refusal(grads: list, metas: tuple) -> str | None:
+    """Why this rank cannot reduce a batch of cotangents, if it cannot: a vmap over examples (the
+    forward ran under vmap), a leaf on part of a mesh, or a transform that would differentiate the
+    Jacobian (the batch is reduced outside any recorded graph: it would see zeros)."""
+    if any(m[4] or len(m[1]) != m[0].ndim for m in metas):
+        return _VMAP_REFUSED
+    if any(g.requires_grad for g in grads) or any(i.key() in (TransformType.Grad, TransformType.Jvp) for i in retrieve_all_functorch_interpreters()):
+        return _JACREV_OF_JACREV
+    return None
+
+
+def _agree_on_batch(n: int, refusal: str | None, metas: tuple) -> None:
+    """Before any cotangent batch is reduced, the ranks of every mesh the leaves live on exchange
+    their batch size and refusal (one small exchange per mesh): a refusal on any rank, or different
+    sizes (jacrev averages J_r over the ranks, which needs as many outputs on each; gloo would abort
+    on the wrong-sized messages), is raised on every rank."""
+    meshes = list({id(m[0]): m[0] for m in metas}.values())
+    for mesh in meshes:
+        with torch._C._DisableFuncTorch():
+            said = C.all_gather_object((n, refusal), "jacrev through sf.gather", group=mesh_group(mesh))
+        refusals = [r for _, r in said if r is not None]
+        if refusals:
+            raise NotImplementedError(refusals[0])
+        sizes = [k for k, _ in said]
+        if len(set(sizes)) > 1:
+            raise ValueError(
+                f"jacrev with respect to a sharded tree gives mean_r J_r, the mean over ranks of each rank's Jacobian, "
+                f"which needs the same number of outputs on every rank; the ranks have {sizes}. Give every rank outputs "
+                "of one shape (e.g. pad the last batch), or gather outside the transform (`full = sf.gather(params)`) "
+                "for each rank's own Jacobian"
+            )
+
+
 def _reduce_batched(grad: torch.Tensor, meta: tuple) -> DTensor:
     """A batch of cotangents (jacrev), batch dim first, reduced as one: batch dim last so every
     Shard dim keeps its index, then first again on the shard."""
-    mesh, placements, shape, _, under_vmap = meta
-    if under_vmap or len(placements) != mesh.ndim:
-        raise NotImplementedError(_VMAP_REFUSED)
-    # This batch is reduced outside any recorded graph: a transform that would differentiate
-    # the Jacobian (jacrev(jacrev(f)), a Jacobian-norm penalty) would see zeros. Refuse it.
-    if grad.requires_grad or any(i.key() in (TransformType.Grad, TransformType.Jvp) for i in retrieve_all_functorch_interpreters()):
-        raise NotImplementedError(
-            "a derivative of jacrev with respect to a sharded tree (jacrev(jacrev(f)), a gradient of a Jacobian) "
-            "is not supported yet: gather outside the transforms (`full = sf.gather(params)`), or use a "
-            "Hessian-vector product, torch.func.vjp(torch.func.grad(f), params)"
-        )
+    mesh, placements, shape, _, _ = meta
     n = grad.shape[0]
     with torch._C._DisableFuncTorch():
         local = _reduce_to_placements(grad.movedim(0, -1), mesh, placements, (*shape, n)).movedim(-1, 0).contiguous()
@@ -242,22 +275,6 @@ def _reduce_batched(grad: torch.Tensor, meta: tuple) -> DTensor:
     full_shape = torch.Size((n, *shape))
     out_spec = DTensorSpec(mesh, out_placements, TensorMeta(full_shape, torch.empty(0).new_empty(full_shape, device="meta").stride(), local.dtype))
     return _donate.wrap(local, out_spec)
-
-
-def _same_batch_everywhere(n: int, meta: tuple) -> None:
-    """jacrev averages J_r over the ranks: every rank must have as many outputs (else gloo would
-    receive messages of the wrong size and abort the process). One small exchange, then a
-    ValueError on every rank."""
-    mesh = meta[0]
-    with torch._C._DisableFuncTorch():
-        sizes = C.all_gather_object(n, "jacrev through sf.gather", group=mesh_group(mesh))
-    if len(set(sizes)) > 1:
-        raise ValueError(
-            f"jacrev with respect to a sharded tree gives mean_r J_r, the mean over ranks of each rank's Jacobian, "
-            f"which needs the same number of outputs on every rank; the ranks have {sizes}. Give every rank outputs "
-            "of one shape (e.g. pad the last batch), or gather outside the transform (`full = sf.gather(params)`) "
-            "for each rank's own Jacobian"
-        )
 
 
 class _Gather(torch.autograd.Function):
@@ -320,7 +337,8 @@ class _Gather(torch.autograd.Function):
 
 
 def _materialized(grad: torch.Tensor | None, meta: tuple) -> torch.Tensor:
-    """A leaf's gradient, zeros where autograd passed none (every leaf is reduced on every rank)."""
+    """A leaf's gradient, zeros where autograd passed none (defensive: with autograd's default
+    materialized gradients it passes zeros; every leaf is reduced on every rank)."""
     if grad is not None:
         return grad
     tm = meta[3].tensor_meta
@@ -353,12 +371,9 @@ class _ReduceScatter(torch.autograd.Function):
         # cotangent on this rank and perhaps a batched one on another: every leaf goes as a batch,
         # so that the ranks issue the same collectives of the same sizes.
         n = info.batch_size
-        _same_batch_everywhere(n, metas[0])
-        out = []
-        for g, d, m in zip(grads, dims, metas):
-            g = g.movedim(d, 0) if d is not None else g.unsqueeze(0).expand(n, *g.shape)
-            out.append(_reduce_batched(g, m))
-        return tuple(out), (0,) * len(grads)
+        batches = [g.movedim(d, 0) if d is not None else g.unsqueeze(0).expand(n, *g.shape) for g, d in zip(grads, dims)]
+        _agree_on_batch(n, _batch_refusal(batches, metas), metas)
+        return tuple(_reduce_batched(g, m) for g, m in zip(batches, metas)), (0,) * len(grads)
 
     @staticmethod
     def jvp(ctx, _metas: None, *tangents: torch.Tensor | None) -> tuple:  # type: ignore[override]
@@ -370,11 +385,12 @@ class _ReduceScatter(torch.autograd.Function):
 
 
 def _zeros_like_shard(meta: tuple) -> DTensor:
-    """A zero cotangent for a reduced leaf autograd passed none for."""
+    """A zero cotangent for a reduced leaf autograd passed none for (defensive: with autograd's
+    default materialized gradients none comes)."""
     mesh, placements, shape, spec, _ = meta
     box = local_slices(spec_of(placements, mesh, len(shape)), mesh, shape)
-    local = torch.zeros(shape, dtype=spec.tensor_meta.dtype, device=mesh.device_type)[box].contiguous()
-    return _donate.wrap(local, spec)
+    local_shape = torch.empty(shape, device="meta")[box].shape
+    return _donate.wrap(torch.zeros(local_shape, dtype=spec.tensor_meta.dtype, device=mesh.device_type), spec)
 
 
 def _shifted(p: Any) -> Any:

@@ -402,3 +402,47 @@ def rank_local_accumulation_precision() -> dict:
 def test_local_accumulation_adds_in_the_reduce_dtype(pools):
     for errs in pools(2).run(rank_local_accumulation_precision):
         assert max(errs.values()) < 1e-6, errs
+
+
+class _Cache(torch.nn.Module):
+    """A mask grown to the longest sequence seen (reassigned: another shape on each rank), and an EMA
+    updated through `.data` only when the batch routes to it (a change on one rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("mask", torch.ones(1, 1), persistent=False)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        t = x.shape[0]
+        if self.mask.shape[0] < t:
+            self.mask = torch.tril(torch.ones(t, t))
+        if x[0, 0] > 0:
+            self.ema.data.add_(1.0)
+        return self.fc(self.mask[:t, :t] @ x)
+
+
+def rank_buffers_that_differ_between_ranks(remat: bool) -> dict:
+    """Rank r's batches have 2 + 2r rows; the EMA is reached by rank 0 at step 0 and by rank 1 at
+    step 1. Every rank ends with rank 0's buffers (its mask's shape too), with remat as well:
+    broadcast sizes that differed aborted the ranks, a reassignment to another shape under remat
+    raised a KeyError, and a change first seen on another rank than the one that learned it drifted."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Cache(), torch.nn.Linear(4, 1))
+    apply, params = sf.functionalize(model, units=r"0")
+    step = sf.train_step(lambda p, x: apply(p, x).pow(2).mean(), sf.optim.sgd(0.1), sf.mesh(dp=-1), remat=remat)
+    state = step.init(params)
+    for s in range(2):
+        x = torch.randn(2 + 2 * rank, 4, generator=torch.Generator().manual_seed(s))
+        x[0, 0] = 1.0 if s == rank else -1.0
+        state, _ = step(state, x)
+    return {"mask": tuple(model[0].mask.shape), "ema": model[0].ema.tolist()}
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_buffers_that_differ_between_ranks_take_rank_0s(pools, remat):
+    got = pools(3).run(rank_buffers_that_differ_between_ranks, remat)
+    assert all(g == got[0] for g in got), got
+    assert got[0]["mask"] == (2, 2) and got[0]["ema"] == [1.0] * 4, got[0]
