@@ -81,18 +81,19 @@ class ModuleBuffers:
         """The step is given up: the buffers get their tensors and values from before it back.
         `strict`: a buffer changed in place with no copy kept raises (a step about to be run again
         must not see it changed); otherwise (the step failed) it stays as it is."""
+        lost = [m for m, entries in zip(self.owners, self._before) for _, b, v, c in entries if c is None and b._version != v]
+        if lost and strict:  # checked before anything is put back
+            raise NotImplementedError(
+                f"a buffer of {type(lost[0]).__name__} changed in a step that is run again, and no copy of it was kept "
+                "(its module had not updated buffers in earlier steps)"
+            )
         with torch.no_grad():
             for m, entries in zip(self.owners, self._before):
-                for n, b, v, c in entries:
+                for n, b, _, c in entries:
                     if m._buffers.get(n) is not b:
                         m._buffers[n] = b
                     if c is not None:
                         b.copy_(c)
-                    elif b._version != v and strict:
-                        raise NotImplementedError(
-                            f"a buffer of {type(m).__name__} changed in a step that is run again, and no copy of it was kept "
-                            "(its module had not updated buffers in earlier steps)"
-                        )
 
     def sync(self, changed: list[bool], swapped: list[bool]) -> None:
         """Broadcasts from the first rank the buffers of the owners flagged in `changed`, and

@@ -572,7 +572,7 @@ class FlatUnit:
         than `reduce_dtype` (bf16 compute, fp32 reduce), they move into accumulators in
         `reduce_dtype`, so that the micro-batches add up in it, as FSDP2 accumulates; autograd
         would add them in bf16."""
-        if self.reduce_dtype == self.compute_dtype or torch.finfo(self.reduce_dtype).bits <= torch.finfo(self.compute_dtype).bits:
+        if torch.finfo(self.reduce_dtype).bits <= torch.finfo(self.compute_dtype).bits:
             return
         for i, p in enumerate(self.proxies):
             if p.grad is not None:

@@ -200,7 +200,8 @@ _VMAP_REFUSED = (
 # leaf; with one autograd node per leaf, that node never ran there, and the next leaf's
 # reduce-scatter paired with the other ranks' reduce-scatter of the skipped one: wrong gradients on
 # one rank, a stall on another. So the tree is gathered by one node, and reduced by one: autograd
-# runs a node's backward once, with zeros for the outputs nothing used (materialized gradients), as
+# runs a node's backward once, with zeros for the outputs nothing used (materialized gradients, a
+# Function's default, which both rely on: their backwards never see None), as
 # soon as any output got a gradient, and the node reduces every leaf, in leaf order. The reduction
 # is one node as well, so a gradient of a gradient (a Hessian-vector product) gathers every leaf
 # again on every rank. A rank whose function used no leaf of the tree at all runs neither, and the
@@ -307,7 +308,7 @@ class _Gather(torch.autograd.Function):
         at = [i for i, m in enumerate(ctx.metas) if m is not None]
         out = list(grads)
         if at:
-            reduced = _ReduceScatter.apply(tuple(ctx.metas[i] for i in at), *[_materialized(grads[i], ctx.metas[i]) for i in at])
+            reduced = _ReduceScatter.apply(tuple(ctx.metas[i] for i in at), *[grads[i] for i in at])
             for i, r in zip(at, reduced):
                 out[i] = r
         return tuple(out)
@@ -336,15 +337,6 @@ class _Gather(torch.autograd.Function):
         return tuple(None if t is None else next(fulls) for t in tangents)
 
 
-def _materialized(grad: torch.Tensor | None, meta: tuple) -> torch.Tensor:
-    """A leaf's gradient, zeros where autograd passed none (defensive: with autograd's default
-    materialized gradients it passes zeros; every leaf is reduced on every rank)."""
-    if grad is not None:
-        return grad
-    tm = meta[3].tensor_meta
-    return torch.zeros(meta[2], dtype=tm.dtype, device=meta[0].device_type)
-
-
 class _ReduceScatter(torch.autograd.Function):
     """Full tensors (one set per rank) -> the DTensors of their mean, laid out as `metas` say; the
     gradient of `_Gather`, and its backward is `_Gather` (its adjoint: Note [the mean over ranks]).
@@ -360,7 +352,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: DTensor) -> Any:  # type: ignore[override]
-        return (None, *_Gather.apply(*[g if g is not None else _zeros_like_shard(m) for g, m in zip(grads, ctx.metas)]))
+        return (None, *_Gather.apply(*grads))
 
     @staticmethod
     def vmap(info, in_dims, metas, *grads):  # type: ignore[override]
@@ -382,15 +374,6 @@ class _ReduceScatter(torch.autograd.Function):
         at = [i for i, t in enumerate(tangents) if t is not None]
         reduced = iter(_ReduceScatter.apply(tuple(ctx.metas[i] for i in at), *[tangents[i] for i in at]) if at else ())
         return tuple(None if t is None else next(reduced) for t in tangents)
-
-
-def _zeros_like_shard(meta: tuple) -> DTensor:
-    """A zero cotangent for a reduced leaf autograd passed none for (defensive: with autograd's
-    default materialized gradients none comes)."""
-    mesh, placements, shape, spec, _ = meta
-    box = local_slices(spec_of(placements, mesh, len(shape)), mesh, shape)
-    local_shape = torch.empty(shape, device="meta")[box].shape
-    return _donate.wrap(torch.zeros(local_shape, dtype=spec.tensor_meta.dtype, device=mesh.device_type), spec)
 
 
 def _shifted(p: Any) -> Any:
@@ -469,4 +452,4 @@ class _GatherMany(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> Any:  # type: ignore[override]
-        return _ReduceScatter.apply(tuple(ctx.metas), *[_materialized(g, m) for g, m in zip(grads, ctx.metas)])
+        return _ReduceScatter.apply(tuple(ctx.metas), *grads)

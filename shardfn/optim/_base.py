@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Optional, Protocol
 
-import optree
 import torch
 
-from ._local import flatten, flatten_as, locals_, wrap
+from ._local import locals_, pair_leaves, wrap
 
 __all__ = ["GradientTransformation", "EmptyState", "apply_updates"]
 
@@ -87,12 +86,7 @@ def donating(t: GradientTransformation) -> Callable:
 
 def add_updates_(params: Params, updates: Updates) -> None:
     """``params += updates`` leafwise, in place on the local tensors (one foreach call)."""
-    p_leaves, spec = flatten(params)
-    if optree.tree_structure(updates) != spec and optree.tree_structure(updates, none_is_leaf=True) == optree.tree_structure(params, none_is_leaf=True):
-        pairs = [(p, u) for p, u in zip(optree.tree_leaves(params, none_is_leaf=True), optree.tree_leaves(updates, none_is_leaf=True)) if p is not None and u is not None]
-        p_leaves, u_leaves = [p for p, _ in pairs], [u for _, u in pairs]  # a None update (a frozen leaf): unchanged
-    else:
-        u_leaves = flatten_as(spec, updates, "updates")
+    p_leaves, u_leaves, _ = pair_leaves(params, updates, "updates")  # a None update (a frozen leaf): unchanged
     if p_leaves:
         torch._foreach_add_(locals_(p_leaves), locals_(u_leaves))
 
@@ -142,18 +136,10 @@ def apply_updates(params: Params, updates: Updates) -> Params:
         >>> updates, state = opt.update(grads, state, params)
         >>> params = apply_updates(params, updates)
     """
-    p_leaves, spec = flatten(params)
-    if optree.tree_structure(updates) != spec and optree.tree_structure(updates, none_is_leaf=True) == optree.tree_structure(params, none_is_leaf=True):
-        # None updates (frozen leaves; optax's apply_updates takes them too): those params stay as they are.
-        p_all, all_spec = optree.tree_flatten(params, none_is_leaf=True)
-        u_all = optree.tree_leaves(updates, none_is_leaf=True)
-        moved = apply_updates([p for p, u in zip(p_all, u_all) if p is not None and u is not None], [u for p, u in zip(p_all, u_all) if p is not None and u is not None])
-        it = iter(moved)
-        return all_spec.unflatten([p if p is None or u is None else next(it) for p, u in zip(p_all, u_all)])
-    u_leaves = flatten_as(spec, updates, "updates (in apply_updates)")
+    p_leaves, u_leaves, put = pair_leaves(params, updates, "updates (in apply_updates)")
     if not p_leaves:
         return params
     p_loc = locals_(p_leaves)
     outs = torch._foreach_add(p_loc, locals_(u_leaves))
     outs = [o if o.dtype == p.dtype else o.to(p.dtype) for o, p in zip(outs, p_loc)]
-    return spec.unflatten([wrap(o, p, p.requires_grad) for o, p in zip(outs, p_leaves)])
+    return put([wrap(o, p, p.requires_grad) for o, p in zip(outs, p_leaves)])

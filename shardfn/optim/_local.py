@@ -42,6 +42,28 @@ def flatten_as(spec: optree.PyTreeSpec, tree: Tree, what: str) -> list[Any]:
     return leaves
 
 
+def pair_leaves(params: Tree, updates: Tree, what: str) -> tuple[list[Any], list[Any], Any]:
+    """The leaves of `params` and of `updates` in pairs, and a function that puts new parameter
+    leaves in place of the paired ones. A None update (a frozen leaf's, as optax takes them) pairs
+    with nothing: its parameter stays. Otherwise the structures must match (ValueError naming `what`)."""
+    p_leaves, spec = flatten(params)
+    u_leaves, u_spec = optree.tree_flatten(updates)
+    if u_spec == spec:  # the usual case: one walk of each tree
+        return p_leaves, u_leaves, spec.unflatten
+    full = optree.tree_structure(params, none_is_leaf=True)
+    if optree.tree_structure(updates, none_is_leaf=True) != full:
+        flatten_as(spec, updates, what)  # raises, naming the difference
+    p_all = optree.tree_leaves(params, none_is_leaf=True)
+    u_all = optree.tree_leaves(updates, none_is_leaf=True)
+    keep = [p is not None and u is not None for p, u in zip(p_all, u_all)]
+
+    def put(new: list[Any]) -> Tree:
+        it = iter(new)
+        return full.unflatten([next(it) if k else p for p, k in zip(p_all, keep)])
+
+    return [p for p, k in zip(p_all, keep) if k], [u for u, k in zip(u_all, keep) if k], put
+
+
 def _none_where_tensors(spec: optree.PyTreeSpec, tree: Tree) -> list[str]:
     """The dotted paths where the updates (structure `spec`, None an empty subtree) hold None and
     `tree` a leaf, if that is the only difference; else []."""
