@@ -133,7 +133,7 @@ class GradientCore:
     def __init__(self, loss_fn: Callable[[Any, Any], Any], mesh: DeviceMesh, specs: Any = None, strategy: str = "full_shard",
                  mixed_precision: "MixedPrecision | None" = None, remat: Any = False, accumulation_steps: int = 1,
                  apply: Any = None, frozen: Any = None, offload: str | None = None, accumulation: str = "sharded",
-                 group_bytes: int | None = None):
+                 group_bytes: int | None = None, keep_last_unit: bool = True):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
@@ -146,6 +146,8 @@ class GradientCore:
             raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
         if group_bytes is not None and not (isinstance(group_bytes, int) and not isinstance(group_bytes, bool) and group_bytes >= 0):
             raise ValueError(f"group_bytes must be a byte count >= 0 (0: no unit groups) or None, got {group_bytes!r}")
+        if not isinstance(keep_last_unit, bool):
+            raise ValueError(f"keep_last_unit must be True or False, got {keep_last_unit!r}")
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"mesh must be a DeviceMesh (see sf.mesh), got {type(mesh).__name__}")
         names = tuple(mesh.mesh_dim_names or ())
@@ -190,6 +192,7 @@ class GradientCore:
         self.frozen = compile_patterns(frozen, "frozen", "dotted parameter names")
         self.offload = offload
         self.group_bytes = GROUP_BYTES if group_bytes is None else group_bytes
+        self.keep_last_unit = keep_last_unit
         self.off_schedule = False  # Note [steps off the unit schedule]
         self.group = mesh.get_group(self.shard_axis)
         self.replicate_group = mesh.get_group(self.replicate_axis) if self.replicate_axis else None
@@ -519,6 +522,7 @@ class GradientCore:
         in_place = direct_gather and any(u.gathers_in_place for k, u in units.items() if k >= 0)
         return Policy(
             reshard_after_forward=self.strategy in ("full_shard", "hybrid_shard"),
+            keep_last=self.keep_last_unit,
             share_slots=self.strategy in ("full_shard", "hybrid_shard"),
             slots=3 if in_place else 2,
             all_reduce=self.strategy == "no_shard" and reduce_in_master and (self.accumulation_steps == 1 or self.accumulation == "local"),

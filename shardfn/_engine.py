@@ -11,9 +11,12 @@ This follows the FSDP paper (Zhao et al., 2023), for units u_0 .. u_n in forward
                  those that need a gradient go through `_PostBackward`, whose backward runs once
                  autograd has computed their gradients, i.e. once this use of the unit is over in
                  the backward (FSDP2 detects it the same way, on the inputs).
-  post-forward   `full_shard`: free u_i. Hook u_i's output tensors (found through torch's pytree,
-                 dataclasses and the bases of views) so that the first gradient reaching them runs
-                 pre-backward.
+  post-forward   `full_shard`: free u_i, except the last unit in forward order (from the second
+                 step on, once the order is known): its backward is the first, so it stays
+                 gathered, one gather fewer per step (torchtitan sets FSDP2's
+                 `reshard_after_forward=False` on its last block for the same reason). Hook u_i's
+                 output tensors (found through torch's pytree, dataclasses and the bases of views)
+                 so that the first gradient reaching them runs pre-backward.
   pre-backward   wait for / start u_i's gather; start gathering u_{i-1} (prefetch, reverse order).
   post-backward  a use of u_i is over: `full_shard` frees it if no other use is running.
   reduce         once every use of u_i is over AND every trained parameter of u_i has its gradient
@@ -181,6 +184,8 @@ class Policy:
 
     Attributes:
         reshard_after_forward: free units after their forward (`full_shard`, `hybrid_shard`).
+        keep_last: under `reshard_after_forward`, keep the last unit in forward order gathered
+            from its forward to its backward (Note [unit schedule]).
         share_slots: units may share slot arenas (Note [slot arenas]).
         slots: how many slot arenas units share (3 when gathers land in place).
         all_reduce: gradients are all-reduced in place (`no_shard` in the master dtype): every
@@ -193,6 +198,7 @@ class Policy:
 
     reshard_after_forward: bool
     share_slots: bool
+    keep_last: bool = True
     slots: int = 2
     all_reduce: bool = False
     reduce_in_master: bool = True
@@ -348,16 +354,26 @@ class Engine:
         whatever order its members run (Note [unit groups])."""
         if self.reshard_after_forward and self._grouped:
             for u in [u for u in self._live if u in self._grouped and u != but and u in self._ran and not self._busy(u)]:
+                if but is None and self._kept_for_backward(u):
+                    continue
                 self._free(u)
             if but is None:
                 self._release_idle_slots()
 
+    def _kept_for_backward(self, u: int) -> bool:
+        """The last unit in forward order stays gathered after its forward: its backward comes
+        first, and would gather it again at once (Note [unit schedule])."""
+        return self.policy.keep_last and self._order_known and self._next_of(u) is None
+
     def _release_idle_slots(self) -> None:
-        """After the last unit's forward, nothing is gathered until the first unit's backward,
-        while the loss and its gradient take their largest activations: give the slots back (the
-        backward allocates them again)."""
-        if self.slot_of and self._order_known and not self._live:
-            for a in self._slot_arenas:
+        """After the last unit's forward, nothing else is gathered until the first unit's backward,
+        while the loss and its gradient take their largest activations: give back the slots that
+        no gathered unit holds (the backward allocates them again)."""
+        if not (self.slot_of and self._order_known) or any(w in self.slot_of for w in self._works):
+            return
+        held = {id(a) for v in self._live for name, a in self.units[v].arenas.items() if name != "gathered"}
+        for a in self._slot_arenas:
+            if id(a) not in held:
                 a.release()
 
     # -- the plan (Note [unit plan]) ------------------------------------------------------------
@@ -858,7 +874,8 @@ class Engine:
                     "with torch.utils._pytree.register_pytree_node"
                 )
         if self.reshard_after_forward and u not in self._grouped:
-            self._free(u)
+            if not self._kept_for_backward(u):
+                self._free(u)
             if self._next_of(u) is None:
                 self._release_idle_slots()
         return output

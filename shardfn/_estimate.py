@@ -741,8 +741,10 @@ class _Sim:
                     self._release(self._key(u, name))
 
     def release_slots(self) -> None:
+        """The engine's `_release_idle_slots`: the slots no gathered unit holds."""
+        held = {self._key(v, name) for v in self.live for name in ("full", "stage")}
         for key in list(self.alloc):
-            if key == ("gathered", "shared") or (len(key) == 3 and key[1] == "slot"):
+            if (key == ("gathered", "shared") or (len(key) == 3 and key[1] == "slot")) and key not in held:
                 self._release(key)
 
     def release_spent_slot(self, u: int) -> None:
@@ -846,18 +848,21 @@ class _Sim:
                 u = member_group[arg]
                 grouped = len(self.g[u].members) > 1
                 if self.policy.reshard_after_forward and not grouped:
-                    self.free(u)
+                    last = self.policy.keep_last and pos.get(u) == len(order) - 1  # kept for its backward, the first
+                    if not last:
+                        self.free(u)
                     cur_fwd = None
                     self.running_unit = None
-                    if pos.get(u) == len(order) - 1 and self.slot_of:
+                    if last and self.slot_of:
                         self.release_slots()
                 self.see()
             elif kind == "end_forward":
                 if cur_fwd is not None and self.policy.reshard_after_forward:
-                    self.free(cur_fwd)
+                    if not (self.policy.keep_last and pos.get(cur_fwd) == len(order) - 1):
+                        self.free(cur_fwd)
                     cur_fwd = None
                     self.running_unit = None
-                if self.slot_of and not self.live:
+                if self.slot_of and not self.works:
                     self.release_slots()
                 self.phase = "backward"
                 self.current = ""

@@ -134,6 +134,7 @@ class ValueAndGrad:
         core = GradientCore(
             self._loss, mesh, specs, o["strategy"], o["mixed_precision"], o["remat"], o["accumulation_steps"],
             apply=o["apply"], frozen=o["frozen"], accumulation=o["accumulation"], group_bytes=o["group_bytes"],
+            keep_last_unit=o["keep_last_unit"],
         )
         core.build(params)  # copies the shards into the core's flat buffers
         for p, x, own in zip(paths, leaves, core.dt_params):
@@ -184,6 +185,7 @@ def value_and_grad(
     apply: Any = None,
     frozen: Any = None,
     group_bytes: int | None = None,
+    keep_last_unit: bool = True,
 ) -> ValueAndGrad:
     """The loss and its gradient with respect to a sharded tree, on the FSDP unit schedule.
 
@@ -197,7 +199,7 @@ def value_and_grad(
             hold full values wherever they are used, as in `train_step`.
         has_aux: whether `loss_fn` returns `(loss, aux)`.
         strategy, mixed_precision, remat, accumulation_steps, accumulation, apply, frozen,
-            group_bytes: as in `train_step`.
+            group_bytes, keep_last_unit: as in `train_step`.
 
     Returns:
         `fn(params, batch) -> (loss, grads)` (or `((loss, aux), grads)`), where `params` is a tree of
@@ -212,7 +214,8 @@ def value_and_grad(
         ...     opt_state = opt.step_(grads, opt_state, params)   # in place
     """
     options = dict(strategy=strategy, mixed_precision=mixed_precision, remat=remat, accumulation_steps=accumulation_steps,
-                   accumulation=accumulation, apply=apply, frozen=frozen, group_bytes=group_bytes)
+                   accumulation=accumulation, apply=apply, frozen=frozen, group_bytes=group_bytes,
+                   keep_last_unit=keep_last_unit)
     return ValueAndGrad(loss_fn, has_aux, options)
 
 

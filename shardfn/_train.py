@@ -35,12 +35,14 @@ class TrainStep:
     """
 
     def __init__(self, loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
-                 apply=None, frozen=None, offload=None, accumulation="sharded", group_bytes=None, check_memory=None):
+                 apply=None, frozen=None, offload=None, accumulation="sharded", group_bytes=None, check_memory=None,
+                 keep_last_unit=True):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         self.core = GradientCore(
             loss_fn, mesh, specs, strategy, mixed_precision, remat, accumulation_steps,
             apply=apply, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
+            keep_last_unit=keep_last_unit,
         )
         self.opt = opt
         self.max_grad_norm = max_grad_norm
@@ -262,6 +264,7 @@ def train_step(
     accumulation: str = "sharded",
     group_bytes: int | None = None,
     check_memory: bool | int | None = None,
+    keep_last_unit: bool = True,
 ) -> TrainStep:
     """Builds a sharded train step around `loss_fn(params, batch)`.
 
@@ -302,6 +305,10 @@ def train_step(
             None (default) checks the state at `init`, and on CUDA also the first step with its
             batch; True checks both on any device; an int is a budget in bytes instead of the
             device's free memory (both checks); False checks nothing.
+        keep_last_unit: under `full_shard` and `hybrid_shard`, the last unit in forward order stays
+            gathered from its forward to its backward, which comes first (one all-gather fewer per
+            step, as torchtitan does for FSDP2's last block); False frees it like the others, its
+            full size less while the loss (the largest activations, often the peak) is computed.
 
     Returns:
         A `TrainStep`: `state = step.init(params)`, then `state, metrics = step(state, batch)`.
@@ -314,5 +321,5 @@ def train_step(
     return TrainStep(
         loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
         apply=apply, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
-        check_memory=check_memory,
+        check_memory=check_memory, keep_last_unit=keep_last_unit,
     )

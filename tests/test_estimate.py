@@ -239,8 +239,10 @@ def rank_memory_check() -> dict:
     b = est.max_batch(budget)
     out["max_batch"] = [(n, sf.estimate_memory(probe, params, batch=tuple(x[:1].expand(n, -1) for x in batch)).fits(budget))
                         for n in (b, b + 1)]
-    w = est.min_world(budget=int(est.peak * 0.8))
-    out["min_world"] = [(v, sf.estimate_memory(probe, params, batch=batch, world=v).fits(int(est.peak * 0.8))) for v in (w // 2, w)]
+    # This tiny model's peak falls to about 0.8 of its one-rank peak at 4 ranks and no further (its
+    # activations and the gathered units do not shrink with the world size).
+    w = est.min_world(budget=int(est.peak * 0.9))
+    out["min_world"] = [(v, sf.estimate_memory(probe, params, batch=batch, world=v).fits(int(est.peak * 0.9))) for v in (w // 2, w)]
     return out
 
 
@@ -281,7 +283,8 @@ def simulations() -> list:
     import shardfn as sf
 
     out = []
-    for world, strategy, opts in [(64, "full_shard", {}), (256, "full_shard", {"remat": True}), (1024, "hybrid_shard", {}),
+    for world, strategy, opts in [(64, "full_shard", {}), (64, "full_shard", {"keep_last_unit": False}),
+                                  (256, "full_shard", {"remat": True}), (1024, "hybrid_shard", {}),
                                   (1024, "full_shard", {"bf16": True, "accumulation_steps": 2})]:
         est, measured = sf.simulate(simulated_rank, strategy, opts, world=world)
         out.append((world, strategy, opts, est, measured, dist.is_initialized()))
@@ -309,4 +312,8 @@ def test_simulated_rank_of_a_large_job_matches_the_estimate():
     for world, strategy, opts, est, measured, still_initialized in runs:
         assert 0.9 <= est / measured <= 1.1, (world, strategy, opts, est, measured)
         assert not still_initialized  # the fake process group is gone after each simulation
+    # At 64 ranks this model's peak is the loss's, where the last block stays gathered by default:
+    # freeing it (keep_last_unit=False) lowers the peak by about one block, and the estimate follows.
+    (*_, est_kept, kept, _), (*_, est_freed, freed, _) = runs[:2]
+    assert freed < kept and est_freed < est_kept, (kept, freed, est_kept, est_freed)
     assert "already has one" in refused

@@ -199,12 +199,14 @@ def _count(strategy: str, opts: dict) -> dict:
 def test_collectives_with_options(pools):
     pool = pools(2)
     U = 3
-    # remat: the unit is gathered once for both the recompute and the backward.
+    # remat: the unit is gathered once for both the recompute and the backward, the last unit not
+    # again at all: it stays gathered from its forward (Note [unit schedule]).
     # (one all-gather per step is the units check, Note [units on every rank])
-    assert pool.run(rank_count, "full_shard", {"remat": True})[0] == {"all_gather_single": 2 * U + 2, "reduce_scatter_single": U + 1, "all_reduce": 1}
-    # The three blocks as one group (Note [unit groups]): remat still per block, one gather each way.
+    assert pool.run(rank_count, "full_shard", {"remat": True})[0] == {"all_gather_single": 2 * U + 1, "reduce_scatter_single": U + 1, "all_reduce": 1}
+    # The three blocks as one group (Note [unit groups]): remat still per block, the group gathered
+    # once (the last unit, kept for the backward).
     c = pool.run(rank_count, "full_shard", {"remat": True, "group_bytes": None})[0]
-    assert c == {"all_gather_single": 2 + 2, "reduce_scatter_single": 1 + 1, "all_reduce": 1}, c
+    assert c == {"all_gather_single": 2 + 1, "reduce_scatter_single": 1 + 1, "all_reduce": 1}, c
     # clipping: the norm costs no collective beyond the one metrics all-reduce.
     assert pool.run(rank_count, "full_shard", {"clip": 0.1})[0]["all_reduce"] == 1
     # frozen: a fully frozen unit (blocks.0) is gathered but never reduced.

@@ -257,15 +257,16 @@ def torchrun_jobs(tmp_path_factory):
 def test_torchrun_fails_fast_and_names_the_rank(torchrun_jobs, mode):
     t0, jobs = torchrun_jobs
     p, log = jobs[mode]
-    p.wait(timeout=90)
+    p.wait(timeout=max(1.0, 180 - (time.time() - t0)))
     took = time.time() - t0
     out = log.read_text()
     assert p.returncode == 1, out[-3000:]
     for name in TORCHRUN_FAILURES[mode]:
         assert name in out, out[-3000:]
-    # Start-up (the four jobs' interpreters importing torch at once) plus at most the 4 s timeout
-    # and the reports: a bound on failing fast, far below the 600 s default timeout.
-    assert took < 60, (took, out[-2000:])
+    # Start-up (the four jobs' interpreters importing torch at once: 20-65 s on a busy 2-core
+    # machine) plus at most the 4 s timeout and the reports: a bound on failing fast, far below
+    # the 600 s default timeout.
+    assert took < 180, (took, out[-2000:])
 
 
 def _where() -> tuple[int, int, str | None, int]:

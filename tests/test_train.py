@@ -129,7 +129,8 @@ def test_parity_with_clipping_and_accumulation(pools, world):
             assert max(loss_err, norm_err, param_err) < 1e-5, (kind, loss_err, norm_err, param_err)
 
 
-def rank_count_collectives(strategy: str, gloo: str = "native", small_segment: int | None = None, group_bytes: int | None = 0) -> dict:
+def rank_count_collectives(strategy: str, gloo: str = "native", small_segment: int | None = None, group_bytes: int | None = 0,
+                            keep_last_unit: bool = True) -> dict:
     """Counts the process-group calls of one step, by collective and by phase (forward/backward).
 
     Point-to-point messages are posted from the calling thread here, so that each call is seen in
@@ -138,14 +139,14 @@ def rank_count_collectives(strategy: str, gloo: str = "native", small_segment: i
     old, C.POST_FROM_THREAD = C.POST_FROM_THREAD, False
     try:
         with C.gloo_collectives(gloo), _small_segment(small_segment):
-            return _count_collectives(strategy, group_bytes)
+            return _count_collectives(strategy, group_bytes, keep_last_unit)
     finally:
         C.POST_FROM_THREAD = old
 
 
-def _count_collectives(strategy: str, group_bytes: int | None = 0) -> dict:
+def _count_collectives(strategy: str, group_bytes: int | None = 0, keep_last_unit: bool = True) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    ref, apply, step, state, mesh = _setup("gpt", strategy, group_bytes=group_bytes)
+    ref, apply, step, state, mesh = _setup("gpt", strategy, group_bytes=group_bytes, keep_last_unit=keep_last_unit)
     batch = local_batch(global_batch("gpt", 0, world), rank, world)
     state, _ = step(state, batch)  # first step learns the unit order
 
@@ -184,6 +185,7 @@ def _count_collectives(strategy: str, group_bytes: int | None = 0) -> dict:
         storage_left=storage_left,
         grads_left=grads_left,
         pieces={u.name: len(u._gather_pieces) for u in [*step.engine.units, step.engine.root]},
+        last=step.engine.units[step.engine.order[-1]].name if step.engine.units else None,
     )
 
 
@@ -199,9 +201,10 @@ def test_collectives_per_step(pools, world):
             others = {k: v for k, v in c.items() if k[0] not in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
             assert not others, others  # no per-leaf or fallback collectives
             # The forward's last all-gather is the check that every rank ran the same units (Note
-            # [units on every rank]): one small int32 all-gather per step.
+            # [units on every rank]): one small int32 all-gather per step. The last unit stays
+            # gathered for its backward (Note [unit schedule]): one gather fewer in the backward.
             if strategy == "full_shard":
-                assert (ag_f, ag_b, rs, ar) == (U + 2, U, U + 1, 1), (strategy, c)
+                assert (ag_f, ag_b, rs, ar) == (U + 2, U - 1, U + 1, 1), (strategy, c)
             elif strategy == "shard_grad_op":
                 assert (ag_f, ag_b, rs, ar) == (U + 2, 0, U + 1, 1), (strategy, c)
             else:  # one all-reduce per unit (+ root) for gradients, one for the metrics
@@ -213,24 +216,28 @@ def test_collectives_per_step(pools, world):
             ag = c.get(("all_gather_single", "forward"), 0), c.get(("all_gather_single", "backward"), 0)
             rs = sum(v for (n, _), v in c.items() if n == "reduce_scatter_single")
             ar = sum(v for (n, _), v in c.items() if n == "all_reduce")
-            expect = {"full_shard": ((3, 1), 2, 1), "shard_grad_op": ((3, 0), 2, 1), "no_shard": ((1, 0), 0, 3)}[strategy]
+            expect = {"full_shard": ((3, 0), 2, 1), "shard_grad_op": ((3, 0), 2, 1), "no_shard": ((1, 0), 0, 3)}[strategy]
             assert (ag, rs, ar) == expect, (strategy, c)
+    # keep_last_unit=False: every unit gathered again for its backward.
+    for r in pools(world).run(rank_count_collectives, "full_shard", keep_last_unit=False):
+        c = r["counts"]
+        assert (c.get(("all_gather_single", "forward")), c.get(("all_gather_single", "backward"))) == (U + 2, U), c
         # "in_place": each unit's reduce-scatter as gloo runs it, an all-reduce, but in place.
         c = pools(world).run(rank_count_collectives, "full_shard", "in_place")[0]["counts"]
-        assert c == {("all_gather_single", "forward"): U + 2, ("all_gather_single", "backward"): U,
+        assert c == {("all_gather_single", "forward"): U + 2, ("all_gather_single", "backward"): U - 1,
                      ("all_reduce", "backward"): U + 1, ("all_reduce", "idle"): 1}, c
         # The default on gloo: every all-gather and reduce-scatter is W - 1 sends and W - 1 receives.
         c = pools(world).run(rank_count_collectives, "full_shard", "p2p")[0]["counts"]
         W = world
         assert c == {("isend", "forward"): (W - 1) * (U + 2), ("irecv", "forward"): (W - 1) * (U + 2),
-                     ("isend", "backward"): (W - 1) * (2 * U + 1), ("irecv", "backward"): (W - 1) * (2 * U + 1),
+                     ("isend", "backward"): (W - 1) * (2 * U), ("irecv", "backward"): (W - 1) * (2 * U),
                      ("all_reduce", "idle"): 1}, c
         # Leaves received in place: one message per piece (the small leaves together, each large
         # leaf alone) per peer, for every gather; reduce-scatters stay one message per peer.
         r = pools(world).run(rank_count_collectives, "full_shard", "p2p", 40)[0]
         c, pieces = r["counts"], r["pieces"]
         per_fwd = sum(pieces.values())
-        per_bwd = per_fwd - pieces[""] + U + 1  # the blocks again (the root stays), and the reductions
+        per_bwd = per_fwd - pieces[""] - pieces[r["last"]] + U + 1  # the blocks but the last again, and the reductions
         assert pieces[""] >= 2 and all(n >= 5 for k, n in pieces.items() if k), pieces
         assert c == {("isend", "forward"): (W - 1) * (per_fwd + 1), ("irecv", "forward"): (W - 1) * (per_fwd + 1),
                      ("isend", "backward"): (W - 1) * per_bwd, ("irecv", "backward"): (W - 1) * per_bwd,
@@ -325,6 +332,7 @@ def rank_errors() -> list[str]:
         lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, max_grad_norm=-1.0),
         lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh)(None, None),
         lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, group_bytes=-1),
+        lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, keep_last_unit="yes"),
     ):
         try:
             call()
@@ -343,12 +351,13 @@ def test_user_errors_are_value_errors(pools):
     assert "max_grad_norm" in msgs[3]
     assert "init" in msgs[4]
     assert "group_bytes" in msgs[5] and "0: no unit groups" in msgs[5], msgs[5]
+    assert "keep_last_unit must be True or False" in msgs[6], msgs[6]
 
 
-def rank_schedule(strategy: str, small_segment: int | None = None) -> list:
+def rank_schedule(strategy: str, small_segment: int | None = None, keep_last_unit: bool = True) -> list:
     rank, world = dist.get_rank(), dist.get_world_size()
     with _small_segment(small_segment):
-        _, _, step, state, _ = _setup("gpt", strategy, group_bytes=0)
+        _, _, step, state, _ = _setup("gpt", strategy, group_bytes=0, keep_last_unit=keep_last_unit)
         batch = local_batch(global_batch("gpt", 0, world), rank, world)
         state, _ = step(state, batch)
         step.engine.stats.record_events = True
@@ -378,13 +387,18 @@ def test_schedule_prefetches_in_forward_and_reverse_order(pools):
     fwd = [(w, u) for w, u, ph in ev if ph == "forward"]
     bwd = [(w, u) for w, u, ph in ev if ph == "backward"]
     assert [u for w, u in fwd if w == "gather"] == [R, 0, 1, 2]
-    assert [u for w, u in bwd if w == "gather"] == [2, 1, 0]
+    # The last unit stays gathered from its forward to its backward, the first.
+    assert [u for w, u in fwd if w == "free"] == [0, 1]
+    assert [u for w, u in bwd if w == "gather"] == [1, 0]
     assert [u for w, u in bwd if w == "reduce"] == [2, 1, 0, R]
     # Prefetch: the next unit's gather starts before the current one is done with.
     assert fwd.index(("gather", 1)) < fwd.index(("free", 0))
     assert fwd.index(("gather", 2)) < fwd.index(("free", 1))
     assert bwd.index(("gather", 1)) < bwd.index(("reduce", 2))
     assert bwd.index(("gather", 0)) < bwd.index(("reduce", 1))
+    ev = pools(2).run(rank_schedule, "full_shard", None, False)[0]
+    assert [u for w, u, ph in ev if w == "free" and ph == "forward"] == [0, 1, 2]
+    assert [u for w, u, ph in ev if w == "gather" and ph == "backward"] == [2, 1, 0]
     # shard_grad_op: no gather in backward; units freed right after their reduction, the root last.
     ev = pools(2).run(rank_schedule, "shard_grad_op")[0]
     assert [u for w, u, ph in ev if w == "gather" and ph == "backward"] == []
