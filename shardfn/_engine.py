@@ -700,6 +700,8 @@ class Engine:
                 if len(self._live) < self.max_live:
                     break
                 self._free(w)
+        if u in self._works or (u != ROOT and u in self._live):
+            return  # a free above ran the deferred prefetches, and one of them started `u`
         if u in self.slot_of:  # one shared all-gather output: one unit gather in flight
             for w in [w for w in self._works if w in self.slot_of]:
                 self._drain_slot(w)

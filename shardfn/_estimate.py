@@ -118,7 +118,7 @@ class MemoryEstimate:
         phase, unit: where the peak happens: "forward", "backward" or "optimizer", and the unit
             running then ("" for the root or none).
         first_step: whether the peak is in the first step, which runs before the engine plans its
-            slot arenas (Note [unit plan]); later steps then take less.
+            slot arenas (Note [unit plan]) and learns which unit is the last (`keep_last_unit`).
         world, rank: the shard world size and rank it is for.
         host: with `offload="cpu"` on CUDA, the host memory the shards, gradients and optimizer
             state take (pinned), which `peak` (device memory) leaves out; else 0.
@@ -740,6 +740,11 @@ class _Sim:
                 for name in ("full", "gathered", "stage"):
                     self._release(self._key(u, name))
 
+    def _keeps(self, position: int | None) -> bool:
+        """The engine's `_kept_for_backward`: the last unit in forward order, once the order is
+        known (not in the first step)."""
+        return self.policy.keep_last and not self.first_step and position == len(self.order) - 1
+
     def release_slots(self) -> None:
         """The engine's `_release_idle_slots`: the slots no gathered unit holds."""
         held = {self._key(v, name) for v in self.live for name in ("full", "stage")}
@@ -848,17 +853,16 @@ class _Sim:
                 u = member_group[arg]
                 grouped = len(self.g[u].members) > 1
                 if self.policy.reshard_after_forward and not grouped:
-                    last = self.policy.keep_last and pos.get(u) == len(order) - 1  # kept for its backward, the first
-                    if not last:
+                    if not self._keeps(pos.get(u)):  # else kept for its backward, the first
                         self.free(u)
                     cur_fwd = None
                     self.running_unit = None
-                    if last and self.slot_of:
+                    if pos.get(u) == len(order) - 1 and self.slot_of:
                         self.release_slots()
                 self.see()
             elif kind == "end_forward":
                 if cur_fwd is not None and self.policy.reshard_after_forward:
-                    if not (self.policy.keep_last and pos.get(cur_fwd) == len(order) - 1):
+                    if not self._keeps(pos.get(cur_fwd)):
                         self.free(cur_fwd)
                     cur_fwd = None
                     self.running_unit = None

@@ -317,3 +317,34 @@ def test_simulated_rank_of_a_large_job_matches_the_estimate():
     (*_, est_kept, kept, _), (*_, est_freed, freed, _) = runs[:2]
     assert freed < kept and est_freed < est_kept, (kept, freed, est_kept, est_freed)
     assert "already has one" in refused
+
+
+def rank_kept_unit_estimates() -> list:
+    """Estimates only (a meta model): a GPT whose peak is the loss's, at 2 ranks."""
+    import shardfn as sf
+    from shardfn.models import GPT, GPTConfig
+
+    with sf.meta_device():
+        model = GPT(GPTConfig(vocab=8192, block_size=64, n_layer=4, n_head=4, d=256))
+    apply, params = sf.functionalize(model, units=r"blocks\.\d+")
+    batch = (torch.zeros(4, 64, dtype=torch.long), torch.zeros(4, 64, dtype=torch.long))
+
+    def loss_fn(p, b):
+        return torch.nn.functional.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten())
+
+    out = []
+    for keep in (True, False):
+        step = sf.train_step(loss_fn, sf.optim.adamw(1e-3), sf.mesh(dp=-1), keep_last_unit=keep, group_bytes=0)
+        est = sf.estimate_memory(step, params, batch=batch, world=2)
+        out.append((est.peak, est.first_step, est.phase))
+    return out
+
+
+def test_the_kept_unit_is_estimated_from_the_second_step_on(pools):
+    """The engine keeps the last unit for the backward once the order of units is known: the
+    estimate's first step keeps none. Kept, the peak is a later step's (the loss's, with the block);
+    freed, the first step's (an arena per unit, before the slots are planned)."""
+    (kept, kept_first, phase), (freed, freed_first, _) = pools(1).run(rank_kept_unit_estimates)[0]
+    assert kept > freed, (kept, freed)
+    assert not kept_first and phase == "backward", (kept_first, phase)
+    assert freed_first

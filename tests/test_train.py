@@ -405,6 +405,41 @@ def test_schedule_prefetches_in_forward_and_reverse_order(pools):
     assert [u for w, u, ph in ev if w == "free" and ph == "backward"] == [2, 1, 0, R]
 
 
+class _LastWithoutGradient(torch.nn.Module):
+    """The last block runs under no_grad: the unit kept for its backward gets none."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(4)])
+
+    def forward(self, x):
+        for b in self.blocks[:-1]:
+            x = torch.nn.functional.gelu(b(x))
+        with torch.no_grad():
+            y = self.blocks[-1](x)
+        return x + y
+
+
+def rank_last_without_gradient(keep_last_unit: bool) -> list:
+    torch.manual_seed(0)
+    apply, params = sf.functionalize(_LastWithoutGradient(), units=r"blocks\.\d+")
+    step = sf.train_step(lambda p, b: apply(p, b).pow(2).mean(), sf.optim.sgd(0.1), sf.mesh(dp=-1), group_bytes=0,
+                         keep_last_unit=keep_last_unit)
+    state = step.init(params)
+    for _ in range(2):
+        step.engine.stats.record_events = True
+        step.engine.stats.reset()
+        state, _ = step(state, torch.randn(4, 8))
+    return [u for w, u, ph in step.engine.stats.events if w == "gather" and ph == "backward"]
+
+
+def test_a_kept_unit_without_gradient_costs_no_extra_gather(pools):
+    """The kept unit's slot is wanted back in the backward: freeing it runs the deferred prefetch of
+    the unit that wanted it, which must not be gathered a second time."""
+    kept, freed = (pools(2).run(rank_last_without_gradient, keep)[0] for keep in (True, False))
+    assert kept == freed == [2, 1, 0], (kept, freed)
+
+
 class _Reversed(torch.nn.Module):
     """Blocks run in the reverse of module order, and block 1 twice: slot parity does not hold."""
 
