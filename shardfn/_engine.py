@@ -11,8 +11,8 @@ This follows the FSDP paper (Zhao et al., 2023), for units u_0 .. u_n in forward
                  those that need a gradient go through `_PostBackward`, whose backward runs once
                  autograd has computed their gradients, i.e. once this use of the unit is over in
                  the backward (FSDP2 detects it the same way, on the inputs).
-  post-forward   `full_shard`: free u_i, except the last unit in forward order (from the second
-                 step on, once the order is known): its backward is the first, so it stays
+  post-forward   `full_shard`: free u_i, except the last unit in forward order (once the order is
+                 known, after the first forward): its backward is the first, so it stays
                  gathered, one gather fewer per step (torchtitan sets FSDP2's
                  `reshard_after_forward=False` on its last block for the same reason). Hook u_i's
                  output tensors (found through torch's pytree, dataclasses and the bases of views)
@@ -692,16 +692,14 @@ class Engine:
                     "first step (Note [unit plan]). Nothing was computed wrong; the next step plans again. "
                     "If this repeats, the order of units changes from step to step: use strategy='shard_grad_op'."
                 )
-            self._free(v)
+            self._free(v, prefetch=False)
         if u != ROOT and self.reshard_after_forward:
             # A unit runs that nobody prefetched: drop prefetches nobody uses yet rather than
             # exceed the bound.
             for w in [w for w in self._live if not self._busy(w)]:
                 if len(self._live) < self.max_live:
                     break
-                self._free(w)
-        if u in self._works or (u != ROOT and u in self._live):
-            return  # a free above ran the deferred prefetches, and one of them started `u`
+                self._free(w, prefetch=False)
         if u in self.slot_of:  # one shared all-gather output: one unit gather in flight
             for w in [w for w in self._works if w in self.slot_of]:
                 self._drain_slot(w)
@@ -715,6 +713,9 @@ class Engine:
             self._drain_slot(u)
         self._event("gather", u)
         self._works[u] = unit.start_gather()
+        # Deferred prefetches run once `u` holds its slot: started while `u` made room, one of
+        # them could take that slot (or be `u` itself, gathered twice).
+        self._run_deferred()
 
     def _ensure(self, u: int) -> None:
         if u != ROOT and u not in self._live and u not in self._works:
@@ -729,7 +730,8 @@ class Engine:
         while any(in_slot and self._unit(w).arenas["full"] is full for w, _, _, in_slot in self._in_flight):
             self._finish_oldest()
 
-    def _free(self, u: int) -> None:
+    def _free(self, u: int, prefetch: bool = True) -> None:
+        """Frees `u`'s full parameters; then, if `prefetch`, starts the prefetches that waited for room."""
         if u in self._works:  # a prefetch nobody used: finish it before dropping the buffers
             self._drain_slot(u)
             self._unit(u).finish_gather(self._works.pop(u))
@@ -737,6 +739,10 @@ class Engine:
             self._event("free", u)
             self._unit(u).free()
             self._live.discard(u)
+        if prefetch:
+            self._run_deferred()
+
+    def _run_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
         for w in deferred:
             self._prefetch(w)

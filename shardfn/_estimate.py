@@ -603,6 +603,7 @@ class _Sim:
         self.order = order
         self.alloc: dict = {}  # buffer key -> (category, bytes)
         self.first_step = False
+        self.order_known = True  # False in the first step's first micro-batch (`_keeps`)
         self.kept: dict = {}  # leaf -> bytes of full gradients kept from earlier micro-batches (local accumulation)
         self.transient_grads: set = set()  # units whose gradient shard is allocated by their reduction
         self.full_grads: dict = {}  # leaf -> bytes
@@ -742,8 +743,8 @@ class _Sim:
 
     def _keeps(self, position: int | None) -> bool:
         """The engine's `_kept_for_backward`: the last unit in forward order, once the order is
-        known (not in the first step)."""
-        return self.policy.keep_last and not self.first_step and position == len(self.order) - 1
+        known (after the first step's first forward)."""
+        return self.policy.keep_last and self.order_known and position == len(self.order) - 1
 
     def release_slots(self) -> None:
         """The engine's `_release_idle_slots`: the slots no gathered unit holds."""
@@ -1032,8 +1033,30 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
         for i in idx:
             leaf_group[i] = u
     policy = core._policy(gs, dtype_of, p2p)
+    unit_dtype = [gs[leaf_group[i]].compute for i in range(len(leaves))]
+    k = core.accumulation_steps
+    if batch is not None:
+        mb = _split_batch(optree.tree_map(lambda x: _meta_like(x) if isinstance(x, torch.Tensor) else x, batch), k)[0]
+        counter = _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, mb)
+        events = counter.events
+    else:
+        events = [("end_forward", None, 0)]
+        for i in range(len(leaves)):
+            if trained[i]:
+                shape = core._shapes[i] if core.tp_axis is not None else leaves[i].shape  # this rank's tp shard
+                events.append(("grad", (i, math.prod(shape) * _itemsize(unit_dtype[i])), 0))
+        events.append(("end", None, 0))
+    member_group = {m: g for g, ms in enumerate(groups) for m in ms}
     n = len(gs) - 1
-    order = list(range(n))  # forward order: the module's (the first step may find another)
+    # Forward order, as the engine learns it in the first step: the order units first ran in, then
+    # those that did not run (the module's order without a batch).
+    order = []
+    for kind, arg, _ in events:
+        if kind == "end_forward":
+            break
+        if kind == "fwd" and member_group[arg] not in order:
+            order.append(member_group[arg])
+    order += [u for u in range(n) if u not in order]
     nested_units = _nested(names)
     nested = {g for g, ms in enumerate(groups) for m in ms if m in nested_units}
     candidates = [u for u in order if u not in nested and gs[u].compute == gs[order[0]].compute] if order else []
@@ -1056,20 +1079,6 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
         persistent["params"] = persistent["grads"] = persistent["optimizer"] = 0
         update_bytes = 0
 
-    unit_dtype = [gs[leaf_group[i]].compute for i in range(len(leaves))]
-    k = core.accumulation_steps
-    if batch is not None:
-        mb = _split_batch(optree.tree_map(lambda x: _meta_like(x) if isinstance(x, torch.Tensor) else x, batch), k)[0]
-        counter = _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, mb)
-        events = counter.events
-    else:
-        events = [("end_forward", None, 0)]
-        for i in range(len(leaves)):
-            if trained[i]:
-                shape = core._shapes[i] if core.tp_axis is not None else leaves[i].shape  # this rank's tp shard
-                events.append(("grad", (i, math.prod(shape) * _itemsize(unit_dtype[i])), 0))
-        events.append(("end", None, 0))
-    member_group = {m: g for g, ms in enumerate(groups) for m in ms}
     local = core.accumulation == "local"
     largest: dict = {}
     peak_sim = None
@@ -1085,6 +1094,7 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
             sim = _Sim(gs, policy, plan, W, p2p, persistent, accumulate=m > 0 and not local, reduce_now=last or not local,
                        leaf_group=leaf_group, order=order)
             sim.first_step = first
+            sim.order_known = not (first and m == 0)
             sim.policy_offload = offload
             sim.transient_grads = transient
             sim.alloc.update(sim_state.get("alloc", {}))

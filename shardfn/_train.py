@@ -270,8 +270,9 @@ def train_step(
 
     Parameters, gradients and optimizer state are sharded over `mesh`; each unit of the model (the
     `units` of the `sf.functionalize` that `loss_fn` calls) is gathered just before its forward and
-    freed right after, gathered again for its backward, and its gradients are reduce-scattered as
-    soon as they are complete (see Note [unit schedule] in `shardfn/_engine.py`).
+    freed right after (but the last: `keep_last_unit`), gathered again for its backward, and its
+    gradients are reduce-scattered as soon as they are complete (see Note [unit schedule] in
+    `shardfn/_engine.py`).
 
     Args:
         loss_fn: `loss_fn(params, batch) -> loss` or `(loss, aux)`; `params` are full tensors in the

@@ -218,30 +218,30 @@ def test_collectives_per_step(pools, world):
             ar = sum(v for (n, _), v in c.items() if n == "all_reduce")
             expect = {"full_shard": ((3, 0), 2, 1), "shard_grad_op": ((3, 0), 2, 1), "no_shard": ((1, 0), 0, 3)}[strategy]
             assert (ag, rs, ar) == expect, (strategy, c)
+    # "in_place": each unit's reduce-scatter as gloo runs it, an all-reduce, but in place.
+    c = pools(world).run(rank_count_collectives, "full_shard", "in_place")[0]["counts"]
+    assert c == {("all_gather_single", "forward"): U + 2, ("all_gather_single", "backward"): U - 1,
+                 ("all_reduce", "backward"): U + 1, ("all_reduce", "idle"): 1}, c
+    # The default on gloo: every all-gather and reduce-scatter is W - 1 sends and W - 1 receives.
+    c = pools(world).run(rank_count_collectives, "full_shard", "p2p")[0]["counts"]
+    W = world
+    assert c == {("isend", "forward"): (W - 1) * (U + 2), ("irecv", "forward"): (W - 1) * (U + 2),
+                 ("isend", "backward"): (W - 1) * (2 * U), ("irecv", "backward"): (W - 1) * (2 * U),
+                 ("all_reduce", "idle"): 1}, c
+    # Leaves received in place: one message per piece (the small leaves together, each large
+    # leaf alone) per peer, for every gather; reduce-scatters stay one message per peer.
+    r = pools(world).run(rank_count_collectives, "full_shard", "p2p", 40)[0]
+    c, pieces = r["counts"], r["pieces"]
+    per_fwd = sum(pieces.values())
+    per_bwd = per_fwd - pieces[""] - pieces[r["last"]] + U + 1  # the blocks but the last again, and the reductions
+    assert pieces[""] >= 2 and all(n >= 5 for k, n in pieces.items() if k), pieces
+    assert c == {("isend", "forward"): (W - 1) * (per_fwd + 1), ("irecv", "forward"): (W - 1) * (per_fwd + 1),
+                 ("isend", "backward"): (W - 1) * per_bwd, ("irecv", "backward"): (W - 1) * per_bwd,
+                 ("all_reduce", "idle"): 1}, (c, pieces)
     # keep_last_unit=False: every unit gathered again for its backward.
     for r in pools(world).run(rank_count_collectives, "full_shard", keep_last_unit=False):
         c = r["counts"]
         assert (c.get(("all_gather_single", "forward")), c.get(("all_gather_single", "backward"))) == (U + 2, U), c
-        # "in_place": each unit's reduce-scatter as gloo runs it, an all-reduce, but in place.
-        c = pools(world).run(rank_count_collectives, "full_shard", "in_place")[0]["counts"]
-        assert c == {("all_gather_single", "forward"): U + 2, ("all_gather_single", "backward"): U - 1,
-                     ("all_reduce", "backward"): U + 1, ("all_reduce", "idle"): 1}, c
-        # The default on gloo: every all-gather and reduce-scatter is W - 1 sends and W - 1 receives.
-        c = pools(world).run(rank_count_collectives, "full_shard", "p2p")[0]["counts"]
-        W = world
-        assert c == {("isend", "forward"): (W - 1) * (U + 2), ("irecv", "forward"): (W - 1) * (U + 2),
-                     ("isend", "backward"): (W - 1) * (2 * U), ("irecv", "backward"): (W - 1) * (2 * U),
-                     ("all_reduce", "idle"): 1}, c
-        # Leaves received in place: one message per piece (the small leaves together, each large
-        # leaf alone) per peer, for every gather; reduce-scatters stay one message per peer.
-        r = pools(world).run(rank_count_collectives, "full_shard", "p2p", 40)[0]
-        c, pieces = r["counts"], r["pieces"]
-        per_fwd = sum(pieces.values())
-        per_bwd = per_fwd - pieces[""] - pieces[r["last"]] + U + 1  # the blocks but the last again, and the reductions
-        assert pieces[""] >= 2 and all(n >= 5 for k, n in pieces.items() if k), pieces
-        assert c == {("isend", "forward"): (W - 1) * (per_fwd + 1), ("irecv", "forward"): (W - 1) * (per_fwd + 1),
-                     ("isend", "backward"): (W - 1) * per_bwd, ("irecv", "backward"): (W - 1) * per_bwd,
-                     ("all_reduce", "idle"): 1}, (c, pieces)
 
 
 @pytest.mark.parametrize("world", [2, 3])
