@@ -11,8 +11,8 @@ This follows the FSDP paper (Zhao et al., 2023), for units u_0 .. u_n in forward
                  those that need a gradient go through `_PostBackward`, whose backward runs once
                  autograd has computed their gradients, i.e. once this use of the unit is over in
                  the backward (FSDP2 detects it the same way, on the inputs).
-  post-forward   `full_shard`: free u_i, except the last unit in forward order (once the order is
-                 known, after the first forward): its backward is the first, so it stays
+  post-forward   `full_shard`: free u_i, except the last unit to run in the first forward (once
+                 the order is known, after that forward): its backward is the first, so it stays
                  gathered, one gather fewer per step (torchtitan sets FSDP2's
                  `reshard_after_forward=False` on its last block for the same reason). Hook u_i's
                  output tensors (found through torch's pytree, dataclasses and the bases of views)
@@ -184,7 +184,7 @@ class Policy:
 
     Attributes:
         reshard_after_forward: free units after their forward (`full_shard`, `hybrid_shard`).
-        keep_last: under `reshard_after_forward`, keep the last unit in forward order gathered
+        keep_last: under `reshard_after_forward`, keep the last unit to run in the forward gathered
             from its forward to its backward (Note [unit schedule]).
         share_slots: units may share slot arenas (Note [slot arenas]).
         slots: how many slot arenas units share (3 when gathers land in place).
@@ -326,6 +326,7 @@ class Engine:
         n = len(units)
         self.order: list[int] = list(range(n))  # forward order (guess until the first step)
         self._order_known = False
+        self._last_ran: int | None = None  # the last unit of the first forward (`_kept_for_backward`)
         self.planned = False
         self.stats = EngineStats()
         self._where: list[tuple[int, int]] = []
@@ -361,9 +362,9 @@ class Engine:
                 self._release_idle_slots()
 
     def _kept_for_backward(self, u: int) -> bool:
-        """The last unit in forward order stays gathered after its forward: its backward comes
-        first, and would gather it again at once (Note [unit schedule])."""
-        return self.policy.keep_last and self._order_known and self._next_of(u) is None
+        """The last unit to run in the first step's forward stays gathered after its forward: its
+        backward comes first, and would gather it again at once (Note [unit schedule])."""
+        return self.policy.keep_last and self._order_known and u == self._last_ran
 
     def _release_idle_slots(self) -> None:
         """After the last unit's forward, nothing else is gathered until the first unit's backward,
@@ -920,6 +921,7 @@ class Engine:
         if not self._order_known and self._seen:
             rest = [u for u in range(len(self.units)) if u not in self._seen]
             self.order = self._seen + rest
+            self._last_ran = self._seen[-1]
             self._pos = {u: i for i, u in enumerate(self.order)}
             self._slot_done_after = self._last_of_slot()
             self._order_known = True

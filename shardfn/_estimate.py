@@ -604,6 +604,7 @@ class _Sim:
         self.alloc: dict = {}  # buffer key -> (category, bytes)
         self.first_step = False
         self.order_known = True  # False in the first step's first micro-batch (`_keeps`)
+        self.last_ran: int | None = None  # the last unit of the first forward (`_keeps`)
         self.kept: dict = {}  # leaf -> bytes of full gradients kept from earlier micro-batches (local accumulation)
         self.transient_grads: set = set()  # units whose gradient shard is allocated by their reduction
         self.full_grads: dict = {}  # leaf -> bytes
@@ -741,10 +742,10 @@ class _Sim:
                 for name in ("full", "gathered", "stage"):
                     self._release(self._key(u, name))
 
-    def _keeps(self, position: int | None) -> bool:
-        """The engine's `_kept_for_backward`: the last unit in forward order, once the order is
-        known (after the first step's first forward)."""
-        return self.policy.keep_last and self.order_known and position == len(self.order) - 1
+    def _keeps(self, u: int | None) -> bool:
+        """The engine's `_kept_for_backward`: the last unit of the first forward, once the order
+        is known (after the first step's first forward)."""
+        return self.policy.keep_last and self.order_known and u is not None and u == self.last_ran
 
     def release_slots(self) -> None:
         """The engine's `_release_idle_slots`: the slots no gathered unit holds."""
@@ -854,7 +855,7 @@ class _Sim:
                 u = member_group[arg]
                 grouped = len(self.g[u].members) > 1
                 if self.policy.reshard_after_forward and not grouped:
-                    if not self._keeps(pos.get(u)):  # else kept for its backward, the first
+                    if not self._keeps(u):  # else kept for its backward, the first
                         self.free(u)
                     cur_fwd = None
                     self.running_unit = None
@@ -863,7 +864,7 @@ class _Sim:
                 self.see()
             elif kind == "end_forward":
                 if cur_fwd is not None and self.policy.reshard_after_forward:
-                    if not self._keeps(pos.get(cur_fwd)):
+                    if not self._keeps(cur_fwd):
                         self.free(cur_fwd)
                     cur_fwd = None
                     self.running_unit = None
@@ -1056,6 +1057,7 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
             break
         if kind == "fwd" and member_group[arg] not in order:
             order.append(member_group[arg])
+    last_ran = order[-1] if order else None  # the unit kept for the backward (`keep_last_unit`)
     order += [u for u in range(n) if u not in order]
     nested_units = _nested(names)
     nested = {g for g, ms in enumerate(groups) for m in ms if m in nested_units}
@@ -1095,6 +1097,7 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
                        leaf_group=leaf_group, order=order)
             sim.first_step = first
             sim.order_known = not (first and m == 0)
+            sim.last_ran = last_ran
             sim.policy_offload = offload
             sim.transient_grads = transient
             sim.alloc.update(sim_state.get("alloc", {}))

@@ -306,7 +306,7 @@ def train_step(
             None (default) checks the state at `init`, and on CUDA also the first step with its
             batch; True checks both on any device; an int is a budget in bytes instead of the
             device's free memory (both checks); False checks nothing.
-        keep_last_unit: under `full_shard` and `hybrid_shard`, the last unit in forward order stays
+        keep_last_unit: under `full_shard` and `hybrid_shard`, the last unit to run in the forward stays
             gathered from its forward to its backward, which comes first (one all-gather fewer per
             step, as torchtitan does for FSDP2's last block); False frees it like the others, its
             full size less while the loss (the largest activations, often the peak) is computed.

@@ -406,23 +406,27 @@ def test_schedule_prefetches_in_forward_and_reverse_order(pools):
 
 
 class _LastWithoutGradient(torch.nn.Module):
-    """The last block runs under no_grad: the unit kept for its backward gets none."""
+    """"no_grad": the last block runs under no_grad, so the unit kept for its backward gets none;
+    "unused": the last block never runs (the last to run is blocks.2)."""
 
-    def __init__(self):
+    def __init__(self, mode: str):
         super().__init__()
+        self.mode = mode
         self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(4)])
 
     def forward(self, x):
         for b in self.blocks[:-1]:
             x = torch.nn.functional.gelu(b(x))
+        if self.mode == "unused":
+            return x
         with torch.no_grad():
             y = self.blocks[-1](x)
         return x + y
 
 
-def rank_last_without_gradient(keep_last_unit: bool) -> list:
+def rank_last_without_gradient(keep_last_unit: bool, mode: str = "no_grad") -> list:
     torch.manual_seed(0)
-    apply, params = sf.functionalize(_LastWithoutGradient(), units=r"blocks\.\d+")
+    apply, params = sf.functionalize(_LastWithoutGradient(mode), units=r"blocks\.\d+")
     step = sf.train_step(lambda p, b: apply(p, b).pow(2).mean(), sf.optim.sgd(0.1), sf.mesh(dp=-1), group_bytes=0,
                          keep_last_unit=keep_last_unit)
     state = step.init(params)
@@ -438,6 +442,12 @@ def test_a_kept_unit_without_gradient_costs_no_extra_gather(pools):
     the unit that wanted it, which must not be gathered a second time."""
     kept, freed = (pools(2).run(rank_last_without_gradient, keep)[0] for keep in (True, False))
     assert kept == freed == [2, 1, 0], (kept, freed)
+
+
+def test_the_kept_unit_is_the_last_that_ran(pools):
+    """A last block that never runs is not the one kept: blocks.2 is, and is not gathered again."""
+    kept, freed = (pools(2).run(rank_last_without_gradient, keep, "unused")[0] for keep in (True, False))
+    assert freed == [2, 1, 0] and kept == [1, 0], (kept, freed)
 
 
 class _Reversed(torch.nn.Module):
