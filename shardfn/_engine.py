@@ -885,7 +885,7 @@ class Engine:
         if self.reshard_after_forward and u not in self._grouped:
             if not self._kept_for_backward(u):
                 self._free(u)
-            if self._next_of(u) is None:
+            if u == self._last_ran:
                 self._release_idle_slots()
         return output
 

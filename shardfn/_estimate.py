@@ -859,7 +859,7 @@ class _Sim:
                         self.free(u)
                     cur_fwd = None
                     self.running_unit = None
-                    if pos.get(u) == len(order) - 1 and self.slot_of:
+                    if u == self.last_ran and self.slot_of:
                         self.release_slots()
                 self.see()
             elif kind == "end_forward":

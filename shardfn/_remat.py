@@ -96,8 +96,10 @@ def install(info: Any, unit: int) -> None:
                     for n, t in moved.items():
                         if t.shape == buffers[n].shape and t.dtype == buffers[n].dtype:
                             buffers[n].copy_(t)
-                        else:  # another shape: the module takes the new tensor; the recompute reads the old one,
-                            owner, _, leaf = n.rpartition(".")  # which still holds what the forward read
+                        else:
+                            # Another shape: the module takes the new tensor; the recompute reads
+                            # the old one, which still holds what the forward read.
+                            owner, _, leaf = n.rpartition(".")
                             module.get_submodule(owner)._buffers[leaf] = t
                 for n in [n for n, t in saved.items() if torch.equal(t, buffers[n])]:
                     del saved[n]  # not written (a NaN counts as written: its copy stays): read as it is
