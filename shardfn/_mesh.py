@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import math
 import os
 import socket
@@ -81,7 +82,7 @@ def ensure_process_group() -> None:
 
     The group's timeout is `SHARDFN_TIMEOUT` seconds (default 600): a rank that waits that long on
     a collective stops with an error naming the rank that stalled (Note [fail fast] in
-    `shardfn/_watch.py`).
+    `shardfn/_watch.py`). Start-up is not bound by it (Note [start-up]).
     """
     if dist.is_initialized():
         return
@@ -91,12 +92,37 @@ def ensure_process_group() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = _watch.collective_timeout()
     if job is not None:
-        dist.init_process_group(backend, timeout=timeout)
+        store, rank, world = _meet(job, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         _watch.PG_TIMEOUT_S = timeout.total_seconds()
         _watch.start()
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     atexit.register(_destroy_at_exit, dist.group.WORLD)
+
+
+# Note [start-up]
+# ~~~~~~~~~~~~~~~
+# A short collective timeout is how a job learns of a stalled rank quickly, but the ranks of one job
+# do not start together: interpreters importing torch on a busy machine, nodes whose containers
+# start minutes apart. Given to `init_process_group` alone, the collective timeout would also bound
+# how long the first rank waits for the last to arrive, and a job with `SHARDFN_TIMEOUT=30` would
+# fail at start-up whenever its ranks started more than 30 s apart. So the ranks first meet on the
+# job's store with a start-up bound of their own (`STARTUP_TIMEOUT_S`, or the collective timeout
+# if longer); the process group starts once every rank is there, with the collective timeout.
+STARTUP_TIMEOUT_S = 600.0
+
+
+def _meet(job: "tuple[int, int, int | None]", timeout: datetime.timedelta) -> "tuple[Any, int, int]":
+    """Joins the job's store (env://, as `init_process_group` would) and waits there, up to the
+    start-up bound, until every rank has arrived. Returns `(store, rank, world size)`, the store's
+    timeout set to the collective `timeout`."""
+    startup = max(timeout, datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+    store, rank, world = next(dist.rendezvous("env://", job[0], job[1], timeout=startup))
+    store.set(f"shardfn/arrived/{rank}", "1")
+    store.wait([f"shardfn/arrived/{r}" for r in range(world)], startup)
+    store.set_timeout(timeout)
+    return store, rank, world
 
 
 def _destroy_at_exit(group: Any) -> None:

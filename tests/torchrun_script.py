@@ -2,7 +2,8 @@
 
 MODE: "ok" (prints every rank's result through sf.launch), "raise" (rank 1 raises at step 2),
 "exit" (rank 1 calls os._exit at step 2), "stall" (rank 1 sleeps at step 2), "subset" (only rank 0
-calls sf.gather, then every rank ends).
+calls sf.gather, then every rank ends), "late" (rank 1 starts its process group 10 s after rank 0,
+more than the job's collective timeout: it trains all the same).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import shardfn as sf
 
 
 def train(mode: str) -> float:
+    if mode == "late" and os.environ["RANK"] == "1":
+        time.sleep(10)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     apply, params = sf.functionalize(model, units=r"\d+")
@@ -51,5 +54,8 @@ if __name__ == "__main__":
     if mode == "ok":
         results = sf.launch(train, mode)
         print(f"rank {dist.get_rank()} results {results}", flush=True)
+    elif mode == "late":
+        loss = train(mode)
+        print(f"rank {dist.get_rank()} trained: loss {loss:.4f}", flush=True)
     else:
         train(mode)
