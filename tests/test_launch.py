@@ -4,7 +4,9 @@ planted failures all have deadlines of seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -245,13 +247,14 @@ def torchrun_jobs(tmp_path_factory):
         # start-ups is never taken for a stalled one.
         env = dict(os.environ, SHARDFN_TIMEOUT="4" if mode in ("stall", "late") else "60", OMP_NUM_THREADS="1")
         with open(logs / mode, "w") as out:  # a file, not a pipe: no job waits on a full pipe
+            # A session of its own: the teardown ends the agent and its workers together.
             jobs[mode] = (subprocess.Popen([*cmd, str(HERE / "torchrun_script.py"), mode], env=env, stdout=out,
-                                           stderr=subprocess.STDOUT), logs / mode)
+                                           stderr=subprocess.STDOUT, start_new_session=True), logs / mode)
     yield t0, jobs
     for p, _ in jobs.values():
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # a worker left sleeping (the stall) too
+        p.wait()
 
 
 @pytest.mark.parametrize("mode", list(TORCHRUN_FAILURES))
