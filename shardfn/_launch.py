@@ -139,7 +139,7 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, timeou
         raise ValueError(f"sf.launch(..., nprocs={nprocs!r}): nprocs is a positive int, the number of ranks")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf):
         raise ValueError(f"sf.launch(..., timeout={timeout!r}): the collective timeout is a positive, finite number of seconds")
-    _watch.collective_timeout()  # a bad SHARDFN_TIMEOUT is refused here, before anything starts
+    _watch.startup_timeout()  # a bad SHARDFN_TIMEOUT or SHARDFN_STARTUP_TIMEOUT is refused here, before anything starts
     if _in_job():
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
         if nprocs is not None and nprocs != world:

@@ -108,19 +108,39 @@ def ensure_process_group() -> None:
 # start minutes apart. Given to `init_process_group` alone, the collective timeout would also bound
 # how long the first rank waits for the last to arrive, and a job with `SHARDFN_TIMEOUT=30` would
 # fail at start-up whenever its ranks started more than 30 s apart. So the ranks first meet on the
-# job's store with a start-up bound of their own (`STARTUP_TIMEOUT_S`, or the collective timeout
-# if longer); the process group starts once every rank is there, with the collective timeout.
-STARTUP_TIMEOUT_S = 600.0
+# job's store with a start-up bound of their own (`SHARDFN_STARTUP_TIMEOUT`, default 600 s, never
+# less than the collective timeout); the process group starts once every rank is there, with the
+# collective timeout. A rank that never arrives is named in a `RankError` when the bound runs out.
 
 
 def _meet(job: "tuple[int, int, int | None]", timeout: datetime.timedelta) -> "tuple[Any, int, int]":
     """Joins the job's store (env://, as `init_process_group` would) and waits there, up to the
     start-up bound, until every rank has arrived. Returns `(store, rank, world size)`, the store's
-    timeout set to the collective `timeout`."""
-    startup = max(timeout, datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
-    store, rank, world = next(dist.rendezvous("env://", job[0], job[1], timeout=startup))
-    store.set(f"shardfn/arrived/{rank}", "1")
-    store.wait([f"shardfn/arrived/{r}" for r in range(world)], startup)
+    timeout set to the collective `timeout`.
+
+    Raises:
+        RankError: a rank did not arrive within the start-up bound (named when the store tells)."""
+    startup = _watch.startup_timeout()
+    rank, world = job[0], job[1]
+    keys = [f"shardfn/arrived/{r}" for r in range(world)]
+    store = None
+    try:
+        store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=startup))
+        store.set(keys[rank], "1")
+        store.wait(keys, startup)
+    except (RuntimeError, TimeoutError) as e:  # DistStoreError, DistNetworkError
+        missing = []
+        if store is not None:
+            with contextlib.suppress(Exception):
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        who = f"rank(s) {missing} did not" if missing else "not every rank did"
+        raise _watch.RankError(
+            f"start-up: {who} reach sf.mesh within {startup.total_seconds():.0f} s of rank {rank} "
+            f"(MASTER_ADDR={os.environ.get('MASTER_ADDR')}, MASTER_PORT={os.environ.get('MASTER_PORT')}, "
+            f"world size {world}). Check that every rank was started with the same job settings and can reach "
+            f"MASTER_ADDR; ranks that start further apart need a longer SHARDFN_STARTUP_TIMEOUT ({type(e).__name__}: {e})",
+            missing[0] if len(missing) == 1 else None, "stalled",
+        ) from e
     store.set_timeout(timeout)
     return store, rank, world
 

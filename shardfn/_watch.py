@@ -43,6 +43,7 @@ import torch.distributed as dist
 __all__ = [
     "RankError",
     "collective_timeout",
+    "startup_timeout",
     "watched",
     "waiting",
     "explain",
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 TIMEOUT_ENV = "SHARDFN_TIMEOUT"
+STARTUP_TIMEOUT_ENV = "SHARDFN_STARTUP_TIMEOUT"
 LAUNCHED_ENV = "SHARDFN_LAUNCHED"
 """Set in ranks that `sf.launch` started."""
 DEFAULT_TIMEOUT_S = 600.0
@@ -86,15 +88,26 @@ def exception_text(exc: BaseException) -> str:
 
 def collective_timeout() -> datetime.timedelta:
     """The timeout for process groups that shardfn starts: `SHARDFN_TIMEOUT` seconds, default 600."""
-    raw = os.environ.get(TIMEOUT_ENV)
+    return _seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, "the collective timeout")
+
+
+def startup_timeout() -> datetime.timedelta:
+    """How long the ranks of a job that shardfn starts wait for each other to arrive:
+    `SHARDFN_STARTUP_TIMEOUT` seconds, default 600, and never less than the collective timeout
+    (Note [start-up] in `_mesh.py`)."""
+    return max(_seconds(STARTUP_TIMEOUT_ENV, DEFAULT_TIMEOUT_S, "the start-up timeout"), collective_timeout())
+
+
+def _seconds(env: str, default: float, what: str) -> datetime.timedelta:
+    raw = os.environ.get(env)
     if raw is None:
-        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+        return datetime.timedelta(seconds=default)
     try:
         s = float(raw)
     except ValueError:
         s = -1.0
     if not 0 < s < float("inf"):
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, e.g. {TIMEOUT_ENV}=300")
+        raise ValueError(f"{env}={raw!r}: give {what} in seconds, e.g. {env}=300")
     return datetime.timedelta(seconds=s)
 
 

@@ -435,6 +435,43 @@ def test_collective_timeout_comes_from_the_environment(monkeypatch):
     assert _watch.collective_timeout().total_seconds() == _watch.DEFAULT_TIMEOUT_S
 
 
+def test_start_up_timeout_comes_from_the_environment_and_is_never_below_the_collective_one(monkeypatch):
+    monkeypatch.delenv("SHARDFN_TIMEOUT", raising=False)
+    monkeypatch.setenv("SHARDFN_STARTUP_TIMEOUT", "900")
+    assert _watch.startup_timeout().total_seconds() == 900
+    monkeypatch.setenv("SHARDFN_TIMEOUT", "1200")
+    assert _watch.startup_timeout().total_seconds() == 1200
+    monkeypatch.setenv("SHARDFN_STARTUP_TIMEOUT", "0")
+    with pytest.raises(ValueError, match="SHARDFN_STARTUP_TIMEOUT"):
+        sf.launch(print, nprocs=2)  # refused before any rank starts
+
+
+def test_a_rank_that_never_arrives_is_named_at_start_up(monkeypatch):
+    # Rank 1 of a two-rank job whose rank 0 holds the store but never arrives: after the start-up
+    # bound, a RankError names rank 0, with no process group started.
+    import socket
+
+    import torch.distributed as dist
+
+    from shardfn import _mesh
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
+    for k, v in dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                     SHARDFN_TIMEOUT="0.5", SHARDFN_STARTUP_TIMEOUT="1").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    t0 = time.time()
+    with pytest.raises(sf.RankError, match=r"start-up: rank\(s\) \[0\] did not reach sf.mesh within 1 s") as info:
+        _mesh.ensure_process_group()
+    assert info.value.rank == 0 and info.value.kind == "stalled"
+    assert "SHARDFN_STARTUP_TIMEOUT" in str(info.value)
+    assert not dist.is_initialized() and time.time() - t0 < 20
+    assert server.check(["shardfn/arrived/1"])
+
+
 def _marks_teardown(marks: str, fail: bool) -> int:
     import torch.distributed as dist
 
