@@ -59,6 +59,10 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, pg_timeout:
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
         conn.send_bytes(pickle.dumps(("ready", None)))
+        if warm:
+            import gc
+
+            gc.freeze()  # the start-up's objects (torch's modules): out of every collection, as in sf.launch's ranks
     except BaseException:  # noqa: BLE001 - reported to the parent, which stops every rank
         conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
         return

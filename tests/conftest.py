@@ -11,6 +11,7 @@ seconds. A failed call kills its pool; the next test gets a new one.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -22,6 +23,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("SHARDFN_WARM_LAUNCH", "1")  # sf.launch here and in the notebooks' kernels: Note [warm ranks]
 
 _LIVE: dict[int, RankPool] = {}
+
+# torch's and shardfn's modules, imported above, out of every collection: the suite's full passes
+# would otherwise walk them again and again (the pools' ranks do the same, RankPool(warm=True)).
+gc.freeze()
 
 
 @pytest.fixture(autouse=True)
