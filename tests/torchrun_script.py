@@ -1,9 +1,9 @@
 """A training script for the torchrun tests: `torchrun --nproc-per-node 2 tests/torchrun_script.py MODE`.
 
 MODE: "ok" (prints every rank's result through sf.launch), "raise" (rank 1 raises at step 2),
-"exit" (rank 1 calls os._exit at step 2), "stall" (rank 1 sleeps at step 2), "subset" (only rank 0
-calls sf.gather, then every rank ends), "late" (rank 1 starts its process group 10 s after rank 0,
-more than the job's collective timeout: it trains all the same).
+"exit" (rank 1 calls os._exit at step 2), "stall" (rank 1 starts its process group 10 s after rank
+0, more than the job's collective timeout, which is no stall, then sleeps at step 2, which is one),
+"subset" (only rank 0 calls sf.gather, then every rank ends).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import shardfn as sf
 
 
 def train(mode: str) -> float:
-    if mode == "late" and os.environ["RANK"] == "1":
+    if mode == "stall" and os.environ["RANK"] == "1":
+        print("rank 1 starts late", flush=True)
         time.sleep(10)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -41,6 +42,7 @@ def train(mode: str) -> float:
             if mode == "exit":
                 os._exit(3)
             if mode == "stall":
+                print("rank 1 stalls at step 2", flush=True)
                 time.sleep(600)
         batch = (torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g))
         state, metrics = step(state, batch)
@@ -54,8 +56,5 @@ if __name__ == "__main__":
     if mode == "ok":
         results = sf.launch(train, mode)
         print(f"rank {dist.get_rank()} results {results}", flush=True)
-    elif mode == "late":
-        loss = train(mode)
-        print(f"rank {dist.get_rank()} trained: loss {loss:.4f}", flush=True)
     else:
         train(mode)
