@@ -122,7 +122,9 @@ def _meet(job: "tuple[int, int, int | None]", timeout: datetime.timedelta) -> "t
         RankError: a rank did not arrive within the start-up bound (named when the store tells)."""
     startup = _watch.startup_timeout()
     rank, world = job[0], job[1]
-    keys = [f"shardfn/arrived/{r}" for r in range(world)]
+    # torchrun's store outlives a restart of its workers: each attempt meets under its own keys.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    keys = [f"shardfn/arrived/{attempt}/{r}" for r in range(world)]
     store = None
     try:
         store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=startup))

@@ -464,13 +464,14 @@ def test_a_rank_that_never_arrives_is_named_at_start_up(monkeypatch):
                      SHARDFN_TIMEOUT="0.5", SHARDFN_STARTUP_TIMEOUT="1").items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     t0 = time.time()
     with pytest.raises(sf.RankError, match=r"start-up: rank\(s\) \[0\] did not reach sf.mesh within 1 s") as info:
         _mesh._meet(_mesh.job_env(), _watch.collective_timeout())
     assert info.value.rank == 0 and info.value.kind == "stalled"
     assert "SHARDFN_STARTUP_TIMEOUT" in str(info.value)
     assert time.time() - t0 < 20
-    assert server.check(["shardfn/arrived/1"])
+    assert server.check(["shardfn/arrived/0/1"])
 
 
 def _marks_teardown(marks: str, fail: bool) -> int:
