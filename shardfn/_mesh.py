@@ -108,8 +108,8 @@ def ensure_process_group() -> None:
 # start minutes apart. Given to `init_process_group` alone, the collective timeout would also bound
 # how long the first rank waits for the last to arrive, and a job with `SHARDFN_TIMEOUT=30` would
 # fail at start-up whenever its ranks started more than 30 s apart. So the ranks first meet on the
-# job's store with a start-up bound of their own (`SHARDFN_STARTUP_TIMEOUT`, default 600 s, never
-# less than the collective timeout); the process group starts once every rank is there, with the
+# job's store with a start-up bound of their own (`SHARDFN_STARTUP_TIMEOUT`; unset, 600 s or the
+# collective timeout if longer); the process group starts once every rank is there, with the
 # collective timeout. A rank that never arrives is named in a `RankError` when the bound runs out.
 
 
@@ -135,7 +135,8 @@ def _meet(job: "tuple[int, int, int | None]", timeout: datetime.timedelta) -> "t
         if store is not None:
             with contextlib.suppress(Exception):
                 missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        who = f"rank(s) {missing} did not" if missing else "not every rank did"
+        who = (f"rank {missing[0]} did not" if len(missing) == 1 else f"ranks {missing} did not" if missing
+               else "not every rank did")
         raise _watch.RankError(
             f"start-up: {who} reach sf.mesh within {startup.total_seconds():.0f} s of rank {rank} "
             f"(MASTER_ADDR={os.environ.get('MASTER_ADDR')}, MASTER_PORT={os.environ.get('MASTER_PORT')}, "

@@ -93,9 +93,12 @@ def collective_timeout() -> datetime.timedelta:
 
 def startup_timeout() -> datetime.timedelta:
     """How long the ranks of a job that shardfn starts wait for each other to arrive:
-    `SHARDFN_STARTUP_TIMEOUT` seconds, default 600, and never less than the collective timeout
+    `SHARDFN_STARTUP_TIMEOUT` seconds as given; unset, 600 or the collective timeout if longer
     (Note [start-up] in `_mesh.py`)."""
-    return max(_seconds(STARTUP_TIMEOUT_ENV, DEFAULT_TIMEOUT_S, "the start-up timeout"), collective_timeout())
+    collective = collective_timeout()
+    if os.environ.get(STARTUP_TIMEOUT_ENV) is None:
+        return max(collective, datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    return _seconds(STARTUP_TIMEOUT_ENV, DEFAULT_TIMEOUT_S, "the start-up timeout")
 
 
 def _seconds(env: str, default: float, what: str) -> datetime.timedelta:

@@ -435,12 +435,14 @@ def test_collective_timeout_comes_from_the_environment(monkeypatch):
     assert _watch.collective_timeout().total_seconds() == _watch.DEFAULT_TIMEOUT_S
 
 
-def test_start_up_timeout_comes_from_the_environment_and_is_never_below_the_collective_one(monkeypatch):
+def test_start_up_timeout_comes_from_the_environment_else_from_the_collective_one(monkeypatch):
     monkeypatch.delenv("SHARDFN_TIMEOUT", raising=False)
-    monkeypatch.setenv("SHARDFN_STARTUP_TIMEOUT", "900")
-    assert _watch.startup_timeout().total_seconds() == 900
+    monkeypatch.delenv("SHARDFN_STARTUP_TIMEOUT", raising=False)
+    assert _watch.startup_timeout().total_seconds() == 600
     monkeypatch.setenv("SHARDFN_TIMEOUT", "1200")
-    assert _watch.startup_timeout().total_seconds() == 1200
+    assert _watch.startup_timeout().total_seconds() == 1200  # unset: never below the collective timeout
+    monkeypatch.setenv("SHARDFN_STARTUP_TIMEOUT", "5")
+    assert _watch.startup_timeout().total_seconds() == 5  # set: as given
     monkeypatch.setenv("SHARDFN_STARTUP_TIMEOUT", "0")
     with pytest.raises(ValueError, match="SHARDFN_STARTUP_TIMEOUT"):
         sf.launch(print, nprocs=2)  # refused before any rank starts
@@ -466,7 +468,7 @@ def test_a_rank_that_never_arrives_is_named_at_start_up(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     t0 = time.time()
-    with pytest.raises(sf.RankError, match=r"start-up: rank\(s\) \[0\] did not reach sf.mesh within 1 s") as info:
+    with pytest.raises(sf.RankError, match=r"start-up: rank 0 did not reach sf.mesh within 1 s") as info:
         _mesh._meet(_mesh.job_env(), _watch.collective_timeout())
     assert info.value.rank == 0 and info.value.kind == "stalled"
     assert "SHARDFN_STARTUP_TIMEOUT" in str(info.value)
