@@ -426,28 +426,37 @@ class _LastWithoutGradient(torch.nn.Module):
 
 def rank_last_without_gradient(keep_last_unit: bool, mode: str = "no_grad") -> list:
     torch.manual_seed(0)
-    apply, params = sf.functionalize(_LastWithoutGradient(mode), units=r"blocks\.\d+")
-    step = sf.train_step(lambda p, b: apply(p, b).pow(2).mean(), sf.optim.sgd(0.1), sf.mesh(dp=-1), group_bytes=0,
-                         keep_last_unit=keep_last_unit)
+    model = _LastWithoutGradient(mode)
+    ref = Reference(model, "mlp")  # the single-process reference, on the same batches
+    apply, params = sf.functionalize(model, units=r"blocks\.\d+")
+    step = sf.train_step(lambda p, b: torch.nn.functional.mse_loss(apply(p, b[0]), b[1]), sf.optim.adamw(**OPT),
+                         sf.mesh(dp=-1), group_bytes=0, keep_last_unit=keep_last_unit)
     state = step.init(params)
-    for _ in range(2):
+    err = 0.0
+    for i in range(2):
+        g = torch.Generator().manual_seed(i)
+        batch = (torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g))  # the same on every rank
         step.engine.stats.record_events = True
         step.engine.stats.reset()
-        state, _ = step(state, torch.randn(4, 8))
-    return [u for w, u, ph in step.engine.stats.events if w == "gather" and ph == "backward"]
+        state, _ = step(state, batch)
+        ref.step(batch)
+        err = max(err, compare_params(state.params, apply, ref))
+    return [[u for w, u, ph in step.engine.stats.events if w == "gather" and ph == "backward"], err]
 
 
 def test_a_kept_unit_without_gradient_costs_no_extra_gather(pools):
     """The kept unit's slot is wanted back in the backward: freeing it runs the deferred prefetch of
-    the unit that wanted it, which must not be gathered a second time."""
-    kept, freed = (pools(2).run(rank_last_without_gradient, keep)[0] for keep in (True, False))
+    the unit that wanted it, which must not be gathered a second time; the values are the reference's."""
+    (kept, e1), (freed, e2) = (pools(2).run(rank_last_without_gradient, keep)[0] for keep in (True, False))
     assert kept == freed == [2, 1, 0], (kept, freed)
+    assert e1 < 1e-6 and e2 < 1e-6, (e1, e2)
 
 
 def test_the_kept_unit_is_the_last_that_ran(pools):
     """A last block that never runs is not the one kept: blocks.2 is, and is not gathered again."""
-    kept, freed = (pools(2).run(rank_last_without_gradient, keep, "unused")[0] for keep in (True, False))
+    (kept, e1), (freed, e2) = (pools(3).run(rank_last_without_gradient, keep, "unused")[0] for keep in (True, False))
     assert freed == [2, 1, 0] and kept == [1, 0], (kept, freed)
+    assert e1 < 1e-6 and e2 < 1e-6, (e1, e2)
 
 
 class _Reversed(torch.nn.Module):
