@@ -30,10 +30,10 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _donate, _watch
+from . import _compiled, _donate, _watch
 from ._describe import _spec_of
 from ._functorch import unwrap
-from ._core import GradientCore, MixedPrecision
+from ._core import GradientCore, MixedPrecision, model_info
 from ._tree import tree_flatten_with_paths
 
 __all__ = ["value_and_grad", "grad", "ValueAndGrad"]
@@ -130,6 +130,8 @@ class ValueAndGrad:
             if x.device_mesh != mesh:
                 raise ValueError(f"leaf {p!r} is on another mesh than {paths[0]!r}: one mesh per tree")
         o = self.options
+        info = model_info(o["apply"], paths, leaves)  # Note [compiled code in a step] in `_compiled.py`
+        _compiled.refuse_compiled(self.loss_fn, info.module if info is not None else None, "sf.value_and_grad")
         specs = optree.tree_unflatten(optree.tree_structure(params), [_spec_of(x) for x in leaves])
         core = GradientCore(
             self._loss, mesh, specs, o["strategy"], o["mixed_precision"], o["remat"], o["accumulation_steps"],
@@ -186,6 +188,7 @@ def value_and_grad(
     frozen: Any = None,
     group_bytes: int | None = None,
     keep_last_unit: bool = True,
+    compile: bool | dict = False,
 ) -> ValueAndGrad:
     """The loss and its gradient with respect to a sharded tree, on the FSDP unit schedule.
 
@@ -200,6 +203,9 @@ def value_and_grad(
         has_aux: whether `loss_fn` returns `(loss, aux)`.
         strategy, mixed_precision, remat, accumulation_steps, accumulation, apply, frozen,
             group_bytes, keep_last_unit: as in `train_step`.
+        compile: as in `train_step`: False (the default) runs eager; True or a dict of
+            `torch.compile` options raises `NotImplementedError` (not supported yet). A compiled
+            `loss_fn` or model is refused at the first call with a `ValueError`.
 
     Returns:
         `fn(params, batch) -> (loss, grads)` (or `((loss, aux), grads)`), where `params` is a tree of
@@ -213,6 +219,7 @@ def value_and_grad(
         ...     loss, grads = grad_fn(params, batch)
         ...     opt_state = opt.step_(grads, opt_state, params)   # in place
     """
+    _compiled.check_compile_option(compile, "sf.value_and_grad")
     options = dict(strategy=strategy, mixed_precision=mixed_precision, remat=remat, accumulation_steps=accumulation_steps,
                    accumulation=accumulation, apply=apply, frozen=frozen, group_bytes=group_bytes,
                    keep_last_unit=keep_last_unit)

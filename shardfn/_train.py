@@ -15,8 +15,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import _donate, _estimate, _watch
-from ._core import STRATEGIES, GradientCore, MixedPrecision
+from . import _compiled, _donate, _estimate, _watch
+from ._core import STRATEGIES, GradientCore, MixedPrecision, model_info
 from ._state import TrainState
 from ._tree import tree_flatten_with_paths
 from .optim import apply_updates
@@ -36,7 +36,8 @@ class TrainStep:
 
     def __init__(self, loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
                  apply=None, frozen=None, offload=None, accumulation="sharded", group_bytes=None, check_memory=None,
-                 keep_last_unit=True):
+                 keep_last_unit=True, compile=False):
+        _compiled.check_compile_option(compile, "sf.train_step")  # Note [compiled code in a step] in `_compiled.py`
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         self.core = GradientCore(
@@ -73,11 +74,25 @@ class TrainStep:
         Returns:
             `TrainState(params=<DTensor tree>, opt_state=..., step=0)`; frozen leaves get no
             optimizer state.
+
+        Raises:
+            ValueError: `loss_fn`, or a block of the model, was compiled by the user (Note
+                [compiled code in a step] in `shardfn/_compiled.py`).
         """
+        self._refuse_compiled(params)
         if self.check_memory is not False:
             _estimate.check_memory(self, params, None, self.check_memory)
         params = self.core.build(params, init)
         return TrainState(params=params, opt_state=self.opt.init(self.core.trainable(params)), step=0)
+
+    def _refuse_compiled(self, params: Any) -> None:
+        """Refuses a compiled `loss_fn` or a model holding compiled blocks, before anything is traced."""
+        paths, leaves, _ = tree_flatten_with_paths(params)
+        try:
+            info = model_info(self.core.apply, paths, leaves)
+        except ValueError:
+            info = None  # which model: `core.build` refuses it with its own message
+        _compiled.refuse_compiled(self.core.loss_fn, info.module if info is not None else None, "sf.train_step")
 
     # -- the step -------------------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
@@ -265,6 +280,7 @@ def train_step(
     group_bytes: int | None = None,
     check_memory: bool | int | None = None,
     keep_last_unit: bool = True,
+    compile: bool | dict = False,
 ) -> TrainStep:
     """Builds a sharded train step around `loss_fn(params, batch)`.
 
@@ -310,6 +326,10 @@ def train_step(
             gathered from its forward to its backward, which comes first (one all-gather fewer per
             step, as torchtitan does for FSDP2's last block); False frees it like the others, its
             full size less while the loss (the largest activations, often the peak) is computed.
+        compile: False (the default) runs the step eager. True, or a dict of `torch.compile`
+            options, will compile it; not supported yet: `NotImplementedError`. A `loss_fn` or blocks
+            compiled by the user are refused at `init` with a `ValueError` (Note [compiled code in a
+            step] in `shardfn/_compiled.py`).
 
     Returns:
         A `TrainStep`: `state = step.init(params)`, then `state, metrics = step(state, batch)`.
@@ -322,5 +342,5 @@ def train_step(
     return TrainStep(
         loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
         apply=apply, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
-        check_memory=check_memory, keep_last_unit=keep_last_unit,
+        check_memory=check_memory, keep_last_unit=keep_last_unit, compile=compile,
     )
