@@ -319,7 +319,7 @@ def broadcast(t: torch.Tensor, src: int, group) -> None:
 # group set-up stays outside). Collectives a user issues through `torch.distributed` are not
 # watched.
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 @contextlib.contextmanager
@@ -340,7 +340,7 @@ def _world(group) -> int:
 
 
 def all_reduce_blocking(t: torch.Tensor, group, what: str, op: str = "sum") -> torch.Tensor:
-    """`t` <- the `op` ("sum" or "max") of `t` over the ranks of `group`, in place; blocks, under
+    """`t` <- the `op` ("sum", "max" or "min") of `t` over the ranks of `group`, in place; blocks, under
     the watch as shardfn call `what`. Returns `t`."""
     STATS.add("all_reduce", 2 * _ring_bytes(t, _world(group)))
     with watching(what):
@@ -536,6 +536,65 @@ def redistribute(x, mesh, placements, what: str):
         return x.redistribute(mesh, placements)
 
 
+def all_gather_blocking(t: torch.Tensor, group, what: str) -> list[torch.Tensor]:
+    """Every rank's `t` (same shape on every rank), in group-rank order; blocks, under the watch."""
+    world = _world(group)
+    t = t.contiguous()
+    if world == 1:
+        return [t]
+    STATS.add("all_gather", t.numel() * t.element_size() * (world - 1))
+    out = [torch.empty_like(t) for _ in range(world)]
+    with watching(what):
+        dist.all_gather(out, t, group=group)
+    return out
+
+
+def reduce_scatter_blocking(chunks: list[torch.Tensor], group, what: str) -> torch.Tensor:
+    """The sum over ranks of chunk g (equal shapes), on group rank g; blocks, under the watch."""
+    world = _world(group)
+    if world == 1:
+        return chunks[0].contiguous().clone()
+    inp = torch.cat([c.reshape(-1) for c in chunks])
+    out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
+    with watching(what):
+        wait(reduce_scatter(out.view(-1), inp, group, async_op=True, scratch=True))
+    return out
+
+
+def all_to_all_blocking(chunks: list[torch.Tensor], group, what: str) -> list[torch.Tensor]:
+    """Chunk g (equal shapes) to group rank g; returns what each group rank sent this one, in
+    group-rank order. Counted as the bytes sent to the peers; blocks, under the watch."""
+    world = _world(group)
+    if world == 1:
+        return [chunks[0].contiguous().clone()]
+    inp = torch.cat([c.reshape(-1) for c in chunks])
+    out = torch.empty_like(inp)
+    STATS.add("all_to_all", inp.numel() * inp.element_size() * (world - 1) // world)
+    with watching(what):
+        dist.all_to_all_single(out, inp, group=group)
+    return list(out.view(world, *chunks[0].shape).unbind(0))
+
+
+def permute_blocking(t: torch.Tensor, send_to: list[int], recv_from: int | None, group, what: str) -> torch.Tensor:
+    """Sends `t` to each group rank in `send_to` and returns what group rank `recv_from` sent
+    (zeros when None); every rank's `t` has one shape. Point to point, one tag per call, which
+    every rank of the group takes in the same order; blocks, under the watch."""
+    t = t.contiguous()
+    out = torch.zeros_like(t)
+    info = _info(group)
+    tag = _next_tag(info)
+    rank = info[1]
+    sends = [(t, dst, tag) for dst in send_to if dst != rank]
+    recvs = [(out, recv_from, tag)] if recv_from is not None and recv_from != rank else []
+    if recv_from == rank:
+        out.copy_(t)
+    STATS.add("ppermute", t.numel() * t.element_size() * len(sends))
+    if sends or recvs:
+        with watching(what):
+            wait(_exchange(group, sends, recvs))
+    return out
+
+
 @contextlib.contextmanager
 def region(what: str) -> Iterator[None]:
     """A block whose collectives a library issues itself (`torch.distributed.checkpoint`'s save
@@ -545,4 +604,4 @@ def region(what: str) -> Iterator[None]:
         yield
 
 
-__all__ += ["watching", "all_reduce_blocking", "all_gather_object", "broadcast_object", "barrier", "full_tensor", "redistribute", "region"]
+__all__ += ["watching", "all_reduce_blocking", "all_gather_blocking", "reduce_scatter_blocking", "all_to_all_blocking", "permute_blocking", "all_gather_object", "broadcast_object", "barrier", "full_tensor", "redistribute", "region"]

@@ -1,0 +1,276 @@
+"""Manual regions: code that runs once per rank on that rank's blocks, over named mesh axes.
+
+A region is opened by `sf.shard_map` (and by the train step around `loss_fn`): it binds a mesh,
+so that the named collectives (`shardfn/_named.py`) find their axes by name, and it tracks, for
+every tensor computed inside, the set of mesh axes its value varies over (Note [varying axes]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from . import _mesh
+
+__all__ = ["Region", "AxisGroup", "current", "region", "vma", "pvary", "axis_group", "axis_names"]
+
+
+# Note [varying axes]
+# ~~~~~~~~~~~~~~~~~~~
+# Inside per-shard code a value is either the same on every rank along a mesh axis (invariant) or
+# not (varying), and the derivative of a collective depends on which: `psum` of a varying value
+# sums different values and its transpose hands every rank the (invariant) cotangent as it is,
+# while a value that is invariant along an axis and is then used together with one that varies
+# there has been, implicitly, copied onto every rank of the axis (`pvary`), whose transpose sums
+# the cotangents over the axis. This is JAX's `check_vma` discipline; with it, every derivative
+# is that of the global function, and no collective needs a "sum or not" guess in its backward.
+#
+# Eager PyTorch has no types to carry it, so a region tracks it beside the values: a torch
+# function mode sees every call made inside the region and gives each tensor it returns the union
+# of its tensor arguments' axes (a weak map from tensor to a frozenset of axis names). Where the
+# arguments of one call differ, those that need a gradient and vary over fewer axes are first
+# passed through `pvary` to the union (so the sum over the axis happens in the backward, once,
+# exactly where the value was copied); arguments that need no gradient are left as they are (the
+# copy is the identity on values). An in-place call that makes its target vary over more axes
+# than before, on a target that needs a gradient, first routes the target through `pvary` too.
+#
+# Where each value starts: the blocks of `shard_map`'s inputs vary over the axes their spec names;
+# a tensor the region has not seen (a closed-over weight, a module's parameter) is invariant over
+# every axis; `axis_index` varies over its axes; a random draw (`torch.randn`, dropout, ...)
+# varies over every axis of the region, which is always safe (a value typed varying that happens
+# to be equal is only refused where an out spec claims it invariant). torch.func's wrappers are
+# looked through, so a `vmap` or `grad` inside the region keeps the types of what it wraps.
+
+_RANDOM_NAMES = frozenset({
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli", "normal",
+    "multinomial", "poisson", "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+    "feature_alpha_dropout", "uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_",
+    "cauchy_", "log_normal_", "rrelu", "native_dropout",
+})
+
+
+def _is_random(func: Any, kwargs: dict) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "scaled_dot_product_attention":
+        return bool(kwargs.get("dropout_p", 0.0))
+    return name in _RANDOM_NAMES
+
+
+def _mutated(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The tensor an in-place call writes into, if any."""
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor):
+        return out
+    name = getattr(func, "__name__", "")
+    if args and isinstance(args[0], torch.Tensor) and (name == "__setitem__" or (name.endswith("_") and not name.startswith("__"))
+                                                        or name in ("__iadd__", "__isub__", "__imul__", "__itruediv__")):
+        return args[0]
+    return None
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """The ranks along some axes of a mesh, as a collective over those axes sees them.
+
+    `index` is this rank's position along the axes, the first named the major one (JAX's
+    `axis_index` of a tuple of axes); `ranks[j]` is the group rank at position j.
+    """
+
+    axes: tuple[str, ...]
+    group: Any
+    size: int
+    index: int
+    ranks: tuple[int, ...]  # position along the axes -> group rank
+
+    def position_of(self, group_rank: int) -> int:
+        return self.ranks.index(group_rank)
+
+
+_GROUPS: "dict[tuple[int, tuple[str, ...]], AxisGroup]" = {}
+
+
+def axis_group(mesh: DeviceMesh, axes: tuple[str, ...]) -> AxisGroup:
+    """The `AxisGroup` of `axes` of `mesh` (a collective the first time, on every rank)."""
+    key = (id(mesh), axes)
+    found = _GROUPS.get(key)
+    if found is not None and found.group is not None:
+        return found
+    names = tuple(mesh.mesh_dim_names or ())
+    sizes = dict(zip(names, (int(s) for s in mesh.shape)))
+    coords = dict(zip(names, mesh.get_coordinate() or ()))
+    size = math.prod(sizes[a] for a in axes)
+    index = _position(axes, sizes, coords)
+    if size == 1:
+        made = AxisGroup(axes, None, 1, 0, (0,))
+        return made
+    group = _mesh.mesh_group(mesh, axes)
+    grid = mesh.mesh
+    positions: list[int] = []
+    for g in range(dist.get_world_size(group)):
+        global_rank = dist.get_global_rank(group, g)
+        where = (grid == global_rank).nonzero()[0].tolist()
+        positions.append(_position(axes, sizes, dict(zip(names, where))))
+    ranks = tuple(positions.index(j) for j in range(size))
+    made = AxisGroup(axes, group, size, index, ranks)
+    _GROUPS[key] = made
+    return made
+
+
+def _position(axes: tuple[str, ...], sizes: dict, coords: dict) -> int:
+    index = 0
+    for a in axes:
+        index = index * sizes[a] + int(coords[a])
+    return index
+
+
+class Region:
+    """One manual region: its mesh, its axes, and the axes each tensor computed in it varies over."""
+
+    def __init__(self, mesh: DeviceMesh, what: str):
+        names = mesh.mesh_dim_names
+        if not names:
+            raise ValueError("the mesh has no axis names: build it with sf.mesh(dp=-1) or init_device_mesh(..., mesh_dim_names=...)")
+        self.mesh, self.what = mesh, what
+        self.names: tuple[str, ...] = tuple(names)
+        self.sizes = dict(zip(self.names, (int(s) for s in mesh.shape)))
+        self.types: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.collectives = 0  # named collectives called in the region
+        self.paused = False
+
+    @contextlib.contextmanager
+    def untracked(self) -> Iterator[None]:
+        """A block whose calls are not typed (a named collective's own work)."""
+        old, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = old
+
+    def axes(self, axis: "str | tuple[str, ...] | list[str]", call: str) -> tuple[str, ...]:
+        """`axis` (a name or names) checked against the region's mesh, as a tuple."""
+        axes = (axis,) if isinstance(axis, str) else tuple(axis)
+        bad = [a for a in axes if a not in self.names] if axes and all(isinstance(a, str) for a in axes) else [axis]
+        if bad or not axes or len(set(axes)) != len(axes):
+            raise ValueError(
+                f"{call}: axis {axis!r} is not a name, or a tuple of distinct names, of the mesh axes {self.names} of the "
+                f"enclosing {self.what}. Name axes of that mesh, e.g. {call}(x, {self.names[0]!r})"
+            )
+        return axes
+
+    def of(self, x: Any) -> frozenset:
+        """The axes `x` varies over (a tensor the region has not seen: none)."""
+        if not isinstance(x, torch.Tensor):
+            return frozenset()
+        t = x
+        while True:
+            found = self.types.get(t)
+            if found is not None:
+                return found
+            if not torch._C._functorch.is_functorch_wrapped_tensor(t):
+                return frozenset()
+            t = torch._C._functorch.get_unwrapped(t)
+
+    def mark(self, x: Any, axes: frozenset) -> None:
+        for t in pytree.tree_leaves(x):
+            if isinstance(t, torch.Tensor):
+                self.types[t] = axes
+
+
+class _Tracking(TorchFunctionMode):
+    """Gives every tensor a call in the region returns the axes it varies over (Note [varying axes])."""
+
+    def __init__(self, region: Region):
+        super().__init__()
+        self.region = region
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        region = self.region
+        if region.paused or getattr(func, "__name__", "") == "__set__":  # a collective's own work; `x.data = y`
+            return func(*args, **kwargs)
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        found = [region.of(t) if isinstance(t, torch.Tensor) else None for t in flat]
+        union = frozenset().union(*(f for f in found if f is not None))
+        if _is_random(func, kwargs):
+            union = frozenset(region.names)
+        if any(f is not None and f != union for f in found):
+            target = _mutated(func, args, kwargs)
+            lifted = []
+            for t, f in zip(flat, found):
+                if f is not None and f != union and t.requires_grad and torch.is_grad_enabled():
+                    if t is target:
+                        t.copy_(pvary(t.clone(), tuple(a for a in region.names if a in union - f)))
+                    else:
+                        t = pvary(t, tuple(a for a in region.names if a in union - f))
+                lifted.append(t)
+            args, kwargs = pytree.tree_unflatten(lifted, spec)
+        out = func(*args, **kwargs)
+        region.mark(out, union)
+        target = _mutated(func, args, kwargs)
+        if target is not None:
+            region.types[target] = union
+        return out
+
+
+_LOCAL = threading.local()
+
+
+def current() -> Region | None:
+    """The innermost manual region open on this thread, if any."""
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def region(mesh: DeviceMesh, what: str) -> Iterator[Region]:
+    """Opens a manual region over `mesh` for the block (Note [varying axes])."""
+    reg = Region(mesh, what)
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    stack.append(reg)
+    try:
+        with _Tracking(reg):
+            yield reg
+    finally:
+        stack.pop()
+
+
+def vma(x: torch.Tensor) -> frozenset:
+    """The mesh axes `x` varies over in the current region (empty outside one)."""
+    reg = current()
+    return reg.of(x) if reg is not None else frozenset()
+
+
+def axis_names(axis: "str | tuple[str, ...]", call: str) -> tuple[Region, tuple[str, ...]]:
+    """The current region and `axis` as a checked tuple of its axis names."""
+    reg = current()
+    if reg is None:
+        raise ValueError(
+            f"sf.{call} was called outside per-shard code: call it inside a function run by sf.shard_map, or inside the "
+            "loss_fn of sf.train_step / sf.value_and_grad"
+        )
+    return reg, reg.axes(axis, f"sf.{call}")
+
+
+def pvary(x: torch.Tensor, axis: "str | tuple[str, ...]") -> torch.Tensor:
+    """`x`, typed as varying over `axis` too (JAX's `pvary`): the identity on values, whose
+    transpose sums the cotangent over those axes (of the axes `x` already varied over: nothing)."""
+    from ._named import _pvary
+
+    reg, axes = axis_names(axis, "pvary")
+    have = reg.of(x)
+    new = tuple(a for a in axes if a not in have)
+    out = _pvary(x, reg, new) if new else x
+    reg.types[out] = have | frozenset(axes)
+    return out
