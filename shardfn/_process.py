@@ -4,9 +4,17 @@ Note [process-wide state]
 -------------------------
 Everything a step, a transform or a hook needs on its way is held by an object the call owns: the
 engine (units, schedule, plan), the model's info (names, units, and the runtimes active on it,
-Note [unit runtime] in `_runtime.py`), the train step or transform. Nothing on a path the backward
-takes reads a global or a thread-local. What is left belongs to the process, one per process by
-nature (process groups, the watch's heartbeat), or is a cache or a setting:
+Note [unit runtime] in `_runtime.py`), the train step or transform. What is left belongs to the
+process, one per process by nature (process groups, the watch's heartbeat), or is a cache, a counter
+or a setting, all in the table below.
+
+On a path the backward takes, only the collectives' and the watch's globals are read or written,
+never a thread-local, so a backward on another thread than its forward sees the same: a unit's
+reduce-scatter (and the prefetched all-gather) reads `_collectives.GLOO_COLLECTIVES` (and, point to
+point, `POST_FROM_THREAD` and the `_POSTER` thread), adds to `_collectives.STATS`, and takes the next
+tag from its group's counter in `_collectives._GROUPS`; waiting on it sets `_watch.WHERE.waiting`.
+The torch.func check of a DTensor meeting a differentiated scalar (`_functorch.install_mixing_check`)
+returns inside a backward before it reads `_functorch._transforms`.
 
 | where | what | kind |
 |---|---|---|
@@ -14,13 +22,20 @@ nature (process groups, the watch's heartbeat), or is a cache or a setting:
 | `_collectives._POSTER` | the thread that posts point-to-point messages | process |
 | `_collectives.STATS` | collective counts and bytes since the last reset | counters |
 | `_collectives.GLOO_COLLECTIVES`, `POST_FROM_THREAD` | how gloo collectives run | settings |
+| `_collectives.GATHER_BUCKET_BYTES`, `_flat.SMALL_SEGMENT` | the bytes one packed all-gather of `full_tensors` receives at most; which sharded leaves count as small (gathered together, Note [flat unit layout]) | settings |
 | `_mesh._AXES_GROUPS` | per mesh: the process group over several of its axes (weak keys) | process groups |
+| `_manual._GROUPS` | per mesh and axes named in `sf.shard_map` collectives: the process group over them | process groups |
 | `_checkpoint._background_group`, `_in_flight` | background saves' group, the save running | process groups, process |
 | `_watch._WATCH`, `WHERE`, `FAILED_HERE`, `_STEP_FAILED`, `PG_TIMEOUT_S` | fail fast: heartbeat, where this rank is, whether it failed | process |
 | `_models.REGISTRY` | the live functionalized models (weakly held) | cache |
 | `_functorch._transforms` | the torch.func transforms `sf.gather` ran under, weakly held, read only in a forward to name a sharded leaf read directly | cache |
 | `_memory._madvise`, `HUGE_PAGES` | the madvise function found, huge pages on or off | cache, setting |
 | `_meta_init._state` | the construction being recorded under `sf.meta_device()` (thread-local: construction only, never a backward) | thread |
+| `_manual._LOCAL` | the `sf.shard_map` regions open on this thread (thread-local: read in a region's forward; its collectives' backwards hold their groups) | thread |
+| `_tp._REGISTERED` | whether the sharding strategies for CPU's fused attention are registered with DTensor (`register_sharding`, once per process) | process |
+| DTensor's op dispatcher (`_custom_op_handlers`, `_try_replicate_spec_for_scalar_tensor`) | torch's own, process-wide: the handlers `_tp` and `_forward_ad` add and the check `_functorch.install_mixing_check` wraps in (each idempotent) | process |
+| `_launch._BORN_ENV` | this process's environment when shardfn was imported: a rank tells from it what torch's launcher set since, and keeps that over its caller's environment (Note [warm ranks]) | process |
+| `_launch._WARM` | the process that started the warm server, and the environment it started with (Note [warm ranks]) | process |
 
 `reset()` puts back what one test may leave for the next: the counters, and models nobody holds.
 Process groups, the watch (whose failure flags pair with records in the job's store) and settings
