@@ -17,9 +17,12 @@ from ._grad import grad, value_and_grad
 from ._functional import Apply, from_state_dict, functionalize, to_state_dict
 from ._param import Param
 from ._per_sample import DPValueAndGrad, dp_value_and_grad, per_sample_grad_norms, per_sample_grads
+from ._manual import pvary
 from ._mesh import mesh
+from ._named import all_gather, all_to_all, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter
 from ._meta_init import meta_device
 from ._shard import gather, shard
+from ._shard_map import shard_map
 from ._simulate import simulate
 from ._spec import P, specs
 from ._tp import FallbackWarning
@@ -46,7 +49,11 @@ __all__ = [
     "StaleParameterError",
     "TrainState",
     "TrainStep",
+    "all_gather",
+    "all_to_all",
     "apply_updates",
+    "axis_index",
+    "axis_size",
     "copy",
     "describe",
     "dp_value_and_grad",
@@ -66,9 +73,17 @@ __all__ = [
     "optim",
     "per_sample_grad_norms",
     "per_sample_grads",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
+    "pvary",
     "rules",
     "save",
     "shard",
+    "shard_map",
     "simulate",
     "specs",
     "to_state_dict",

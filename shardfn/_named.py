@@ -172,6 +172,7 @@ class _Extremum(torch.autograd.Function):
     def setup_context(ctx, inputs, output) -> None:
         x, ctx.group, _, ctx.what = inputs
         ctx.save_for_backward(x, output)
+        ctx.save_for_forward(x, output)
 
     @staticmethod
     def _share(ctx, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -175,6 +175,10 @@ class _EnterDTensor(torch.autograd.Function):
             back = _grad_placements(ctx.placements)
             return (C.redistribute(d, ctx.mesh, back, "the gradient of sf.shard_map's input") if back != tuple(want) else d), None, None
 
+    @staticmethod
+    def jvp(ctx, tangent: DTensor, *_: None) -> torch.Tensor:  # type: ignore[override]
+        return _EnterDTensor.apply(tangent, ctx.spec, ctx.mesh)
+
 
 class _Leave(torch.autograd.Function):
     """This rank's block -> the output DTensor laid out by `spec`; backward: the block of the
@@ -194,6 +198,10 @@ class _Leave(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Any) -> Any:  # type: ignore[override]
         return _Block.apply(grad, ctx.spec, ctx.mesh, ctx.shape), None, None, None
+
+    @staticmethod
+    def jvp(ctx, tangent: torch.Tensor, *_: None) -> DTensor:  # type: ignore[override]
+        return _Leave.apply(tangent, ctx.spec, ctx.mesh, ctx.shape)
 
 
 class _Block(torch.autograd.Function):
@@ -217,6 +225,10 @@ class _Block(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> Any:  # type: ignore[override]
         return _Leave.apply(grad, ctx.spec, ctx.mesh, ctx.shape), None, None, None
+
+    @staticmethod
+    def jvp(ctx, tangent: Any, *_: None) -> torch.Tensor:  # type: ignore[override]
+        return _Block.apply(tangent, ctx.spec, ctx.mesh, ctx.shape)
 
 
 def _enter(x: Any, spec: Any, mesh: DeviceMesh, path: str, reg: Region) -> Any:
