@@ -158,6 +158,24 @@ def _torch_private_attributes() -> set[str]:
     return names | {"_orig_mod", "_compiled_call_impl", "_torchdynamo_orig_callable"}
 
 
+def _private_names_of(full: list[str] | None) -> set[str]:
+    """The private names (`dir`) of the torch class at dotted path `full`; none for a path that is
+    no class of torch."""
+    import importlib
+
+    if not full or full[0] != "torch":
+        return set()
+    for cut in range(len(full) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(full[:cut]))
+        except ImportError:
+            continue
+        for part in full[cut:]:
+            obj = getattr(obj, part, None)
+        return {n for n in dir(obj) if _private(n)} if isinstance(obj, type) else set()
+    return set()
+
+
 def private_torch_uses(package: Path = PACKAGE, attributes: set[str] | None = None) -> set[tuple[str, str]]:
     """`{(file relative to the package, name)}`: every private torch API the package uses.
 
@@ -227,6 +245,15 @@ def private_torch_uses(package: Path = PACKAGE, attributes: set[str] | None = No
                 full = chain(node.value, roots)
                 if full is not None:
                     roots.setdefault(node.targets[0].id, full)
+        for node in ast.walk(tree):  # a subclass of a torch class: the private names it overrides or reads on self
+            if isinstance(node, ast.ClassDef):
+                inherited = {n for base in node.bases for n in _private_names_of(chain(base, roots))}
+                for item in ast.walk(node):
+                    if isinstance(item, ast.FunctionDef) and item.name in inherited:
+                        found.add((rel, item.name))
+                    elif (isinstance(item, ast.Attribute) and isinstance(item.value, ast.Name) and item.value.id == "self"
+                          and item.attr in inherited):
+                        found.add((rel, item.attr))
         for node in ast.walk(tree):
             if isinstance(node, (ast.Attribute, ast.Call)):
                 full = chain(node, roots)
@@ -303,9 +330,14 @@ def test_private_api_finder_sees_each_form(tmp_path):
         "    g = getattr(DTensor._op_dispatcher, '_rule', None)\n"
         "    g._mine = getattr(g, '_mine', True)\n"
         "    return t._base, m._parameters, t.shape, torch.nn.functional.relu(t), torch.__version__\n"
+        "from torch.utils.module_tracker import ModuleTracker\n"
+        "class Tracker(ModuleTracker):\n"
+        "    def _fw_pre_hook(self, mod, input):\n"
+        "        return self._get_mod_name(mod), self._mine\n"
     )
     assert private_torch_uses(pkg, attributes={"_base", "_parameters"}) == {("a.py", n) for n in (
         "_subclasses", "fake_tensor", "FakeTensor", "_functional_collectives", "AsyncCollectiveTensor", "_pytree",
         "tree_leaves", "_C", "_functorch", "is_gradtrackingtensor", "_current_graph_task_id", "_op_dispatcher",
-        "_log_softmax", "_local_scalar_dense", "_base", "_parameters", "_custom_op_handlers", "_rule",
+        "_log_softmax", "_local_scalar_dense", "_base", "_parameters", "_custom_op_handlers", "_rule", "_fw_pre_hook",
+        "_get_mod_name",
     )}
