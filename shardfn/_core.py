@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
 from . import _donate, _runtime, _watch
+from ._agree import Item, agree
 from ._buffers import ModuleBuffers
 from ._engine import GROUP_BYTES, Engine, Policy, StaleParameterError, group_name, plan_groups
 from ._flat import STALE, FlatUnit, LeafSpec
@@ -209,14 +210,16 @@ class GradientCore:
         self.tp: TensorParallel | None = None
         self._tp_batch_checked = False
 
-    def build(self, params: Any, init: str | None = None) -> Any:
+    def build(self, params: Any, init: str | None = None, sync: str | None = None) -> Any:
         """Lays `params` out in this core's flat unit buffers: its specs become flat units, the
         engine that runs them, and DTensors over this rank's shards.
 
         Args:
-            params: the full parameter tree (same values on every rank), a DTensor tree, or a tree
-                on the meta device (the module's initializers fill it).
+            params: the full parameter tree, a DTensor tree, or a tree on the meta device (the
+                module's initializers fill it).
             init: `"empty"` leaves meta leaves uninitialized (values do not matter; Note [meta init]).
+            sync: how the ranks agree on the full leaves and the module's buffers first (Note [one
+                model] in `_agree.py`): "broadcast", "check" or None (each rank's own).
 
         Returns:
             The parameter tree of DTensors over the core's buffers (see `tree`).
@@ -226,7 +229,7 @@ class GradientCore:
         trained = trained_leaves(info, paths, self.frozen)
         units, where, dtype_of, direct_gather, groups = self._flat_units(info, paths, leaves, spec_list, trained)
         self.engine = self._make_engine(info, units, dtype_of, direct_gather, groups)
-        dt_params, dt_grads, flat_views = self._fill(info, paths, leaves, spec_list, units, where, init)
+        dt_params, dt_grads, flat_views = self._fill(info, paths, leaves, spec_list, units, where, init, sync)
         self._prepare_buffers(info)
         self._norm_segments, self._norm_parts = self._norm_plan(units)
         self.treespec = treespec
@@ -379,13 +382,15 @@ class GradientCore:
         )
 
     def _fill(self, info: Any, paths: list[str], leaves: list, spec_list: list, units: dict, where: list,
-              init: str | None = None):
-        """Fills the local shards (meta leaves by the module's initializers); returns the DTensors
-        over them, those over the gradient shards, and the shards themselves."""
+              init: str | None = None, sync: str | None = None):
+        """Fills the local shards (meta leaves by the module's initializers, full leaves with the
+        values the ranks agree on); returns the DTensors over them, those over the gradient
+        shards, and the shards themselves."""
         device = self.mesh.device_type
         # Meta leaves: the module's recorded construction, replayed (Note [meta init] in `_meta_init.py`).
         meta = {i for i, leaf in enumerate(leaves) if leaf.is_meta}
-        if check_init(init, "step.init", module=False):  # values do not matter: the shards stay uninitialized
+        empty = check_init(init, "step.init", module=False)
+        if empty:  # values do not matter: the shards stay uninitialized
             empty_buffers(info.module if info is not None else None, device)
         elif meta:
             if info is None:
@@ -400,11 +405,12 @@ class GradientCore:
                 units[u].fill(j, self._tp_local(at[path], full))
 
             materialize(info, set(at), emit, buffer_device=device)
+        self._fill_full(info, paths, leaves, units, where, meta, sync, buffers=not empty)
         dt_params, dt_grads, flat_views = [], [], []
         for i, (leaf, spec) in enumerate(zip(leaves, spec_list)):
             u, j = where[i]
-            if i not in meta:
-                units[u].fill(j, self._tp_local(i, C.full_tensor(leaf, "the train step's init") if isinstance(leaf, DTensor) else leaf))
+            if i not in meta and isinstance(leaf, DTensor):
+                units[u].fill(j, self._tp_local(i, C.full_tensor(leaf, "the train step's init")))
             local, grad, shape = units[u].shard(j)
             if self.tp_axis is not None:
                 own = state_spec(self._tp_dims[i], self._fsdp[i], leaf.dim(), self.shard_axis, self.tp_axis, self._dims[i] or 0)
@@ -415,6 +421,29 @@ class GradientCore:
             dt_params.append(self.dtensor(_donate.alias(local), placements, shape))
             dt_grads.append(self.dtensor(grad, placements, shape) if grad is not None else None)
         return dt_params, dt_grads, flat_views
+
+    def _fill_full(self, info: Any, paths: list[str], leaves: list, units: dict, where: list, meta: set[int],
+                   sync: str | None, buffers: bool) -> None:
+        """Fills the full (non-DTensor, non-meta) leaves with the values the ranks agree on, and
+        makes the module's real buffers agree too (Note [one model] in `_agree.py`): each leaf is
+        copied in as its bucket arrives."""
+        whole = tuple(range(self.mesh.ndim))
+
+        def filler(i: int) -> Callable[[torch.Tensor], None]:
+            u, j = where[i]
+            return lambda full: units[u].fill(j, self._tp_local(i, full))
+
+        def copier(buf: torch.Tensor) -> Callable[[torch.Tensor], None]:
+            def copy(value: torch.Tensor) -> None:
+                if value is not buf:
+                    with torch.no_grad():
+                        buf.copy_(value)
+            return copy
+
+        items = [Item(paths[i], x, filler(i), whole) for i, x in enumerate(leaves) if i not in meta and not isinstance(x, DTensor)]
+        if buffers and sync is not None and info is not None:
+            items += [Item(f"buffer {name}", b, copier(b), whole) for name, b in info.module.named_buffers() if not b.is_meta]
+        agree(items, self.mesh, sync, "step.init")
 
     def _check_tp_batch(self, batch: Any) -> None:
         """On the first step: ranks that differ only in their tp coordinate hold the same batch, as

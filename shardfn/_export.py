@@ -27,8 +27,10 @@ rows it keeps: for each DTensor leaf, the offsets and sizes of the local shard
 tensor (`safe_open(...).get_slice`), which safetensors reads from the memory-mapped file without
 touching the rest. A parameter is found under any of its names (`info.aliases`: a file without
 `lm_head.weight` fills the head from `wte.weight`), buffers in the file are copied into the
-module's, and values are cast to the leaf's dtype, as `load_state_dict` does. Import needs no
-collective: every rank reads the same file and decides alike.
+module's, and values are cast to the leaf's dtype, as `load_state_dict` does. Reading needs no
+collective: every rank reads the same file and decides alike. Then, unless `sync=None`, the ranks
+that hold the same rows (replicas, tp peers) and the module's buffers agree on what they read, in
+case their sources differ (Note [one model] in `shardfn/_agree.py`): a few broadcasts, or a check.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
 from . import _watch
+from ._agree import Item, agree, check_sync, replicated_dims
 from ._checkpoint import LoadReport
 from ._files import replace_synced, temporary_name
 from ._models import model_of, persistent_buffers as _persistent_buffers
@@ -302,11 +305,12 @@ def import_state_dict(
     *,
     strict: bool = True,
     apply: Any = None,
+    sync: str | None = "broadcast",
 ) -> Any:
     """Reads a state dict (a safetensors file, a Hugging Face checkpoint) into a sharded tree or state.
 
-    Not a collective: each rank reads only the rows it keeps (Note [export and import] in
-    `shardfn/_export.py`). Values are written in place into `like`'s tensors (a train step's own
+    Each rank reads only the rows it keeps (Note [export and import] in `shardfn/_export.py`);
+    then the ranks that hold the same rows agree on them (`sync`). Values are written in place into `like`'s tensors (a train step's own
     buffers included) and `like` is returned. Names are `module.state_dict()` names of `like`'s
     model: a tied parameter is read from whichever of its names the source has; buffers in the
     source are copied into the module's buffers. Values are cast to the leaves' dtypes.
@@ -320,6 +324,16 @@ def import_state_dict(
             name of the source must be one of them. If False, the others are skipped and reported.
         apply: the model's `sf.functionalize` function, when several live models have these
             parameter names (see `sf.to_state_dict`).
+        sync: for DTensor leaves, how the ranks that hold the same shard (a replicated leaf under
+            `no_shard`, `hybrid_shard`'s replicas, the tp peers of a leaf whole on tp) and the
+            module's buffers come to agree when their sources differ (files that differ by node,
+            a dict built per rank): `"broadcast"` (default) gives them the values of the first
+            such rank (rank 0's for buffers and replicated leaves), `"check"` raises a `ValueError`
+            on every rank naming the leaves and ranks that differ, None leaves each rank's own
+            (and then no collective runs). The rows of a leaf split across ranks are read by their
+            rank alone: every rank must read the same source. With the default, a collective on
+            the mesh of `like`'s DTensors (Note [one model] in `shardfn/_agree.py`); plain
+            leaves are each rank's own and are never sent.
 
     Returns:
         `like` (strict), or `(like, sf.LoadReport(missing_keys, unexpected_keys))` (`strict=False`).
@@ -331,6 +345,7 @@ def import_state_dict(
         >>> state = step.init(params)
         >>> state = sf.import_state_dict("llama/model.safetensors", like=state)
     """
+    check_sync(sync, "sf.import_state_dict")
     src = _Source(source)
     tree = _params_of(like)
     info = model_of(tree, apply, "like")
@@ -408,5 +423,28 @@ def import_state_dict(
             dst.copy_(src.read(found[p], box))
         for b in sorted(have & set(buffers)):
             buffers[b].copy_(src.read(b, None))
+    _agree_read(paths, leaves, found, {b: buffers[b] for b in sorted(have & set(buffers))}, sync)
     return like if strict else (like, LoadReport(missing, unexpected))
+
+
+def _agree_read(paths: list[str], leaves: list, found: dict, buffers: dict[str, torch.Tensor], sync: str | None) -> None:
+    """The ranks that hold the same rows of a DTensor leaf read, and the buffers read, agree on
+    them (Note [one model] in `_agree.py`), mesh by mesh in the order the leaves name them."""
+    by_mesh: dict[Any, list[Item]] = {}
+    for p, x in zip(paths, leaves):
+        if p in found and isinstance(x, DTensor):
+            by_mesh.setdefault(x.device_mesh, []).append(Item(p, x._local_tensor, _copier(x._local_tensor), replicated_dims(x), tuple(x.shape)))
+    if by_mesh and buffers:
+        mesh = next(iter(by_mesh))
+        by_mesh[mesh] += [Item(f"buffer {b}", t, _copier(t), tuple(range(mesh.ndim))) for b, t in buffers.items()]
+    for mesh, items in by_mesh.items():
+        agree(items, mesh, sync, "sf.import_state_dict", fix="Give every rank the same source (the same file, or a dict built alike)")
+
+
+def _copier(dst: torch.Tensor) -> Any:
+    def copy(value: torch.Tensor) -> None:
+        if value is not dst:
+            with torch.no_grad():
+                dst.copy_(value)
+    return copy
 

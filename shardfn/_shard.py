@@ -18,6 +18,7 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._C._functorch import TransformType
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
+from ._agree import Item, agree, check_sync
 from ._meta_init import check_init, empty_buffers, empty_shard, materialize
 from ._models import ModelInfo, model_of
 from ._spec import local_slices, match_specs, placements_for, spec_of
@@ -28,11 +29,11 @@ _forward_ad.install()  # Note [dual DTensors]
 install_mixing_check()  # Note [a sharded leaf read inside a transform]
 
 
-def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
+def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None, *, sync: str | None = "broadcast") -> Any:
     """Shards a full parameter tree over `mesh`: a tree of DTensors holding only local shards.
 
-    Every rank must hold the same full values (e.g. the same seed); each keeps its own shards, so no
-    communication happens. Every layout a spec can say is honored: a dim over several axes is split
+    The ranks must hold one model: by default every rank takes rank 0's values of the full leaves
+    (`sync`, Note [one model] in `shardfn/_agree.py`); each then keeps its own shards. Every layout a spec can say is honored: a dim over several axes is split
     nested, the first axis the major one (Note [layouts of a spec] in `shardfn/_spec.py`); dims
     that the axes' sizes do not divide are split as `torch.chunk` does, and a rank may hold an
     empty shard. A tree of DTensors is redistributed to the specs' layouts.
@@ -50,6 +51,13 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
             leaves become uninitialized local shards, whether the module was built under
             `sf.meta_device()` or plain `torch.device("meta")` (the module's meta buffers become
             uninitialized tensors on the mesh's device); nothing is replayed or communicated.
+        sync: how the ranks come to hold the same full (non-DTensor, non-meta) leaves, which each
+            built or loaded itself (an unseeded build, a per-rank seed, weights loaded on rank 0
+            only): `"broadcast"` (default) sends rank 0's values to the others, packed in a few
+            buckets (about one broadcast per 64 MiB); `"check"` compares bitwise fingerprints and
+            raises a `ValueError` on every rank naming the leaves and ranks that differ; None uses
+            each rank's own values, unchecked. Meta-device leaves (each rank fills its own shards)
+            and DTensor leaves (already laid out) are never sent.
 
     Returns:
         A tree of `torch.distributed.tensor.DTensor`, the structure of `params`.
@@ -61,6 +69,7 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
         >>> apply, params = sf.functionalize(model, units=r"blocks\\.\\d+")
         >>> sharded = sf.shard(params, sf.specs(params, mesh), mesh, init=model)
     """
+    check_sync(sync, "sf.shard")
     paths, leaves, spec_list, treespec = match_specs(params, specs, mesh)
     out: list[Any] = [None] * len(leaves)
     meta = {i for i, leaf in enumerate(leaves) if leaf.is_meta}
@@ -83,22 +92,30 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None) -> Any:
         materialize(info, set(at), emit, buffer_device=mesh.device_type)
     elif init is not None:
         raise ValueError("init= is for parameters on the meta device; these params hold values: drop init=")
+
+    def emitter(i: int) -> Any:
+        def emit(full: torch.Tensor) -> None:
+            placements = placements_for(spec_list[i], mesh, full.shape)
+            d = distribute_tensor(full.detach().to(mesh.device_type), mesh, placements, src_data_rank=None)
+            if full is not leaves[i]:  # a view of a received bucket: the shard gets memory of its own
+                d = DTensor.from_local(d.to_local().clone(), mesh, placements, run_check=False, shape=d.shape, stride=d.stride())
+            out[i] = d
+        return emit
+
+    whole = tuple(range(mesh.ndim))
+    items = [Item(paths[i], leaf, emitter(i), whole) for i, leaf in enumerate(leaves) if i not in meta and not isinstance(leaf, DTensor)]
     with _watch.watched("sf.shard"), _watch.waiting():
+        agree(items, mesh, sync, "sf.shard")  # Note [one model] in `_agree.py`
         for i, (leaf, spec) in enumerate(zip(leaves, spec_list)):
-            if i in meta:
+            if i in meta or not isinstance(leaf, DTensor):
                 continue
-            placements = placements_for(spec, mesh, leaf.shape)
-            if isinstance(leaf, DTensor):
-                if leaf.device_mesh != mesh:
-                    raise ValueError(
-                        f"leaf {paths[i]!r} is sharded over another mesh ({leaf.device_mesh}) than the one given "
-                        f"({mesh}): move a tree to a new mesh through its full values, `full = sf.gather(tree)` then "
-                        "`sf.shard(full, specs, mesh)`, or `sf.save` then `sf.load` onto the new mesh"
-                    )
-                out[i] = C.redistribute(leaf, mesh, placements, "sf.shard")
-                continue
-            t = leaf.detach().to(mesh.device_type)
-            out[i] = distribute_tensor(t, mesh, placements, src_data_rank=None)
+            if leaf.device_mesh != mesh:
+                raise ValueError(
+                    f"leaf {paths[i]!r} is sharded over another mesh ({leaf.device_mesh}) than the one given "
+                    f"({mesh}): move a tree to a new mesh through its full values, `full = sf.gather(tree)` then "
+                    "`sf.shard(full, specs, mesh)`, or `sf.save` then `sf.load` onto the new mesh"
+                )
+            out[i] = C.redistribute(leaf, mesh, placements_for(spec, mesh, leaf.shape), "sf.shard")
     return optree.tree_unflatten(treespec, out)
 
 

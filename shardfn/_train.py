@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import _compiled, _donate, _estimate, _watch
+from ._agree import check_sync
 from ._core import STRATEGIES, GradientCore, MixedPrecision, model_info
 from ._state import TrainState
 from ._tree import tree_flatten_with_paths
@@ -61,15 +62,22 @@ class TrainStep:
     _units = property(lambda self: self.core.units)
     _off_schedule = property(lambda self: self.core.off_schedule)
 
-    def init(self, params: Any, init: str | None = None) -> TrainState:
+    def init(self, params: Any, init: str | None = None, *, sync: str | None = "broadcast") -> TrainState:
         """Shards `params` into this step's flat buffers and initializes the optimizer.
 
         Args:
-            params: the full parameter tree (same values on every rank), a DTensor tree, or a
-                tree on the meta device (the module's initializers fill it).
+            params: the full parameter tree, a DTensor tree, or a tree on the meta device (the
+                module's initializers fill it).
             init: `"empty"` where values do not matter (memory estimates, simulation): meta leaves
                 and the module's meta buffers stay uninitialized, whether the module was built
                 under `sf.meta_device()` or plain `torch.device("meta")`; nothing is replayed.
+            sync: how the ranks come to hold one model from full leaves each built or loaded itself
+                (an unseeded build, a per-rank seed, weights loaded on rank 0 only), and the
+                module's buffers: `"broadcast"` (default, as DDP at construction) gives every rank
+                rank 0's values, in a few bucketed broadcasts; `"check"` raises a `ValueError` on
+                every rank naming the leaves and ranks that differ; None keeps each rank's own,
+                unchecked. Meta-device leaves and DTensor leaves are never sent (Note [one model]
+                in `shardfn/_agree.py`).
 
         Returns:
             `TrainState(params=<DTensor tree>, opt_state=..., step=0)`; frozen leaves get no
@@ -80,9 +88,10 @@ class TrainStep:
                 [compiled code in a step] in `shardfn/_compiled.py`).
         """
         self._refuse_compiled(params)
+        check_sync(sync, "step.init")
         if self.check_memory is not False:
             _estimate.check_memory(self, params, None, self.check_memory)
-        params = self.core.build(params, init)
+        params = self.core.build(params, init, sync)
         return TrainState(params=params, opt_state=self.opt.init(self.core.trainable(params)), step=0)
 
     def _refuse_compiled(self, params: Any) -> None:
