@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import itertools
 import math
@@ -342,11 +343,18 @@ def _fit_default(default: P, leaf: torch.Tensor) -> P:
     return default if len(default) <= leaf.dim() else P(*tuple(default)[: leaf.dim()])
 
 
+READY_RULES: set[tuple[str, P]] = set()
+"""The rules of `sf.rules`' ready lists (registered there): they cover model variants (biases,
+untied heads), so one that decides no leaf is not an error, unless none of them does."""
+
+
 def specs(
     params: Any,
     mesh: DeviceMesh,
     rules: Sequence[tuple[str, P]] | None = None,
     default: P = P("dp"),
+    *,
+    allow_unmatched: bool = False,
 ) -> Any:
     """Builds a pytree of `P` with the structure of `params`, from ordered regex rules.
 
@@ -354,14 +362,25 @@ def specs(
     first matching rule wins. Leaves no rule matches get `default`; where `default` has more entries
     than the leaf has dims (a scalar under `P("dp")`), the entries that do not fit are dropped.
 
+    A rule that decides no leaf's spec (its regex matches no path, or only paths an earlier rule
+    decides) is most often a typo or a missing `.*` prefix, which would leave the intended leaf at
+    `default` (whole on tp, its memory and speed lost): every such rule is reported in one
+    `ValueError`, unless `allow_unmatched=True`. The rules of `sf.rules`' ready lists are exempt
+    (a Llama without biases leaves the bias rule idle), unless none of those given decides a leaf.
+
     Args:
         params: the parameter tree.
         mesh: the mesh whose axis names the specs use.
         rules: ordered `(regex, P)` pairs.
         default: the spec of leaves no rule matches.
+        allow_unmatched: accept rules that decide no leaf (rules shared by several models).
 
     Returns:
         A tree of `P`, one per leaf of `params`.
+
+    Raises:
+        ValueError: a malformed rule, a spec that cannot apply to its leaf, or (unless
+            `allow_unmatched`) rules that decide no leaf, named with a few leaf paths and the fix.
 
     Example:
         >>> specs = sf.specs(params, mesh, rules=[(r".*norm.*", sf.P())], default=sf.P("dp"))
@@ -381,15 +400,55 @@ def specs(
         raise ValueError(f"default must be a P, got {default!r}")
     paths, leaves, treespec = tree_flatten_with_paths(params)
     out = []
+    decided = [0] * len(compiled)
     for path, leaf in zip(paths, leaves):
-        for rx, spec in compiled:
+        for k, (rx, spec) in enumerate(compiled):
             if rx.fullmatch(path):
+                decided[k] += 1
                 break
         else:
             spec = _fit_default(default, leaf) if isinstance(leaf, torch.Tensor) else default
         check_spec(path, leaf, spec, mesh)
         out.append(spec)
+    if not allow_unmatched:
+        _refuse_idle_rules(list(rules or ()), compiled, decided, paths)
     return optree.tree_unflatten(treespec, out)
+
+
+def _refuse_idle_rules(rules: list, compiled: list, decided: list[int], paths: list[str]) -> None:
+    """Every rule that decided no leaf, in one ValueError (ready rules exempt while one of them
+    decides a leaf): whether its regex matches no path at all, or only paths an earlier rule takes,
+    with the paths nearest to it."""
+    ready = [k for k, r in enumerate(rules) if _is_ready(r)]
+    ready_used = any(decided[k] for k in ready)
+    idle = [k for k in range(len(rules)) if not decided[k] and not (k in ready and ready_used)]
+    if not idle:
+        return
+    lines = []
+    for k in idle:
+        pattern, spec = rules[k]
+        taken = [p for p in paths if compiled[k][0].fullmatch(p)]
+        if taken:
+            lines.append(f"rule {k} ({pattern!r}, {spec!r}) matches only leaves an earlier rule decides, e.g. {taken[0]!r}")
+        elif part := [p for p in paths if compiled[k][0].search(p)][:3]:
+            lines.append(f"rule {k} ({pattern!r}, {spec!r}) matches no leaf, only part of {', '.join(map(repr, part))} (a '.*' prefix?)")
+        else:
+            near = difflib.get_close_matches(pattern.replace("\\", ""), paths, n=3, cutoff=0.0)
+            lines.append(f"rule {k} ({pattern!r}, {spec!r}) matches no leaf (nearest paths: {', '.join(map(repr, near))})")
+    every_ready = " (no rule of the ready list given matches this tree: is it another model's list?)" if ready and not ready_used else ""
+    raise ValueError(
+        f"sf.specs: {len(idle)} of {len(rules)} rules decide no leaf's spec, so the leaves they were meant for get the "
+        f"default{every_ready}: {'; '.join(lines)}. A rule's regex must match a whole dotted path, e.g. "
+        r"r'.*\.fc\.weight' for 'blocks.0.fc.weight' (a missing '.*' prefix is the usual cause); "
+        "fix or reorder the rules, or pass allow_unmatched=True for rules meant for other models too"
+    )
+
+
+def _is_ready(rule: Any) -> bool:
+    try:
+        return tuple(rule) in READY_RULES
+    except TypeError:  # an unhashable rule
+        return False
 
 
 def match_specs(params: Any, spec_tree: Any, mesh: DeviceMesh) -> tuple[list[str], list[Any], list[P], Any]:

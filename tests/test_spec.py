@@ -86,6 +86,51 @@ def test_spec_tree_must_match_params(mesh):
         sf.specs(params, mesh, rules=[("(", sf.P())])
 
 
+def _llama_tree(bias: bool) -> dict:
+    """The leaves of a two-layer Llama (q/k/v biases as Qwen2 has them, or none), tied head."""
+    def linear(out: int, inp: int, b: bool = False) -> dict:
+        return {"weight": torch.zeros(out, inp), **({"bias": torch.zeros(out)} if b else {})}
+
+    layer = {"self_attn": {n: linear(8, 8, bias) for n in ("q_proj", "k_proj", "v_proj")} | {"o_proj": linear(8, 8)},
+             "mlp": {"gate_proj": linear(16, 8), "up_proj": linear(16, 8), "down_proj": linear(8, 16)},
+             "input_layernorm": {"weight": torch.zeros(8)}}
+    return {"model": {"embed_tokens": {"weight": torch.zeros(32, 8)}, "layers": {"0": layer, "1": layer}}}
+
+
+def test_specs_refuses_rules_that_decide_no_leaf(mesh):
+    """A rule with a typo, one without its '.*' prefix and one an earlier rule shadows are named in
+    one ValueError, with the nearest paths and the fix; allow_unmatched=True accepts them; the ready
+    rules are exempt (a Llama without biases, a tied head) unless none of them matches the tree."""
+    _, params = sf.functionalize(make_model("gpt"))
+    typo = (r"blocks\.\d+\.fc\.weigth", sf.P())
+    no_prefix = (r"fc\.bias", sf.P())
+    shadowed = (r"ln_f\.weight", sf.P())
+    rules = [(r".*ln.*", sf.P()), typo, no_prefix, shadowed]
+    with pytest.raises(ValueError) as e:
+        sf.specs(params, mesh, rules=rules)
+    msg = str(e.value)
+    assert "3 of 4 rules decide no leaf" in msg, msg
+    assert f"rule 1 ({typo[0]!r}, P()) matches no leaf" in msg and "'blocks.0.fc.weight'" in msg, msg
+    assert f"rule 2 ({no_prefix[0]!r}, P()) matches no leaf" in msg and "'blocks.0.fc.bias'" in msg, msg
+    assert "rule 3" in msg and "matches only leaves an earlier rule decides, e.g. 'ln_f.weight'" in msg, msg
+    assert "'.*'" in msg and "allow_unmatched=True" in msg, msg
+    allowed = sf.specs(params, mesh, rules=rules, allow_unmatched=True)
+    assert allowed == sf.specs(params, mesh, rules=rules[:1])
+    # Ready rules: idle ones are fine while one of them decides a leaf; a custom rule beside them is not exempt.
+    tp = _virtual_mesh(dp=1, tp=2)
+    for bias in (False, True):
+        tree = sf.specs(_llama_tree(bias), tp, rules=sf.rules.LLAMA)
+        assert tree["model"]["layers"]["1"]["mlp"]["down_proj"]["weight"] == sf.P(None, "tp")
+    sf.specs(params, tp, rules=sf.rules.GPT)
+    with pytest.raises(ValueError, match=r"1 of 8 rules") as e:
+        sf.specs(_llama_tree(False), tp, rules=[*sf.rules.LLAMA, (r".*\.mlp\.gate\.weight", sf.P("tp"))])
+    assert "rule 7 (" in str(e.value) and "'model.layers.1.mlp.gate_proj.weight'" in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="another model's list") as e:
+        sf.specs(params, tp, rules=sf.rules.LLAMA)
+    assert "rule 0" in str(e.value) and "rule 6" in str(e.value), str(e.value)
+    assert sf.specs(params, tp, rules=sf.rules.LLAMA, allow_unmatched=True) == sf.specs(params, tp)
+
+
 def test_p_construction_errors_say_the_fix():
     for bad, match in [
         (lambda: sf.P("dp", "dp"), "appears twice"),
