@@ -17,9 +17,8 @@ from ._grad import grad, value_and_grad
 from ._functional import Apply, from_state_dict, functionalize, to_state_dict
 from ._param import Param
 from ._per_sample import DPValueAndGrad, dp_value_and_grad, per_sample_grad_norms, per_sample_grads
-from ._manual import pvary
 from ._mesh import mesh
-from ._named import all_gather, all_to_all, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter
+from ._named import all_gather, all_to_all, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter, pvary
 from ._meta_init import meta_device
 from ._shard import gather, shard
 from ._shard_map import shard_map

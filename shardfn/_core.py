@@ -27,9 +27,11 @@ from ._agree import Item, agree
 from ._buffers import ModuleBuffers
 from ._engine import GROUP_BYTES, Engine, Policy, StaleParameterError, group_name, plan_groups
 from ._flat import STALE, FlatUnit, LeafSpec
+from ._manual import step_region
 from ._meta_init import check_init, empty_buffers, materialize
 from ._mesh import mesh_group
 from ._models import model_of
+from ._named import lift
 from ._tree import compile_patterns
 from ._param import OffSchedule
 from ._remat import install as install_remat
@@ -207,6 +209,7 @@ class GradientCore:
         self.tp_size = mesh.size(1) if self.tp_axis else 1
         self.tp_rank = mesh.get_local_rank(self.tp_axis) if self.tp_axis else 0
         self.data_world = self.world // self.tp_size
+        self.data_axes = (self.replicate_axis, self.shard_axis) if self.replicate_axis else (self.shard_axis,)
         self.tp: TensorParallel | None = None
         self._tp_batch_checked = False
 
@@ -668,10 +671,11 @@ class GradientCore:
                 for m, micro in enumerate(_split_batch(batch, k)):
                     last = m == k - 1
                     engine.begin(accumulate=m > 0 and not local, reduce=last or not local)
-                    loss, aux = _split_loss(self.loss_fn(engine.user_tree, micro))
+                    with step_region(self.mesh, self.data_axes, lift) as reg:
+                        loss, aux = _split_loss(self.loss_fn(engine.user_tree, micro))
                     loss_sum = _add_loss(loss_sum, loss)
                     engine.end_forward()
-                    torch.autograd.backward(loss * scale)
+                    torch.autograd.backward(loss * (scale * self.data_world / reg.spread(loss)))
                     engine.end()
             if self.tp is not None:
                 self.tp.watch = False  # the first step showed what gathers
@@ -701,9 +705,10 @@ class GradientCore:
             trained = [x for x, t in zip(leaves, self.trained) if t]
             sums: list = [None] * len(trained)
             for micro in _split_batch(batch, k):
-                loss, aux = _split_loss(self.loss_fn(full, micro))
+                with step_region(self.mesh, self.data_axes, lift) as reg:
+                    loss, aux = _split_loss(self.loss_fn(full, micro))
                 loss_sum = _add_loss(loss_sum, loss)
-                grads = torch.autograd.grad(loss * scale, trained, allow_unused=True, retain_graph=k > 1)
+                grads = torch.autograd.grad(loss * (scale * self.data_world / reg.spread(loss)), trained, allow_unused=True, retain_graph=k > 1)
                 sums = [g if s is None else s if g is None else s + g for s, g in zip(sums, grads)]
         del full
         for unit in self.units.values():
@@ -716,6 +721,22 @@ class GradientCore:
                     self.units[u].had_grad[j] = True
         return loss_sum, aux
 
+
+# Note [named collectives in a step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `loss_fn` runs in a manual region over the step's data axes (Note [varying axes] in
+# `_manual.py`), so the named collectives may be called in it: its batch is this rank's block
+# along the data axes. Every value the region has not seen, the batch and the parameters among
+# them, is typed as varying over the data axes: for the parameters, the step's own gradient
+# reduction plays the part of the `pvary` at the boundary (the sum over ranks of their
+# cotangents). The region starts typing calls at its first named collective (before it, every
+# value is derived from the batch and the parameters, or is a constant, so the type it is given
+# holds), and a `loss_fn` without one runs untouched.
+# The loss the step differentiates is the mean over ranks of `loss_fn`'s value along the axes it
+# varies over: a loss that varies over every data axis keeps the documented mean over ranks; one
+# already reduced (`sf.psum(local_sum, "dp") / sf.psum(count, "dp")`, invariant over "dp") is the
+# global loss, taken as it is. The backward is seeded with the ranks' share of that mean, and
+# `metrics["loss"]`, the mean over ranks of the values, is then the global loss either way.
 
 # Note [steps off the unit schedule]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import _mesh
 
-__all__ = ["Region", "AxisGroup", "current", "region", "vma", "pvary", "axis_group", "axis_names"]
+__all__ = ["Region", "AxisGroup", "current", "region", "step_region", "vma", "axis_group", "axis_names"]
 
 
 # Note [varying axes]
@@ -96,22 +97,21 @@ class AxisGroup:
         return self.ranks.index(group_rank)
 
 
-_GROUPS: "dict[tuple[int, tuple[str, ...]], AxisGroup]" = {}
+_GROUPS: "weakref.WeakKeyDictionary[DeviceMesh, dict[tuple[str, ...], AxisGroup]]" = weakref.WeakKeyDictionary()
 
 
 def axis_group(mesh: DeviceMesh, axes: tuple[str, ...]) -> AxisGroup:
     """The `AxisGroup` of `axes` of `mesh` (a collective the first time, on every rank)."""
-    key = (id(mesh), axes)
-    found = _GROUPS.get(key)
-    if found is not None and found.group is not None:
-        return found
+    known = _GROUPS.setdefault(mesh, {})
+    if axes in known:
+        return known[axes]
     names = tuple(mesh.mesh_dim_names or ())
     sizes = dict(zip(names, (int(s) for s in mesh.shape)))
     coords = dict(zip(names, mesh.get_coordinate() or ()))
     size = math.prod(sizes[a] for a in axes)
     index = _position(axes, sizes, coords)
     if size == 1:
-        made = AxisGroup(axes, None, 1, 0, (0,))
+        made = known[axes] = AxisGroup(axes, None, 1, 0, (0,))
         return made
     group = _mesh.mesh_group(mesh, axes)
     grid = mesh.mesh
@@ -121,8 +121,7 @@ def axis_group(mesh: DeviceMesh, axes: tuple[str, ...]) -> AxisGroup:
         where = (grid == global_rank).nonzero()[0].tolist()
         positions.append(_position(axes, sizes, dict(zip(names, where))))
     ranks = tuple(positions.index(j) for j in range(size))
-    made = AxisGroup(axes, group, size, index, ranks)
-    _GROUPS[key] = made
+    made = known[axes] = AxisGroup(axes, group, size, index, ranks)
     return made
 
 
@@ -136,16 +135,34 @@ def _position(axes: tuple[str, ...], sizes: dict, coords: dict) -> int:
 class Region:
     """One manual region: its mesh, its axes, and the axes each tensor computed in it varies over."""
 
-    def __init__(self, mesh: DeviceMesh, what: str):
+    def __init__(self, mesh: DeviceMesh, what: str, lift: Callable, axes: "tuple[str, ...] | None" = None,
+                 unseen: frozenset = frozenset()):
         names = mesh.mesh_dim_names
         if not names:
             raise ValueError("the mesh has no axis names: build it with sf.mesh(dp=-1) or init_device_mesh(..., mesh_dim_names=...)")
-        self.mesh, self.what = mesh, what
-        self.names: tuple[str, ...] = tuple(names)
-        self.sizes = dict(zip(self.names, (int(s) for s in mesh.shape)))
+        self.mesh, self.what, self.lift = mesh, what, lift
+        self.sizes = dict(zip(tuple(names), (int(s) for s in mesh.shape)))
+        self.names: tuple[str, ...] = tuple(names) if axes is None else tuple(axes)  # the axes values are typed over
+        self.unseen = unseen  # the type of a tensor the region has not seen
         self.types: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.collectives = 0  # named collectives called in the region
         self.paused = False
+        self._mode: "_Tracking | None" = None
+
+    def track(self) -> None:
+        """Starts typing the calls made in the region from here on (Note [varying axes])."""
+        if self._mode is None:
+            self._mode = _Tracking(self)
+            self._mode.__enter__()
+
+    def close(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def spread(self, x: torch.Tensor) -> int:
+        """Over how many ranks `x` takes different values: the product of its varying axes' sizes."""
+        return math.prod(self.sizes[a] for a in self.of(x))
 
     @contextlib.contextmanager
     def untracked(self) -> Iterator[None]:
@@ -162,13 +179,14 @@ class Region:
         bad = [a for a in axes if a not in self.names] if axes and all(isinstance(a, str) for a in axes) else [axis]
         if bad or not axes or len(set(axes)) != len(axes):
             raise ValueError(
-                f"{call}: axis {axis!r} is not a name, or a tuple of distinct names, of the mesh axes {self.names} of the "
-                f"enclosing {self.what}. Name axes of that mesh, e.g. {call}(x, {self.names[0]!r})"
+                f"{call}: axis {axis!r} is not a name, or a tuple of distinct names, of the axes {self.names} that the "
+                f"enclosing {self.what} runs over. Name those axes, e.g. {call}(x, {self.names[0]!r})"
+                + ("; collectives over other mesh axes run inside sf.shard_map" if len(self.names) < len(self.sizes) else "")
             )
         return axes
 
     def of(self, x: Any) -> frozenset:
-        """The axes `x` varies over (a tensor the region has not seen: none)."""
+        """The axes `x` varies over (a tensor the region has not seen: `unseen`)."""
         if not isinstance(x, torch.Tensor):
             return frozenset()
         t = x
@@ -177,7 +195,7 @@ class Region:
             if found is not None:
                 return found
             if not torch._C._functorch.is_functorch_wrapped_tensor(t):
-                return frozenset()
+                return self.unseen
             t = torch._C._functorch.get_unwrapped(t)
 
     def mark(self, x: Any, axes: frozenset) -> None:
@@ -209,9 +227,9 @@ class _Tracking(TorchFunctionMode):
             for t, f in zip(flat, found):
                 if f is not None and f != union and t.requires_grad and torch.is_grad_enabled():
                     if t is target:
-                        t.copy_(pvary(t.clone(), tuple(a for a in region.names if a in union - f)))
+                        t.copy_(region.lift(region, t.clone(), tuple(a for a in region.names if a in union - f)))
                     else:
-                        t = pvary(t, tuple(a for a in region.names if a in union - f))
+                        t = region.lift(region, t, tuple(a for a in region.names if a in union - f))
                 lifted.append(t)
             args, kwargs = pytree.tree_unflatten(lifted, spec)
         out = func(*args, **kwargs)
@@ -232,17 +250,31 @@ def current() -> Region | None:
 
 
 @contextlib.contextmanager
-def region(mesh: DeviceMesh, what: str) -> Iterator[Region]:
-    """Opens a manual region over `mesh` for the block (Note [varying axes])."""
-    reg = Region(mesh, what)
+def region(mesh: DeviceMesh, what: str, lift: Callable) -> Iterator[Region]:
+    """Opens a manual region over every axis of `mesh` for the block, typing every call in it
+    (Note [varying axes]); `lift(region, x, axes)` is `pvary`."""
+    with _opened(Region(mesh, what, lift)) as reg:
+        reg.track()
+        yield reg
+
+
+@contextlib.contextmanager
+def step_region(mesh: DeviceMesh, data_axes: tuple[str, ...], lift: Callable) -> Iterator[Region]:
+    """The region around a train step's `loss_fn` (Note [named collectives in a step])."""
+    with _opened(Region(mesh, "train step's loss_fn", lift, axes=data_axes, unseen=frozenset(data_axes))) as reg:
+        yield reg
+
+
+@contextlib.contextmanager
+def _opened(reg: Region) -> Iterator[Region]:
     stack = getattr(_LOCAL, "stack", None)
     if stack is None:
         stack = _LOCAL.stack = []
     stack.append(reg)
     try:
-        with _Tracking(reg):
-            yield reg
+        yield reg
     finally:
+        reg.close()
         stack.pop()
 
 
@@ -260,17 +292,6 @@ def axis_names(axis: "str | tuple[str, ...]", call: str) -> tuple[Region, tuple[
             f"sf.{call} was called outside per-shard code: call it inside a function run by sf.shard_map, or inside the "
             "loss_fn of sf.train_step / sf.value_and_grad"
         )
-    return reg, reg.axes(axis, f"sf.{call}")
-
-
-def pvary(x: torch.Tensor, axis: "str | tuple[str, ...]") -> torch.Tensor:
-    """`x`, typed as varying over `axis` too (JAX's `pvary`): the identity on values, whose
-    transpose sums the cotangent over those axes (of the axes `x` already varied over: nothing)."""
-    from ._named import _pvary
-
-    reg, axes = axis_names(axis, "pvary")
-    have = reg.of(x)
-    new = tuple(a for a in axes if a not in have)
-    out = _pvary(x, reg, new) if new else x
-    reg.types[out] = have | frozenset(axes)
-    return out
+    axes = reg.axes(axis, f"sf.{call}")
+    reg.track()
+    return reg, axes

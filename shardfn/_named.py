@@ -22,7 +22,7 @@ import torch
 from . import _collectives as C
 from ._manual import AxisGroup, Region, axis_group, axis_names
 
-__all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute", "all_to_all", "axis_index", "axis_size"]
+__all__ = ["pvary", "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute", "all_to_all", "axis_index", "axis_size"]
 
 
 @dataclass(frozen=True)
@@ -192,11 +192,26 @@ class _Extremum(torch.autograd.Function):
         return _Collective.apply(tangent * _Extremum._share(ctx, x, out), _Sum(ctx.group, ctx.what))
 
 
+def lift(reg: Region, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+    """`x` through `pvary` over `axes` (what a region's tracking inserts: Note [varying axes])."""
+    return _pvary(x, reg, axes)
+
+
 def _pvary(x: torch.Tensor, reg: Region, axes: tuple[str, ...]) -> torch.Tensor:
     if not axes or not (x.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(x)):
         return x
     with reg.untracked():
         return _Collective.apply(x, _Copy(axis_group(reg.mesh, axes), "sf.pvary"))
+
+
+def pvary(x: torch.Tensor, axis: "str | Sequence[str]") -> torch.Tensor:
+    """`x`, typed as varying over `axis` too (JAX's `pvary`): the identity on values, whose
+    transpose sums the cotangent over those axes (over axes `x` already varied over: nothing)."""
+    reg, axes = axis_names(axis, "pvary")
+    have = reg.of(x)
+    out = _pvary(x, reg, tuple(a for a in axes if a not in have))
+    reg.types[out] = have | frozenset(axes)
+    return out
 
 
 def _lift(reg: Region, x: torch.Tensor, axes: tuple[str, ...]) -> tuple[torch.Tensor, frozenset]:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from . import _collectives as C
 from ._manual import Region, axis_group, region
-from ._named import _pvary
+from ._named import _pvary, lift
 from ._spec import P, local_slices, placements_for, shard_slices
 
 __all__ = ["shard_map"]
@@ -313,7 +313,7 @@ def shard_map(fn: Callable, *, mesh: DeviceMesh, in_specs: Any, out_specs: Any, 
         specs = _broadcast(in_specs, args, "in_specs")
         paths = optree.tree_paths(args, none_is_leaf=True)
         leaves, treedef = optree.tree_flatten(args, none_is_leaf=True)
-        with region(mesh, "sf.shard_map") as reg:
+        with region(mesh, "sf.shard_map", lift) as reg:
             blocks = [_enter(x, s, mesh, _path(p), reg) for x, s, p in zip(leaves, specs, paths)]
             out = fn(*optree.tree_unflatten(treedef, blocks))
             out_leaves, out_def = optree.tree_flatten(out)

@@ -256,3 +256,129 @@ def test_examples_match_their_single_process_references(pools, world):
         assert r["tp_mlp_dtensor_grad_layout"]
         assert r["moe_calls"] == 2  # dispatch and combine
         assert r["ring_calls"] == 2 * (world - 1)  # K and V, world - 1 steps
+
+
+# ----------------------------------------------------------------------------------------------
+# Named collectives inside a train step's loss_fn: the batch is this rank's block along "dp".
+
+
+class _TwoTower(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.img = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
+        self.txt = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
+
+    def forward(self, x, y):
+        return torch.nn.functional.normalize(self.img(x), dim=-1), torch.nn.functional.normalize(self.txt(y), dim=-1)
+
+
+def _clip_loss(zi, zt, zi_all, zt_all, labels):
+    """Symmetric InfoNCE of this rank's rows against every row of the global batch."""
+    f = torch.nn.functional
+    return 0.5 * (f.cross_entropy(zi @ zt_all.T / 0.1, labels) + f.cross_entropy(zt @ zi_all.T / 0.1, labels))
+
+
+def _masked_batch(step: int, n: int):
+    g = torch.Generator().manual_seed(50 + step)
+    x, y = torch.randn(n, 6, generator=g), torch.randn(n, 5, generator=g)
+    mask = (torch.rand(n, generator=g) < 0.6).float()
+    mask[0] = 1.0
+    return x, y, mask
+
+
+def rank_collectives_in_a_step(strategy: str) -> dict:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    mesh = sf.mesh(dp=-1)
+    res = {}
+    opt = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+
+    # CLIP-style contrastive loss over the global batch: all_gather of the embeddings over "dp"
+    torch.manual_seed(0)
+    model = _TwoTower()
+    ref = _TwoTower()
+    ref.load_state_dict(model.state_dict())
+    apply, params = sf.functionalize(model)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        zi, zt = apply(p, x, y)
+        zi_all, zt_all = sf.all_gather(zi, "dp", tiled=True), sf.all_gather(zt, "dp", tiled=True)
+        labels = sf.axis_index("dp") * x.shape[0] + torch.arange(x.shape[0])
+        return _clip_loss(zi, zt, zi_all, zt_all, labels)
+
+    step = sf.train_step(loss_fn, sf.optim.adamw(**opt), mesh, strategy=strategy)
+    state = step.init(params)
+    ropt = torch.optim.AdamW(ref.parameters(), **opt)
+    losses = []
+    for s in range(3):
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(3 * W, 6, generator=g), torch.randn(3 * W, 4, generator=g)
+        state, metrics = step(state, (x.chunk(W)[rank], y.chunk(W)[rank]))
+        ropt.zero_grad()
+        zi, zt = ref(x, y)
+        rloss = _clip_loss(zi, zt, zi, zt, torch.arange(3 * W))
+        rloss.backward()
+        ropt.step()
+        losses.append(abs(metrics["loss"].item() - rloss.item()) / rloss.item())
+    full = sf.to_state_dict(sf.gather(state.params), apply)
+    res["clip_params"] = max(rel_err(full[k], v) for k, v in ref.state_dict().items())
+    res["clip_loss"] = max(losses)
+
+    # A loss that is this rank's share of the global mean: psum(local_sum) / psum(count), the
+    # counts differing by rank; taken as the global loss, as it is.
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
+    rnet = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
+    rnet.load_state_dict(net.state_dict())
+    apply, params = sf.functionalize(net)
+
+    def masked(p, batch):
+        x, y, mask = batch
+        err = ((apply(p, x) - y) ** 2).mean(-1)
+        return sf.psum((err * mask).sum(), "dp") / sf.psum(mask.sum(), "dp")
+
+    step = sf.train_step(masked, sf.optim.sgd(0.1, momentum=0.9), mesh, strategy=strategy)  # sees the gradient's scale
+    state = step.init(params)
+    ropt = torch.optim.SGD(rnet.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for s in range(3):
+        x, y, mask = _masked_batch(s, 4 * W)
+        cut = [t.chunk(W)[rank] for t in (x, y, mask)]
+        state, metrics = step(state, tuple(cut))
+        ropt.zero_grad()
+        rloss = (((rnet(x) - y) ** 2).mean(-1) * mask).sum() / mask.sum()
+        rloss.backward()
+        ropt.step()
+        losses.append(abs(metrics["loss"].item() - rloss.item()) / rloss.item())
+    full = sf.to_state_dict(sf.gather(state.params), apply)
+    res["masked_params"] = max(rel_err(full[k], v) for k, v in rnet.state_dict().items())
+    res["masked_loss"] = max(losses)
+
+    # value_and_grad: the same loss, the single-process gradient
+    torch.manual_seed(1)
+    net2 = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
+    rnet.load_state_dict(net2.state_dict())
+    apply, params = sf.functionalize(net2)
+    sharded = sf.shard(params, sf.specs(params, mesh), mesh)
+
+    def masked2(p, batch):
+        x, y, mask = batch
+        err = ((apply(p, x) - y) ** 2).mean(-1)
+        return sf.psum((err * mask).sum(), "dp") / sf.psum(mask.sum(), "dp")
+
+    x, y, mask = _masked_batch(9, 4 * W)
+    loss, grads = sf.value_and_grad(masked2, apply=apply)(sharded, tuple(t.chunk(W)[rank] for t in (x, y, mask)))
+    rnet.zero_grad()
+    rloss = (((rnet(x) - y) ** 2).mean(-1) * mask).sum() / mask.sum()
+    rloss.backward()
+    gfull = sf.to_state_dict(sf.gather(grads), apply)
+    res["vg_grads"] = max(rel_err(gfull[k], p.grad) for k, p in rnet.named_parameters())
+    res["vg_loss"] = abs(loss.item() - rloss.item()) / rloss.item()
+    return res
+
+
+@pytest.mark.parametrize("world,strategy", [(2, "full_shard"), (3, "full_shard"), (3, "no_shard"), (2, "shard_grad_op")])
+def test_collectives_in_a_train_step_loss(pools, world, strategy):
+    for r in pools(world).run(rank_collectives_in_a_step, strategy):
+        for k, v in r.items():
+            assert v < 2e-5, (k, v)
