@@ -103,6 +103,7 @@ from ._flat import Arena, FlatUnit
 from ._functorch import under_grad_transform, unwrap
 from ._models import unit_of_module
 from ._param import Detour, OffSchedule, Param
+from ._recompute import UnitViews
 
 __all__ = ["Engine", "EngineStats", "Phase", "Policy", "StaleParameterError", "GROUP_BYTES", "plan_groups", "group_name"]
 
@@ -490,6 +491,8 @@ class Engine:
         for q, (u, j) in zip(params, self._where):
             self._params_of.setdefault(u, {})[j] = q
         self._flat = None  # {every parameter name: tensor}, built on the first `apply`
+        # What each unit's recompute computes on (Note [the model's own checkpointing] in `_recompute.py`).
+        self._views = UnitViews(self.info) if self.info is not None else None
         # (unit, the model's unit whose module holds the attribute, or None) -> (submodule, attribute, leaf)
         self._swaps: dict[tuple[int, int | None], list[tuple[Any, str, int]]] = {}
         if self.info is not None:
@@ -568,6 +571,8 @@ class Engine:
         else:
             leaves, spec = optree.tree_flatten(params)
             if not any(self._owns(x) for x in leaves):
+                if self._views is not None:
+                    self._views.record_root(None)  # `apply` on a tree of its own: the root's view is unknown
                 return None
             mapped = optree.tree_unflatten(
                 spec, [self._full_of(ROOT)[x.where[1]] if self._owns(x) and x.where[0] == ROOT else x for x in leaves]
@@ -584,8 +589,12 @@ class Engine:
         if mapped is self._in_apply:
             if self._flat is None:
                 self._flat = apply.flat_params(mapped)
-            return self._flat
-        return apply.flat_params(mapped)
+            flat = self._flat
+        else:
+            flat = apply.flat_params(mapped)
+        if self._views is not None:
+            self._views.record_root(flat)
+        return flat
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _reset_step_state(self) -> None:
@@ -605,7 +614,7 @@ class Engine:
         self._fwd_gathered: set[int] = set()  # units gathered in this forward
         self._fwd_ptr = 0  # units before this position in forward order were gathered or caught up
         self._pos: dict[int, int] = {u: i for i, u in enumerate(self.order)}
-        self._wrapped: list[bool] = []  # per running unit use: were its inputs hooked
+        self._wrapped: list[tuple[bool, Any]] = []  # per running unit use: were its inputs hooked; its view
         self._accumulate = False
         self._reduce_now = True
         self._clock = 0
@@ -823,8 +832,10 @@ class Engine:
                 f"unit {self._member_names[m]!r} ran inside a torch.func gradient transform (grad, vjp, jacrev, ...) in "
                 "loss_fn (a gradient penalty)"
             )
-        if self.phase == Phase.BACKWARD:  # a recompute (remat) or a forward run by the backward
+        if self.phase == Phase.BACKWARD:  # a recompute, by the model's own checkpoint around the unit's call
             self._ensure(u)
+            if self._views is not None:  # Note [the model's own checkpointing] in `_recompute.py`
+                self._views.for_recompute(m, self._member_names[m])
             return (self._cast(args), self._cast(kwargs)) if self.cast_dtype is not None else None
         self._ran_members.add(m)
         self._free_kept(but=u)
@@ -836,6 +847,7 @@ class Engine:
         self._ensure(u)
         self._running.add(u)
         self._swap_in(u, True, m)
+        view = self._views.record(m) if self._views is not None else None
         self._busy_start(u)
         self._prefetch(self._next_of(u))
         if self.cast_dtype is not None:
@@ -855,7 +867,7 @@ class Engine:
                 args, kwargs = (tuple(flat), kwargs) if plain else pytree.tree_unflatten(flat, spec)
                 self._pending[u] += 1
                 wrapped = True
-        self._wrapped.append(wrapped)
+        self._wrapped.append((wrapped, view))
         return args, kwargs
 
     def post_forward(self, info, u: int, output: Any) -> None:
@@ -866,15 +878,15 @@ class Engine:
         if u not in self._running or u in self._grouped:
             self._swap_in(u, False, m)
         self._busy_end(u)
-        wrapped = self._wrapped.pop() if self._wrapped else False
+        wrapped, view = self._wrapped.pop() if self._wrapped else (False, None)
         tensors, opaque = _output_tensors(output)
         output, tensors = self._own_memory(u, output, tensors)
         if torch.is_grad_enabled():
             targets = _hook_targets(tensors)
             if len(targets) == 1:  # its gradient is computed once per backward: a plain hook is the same
-                targets[0].register_hook(lambda _g, u=u: self._pre_backward(u))
+                targets[0].register_hook(lambda _g, u=u, m=m, v=view: self._pre_backward(u, m, v))
             elif targets:
-                torch.autograd.graph.register_multi_grad_hook(targets, lambda _g, u=u: self._pre_backward(u), mode="any")
+                torch.autograd.graph.register_multi_grad_hook(targets, lambda _g, u=u, m=m, v=view: self._pre_backward(u, m, v), mode="any")
             elif opaque and (wrapped or self.units[u].num_trained):
                 raise ValueError(
                     f"unit {self.units[u].name!r} returned {type(output).__name__} holding {sorted(set(opaque))}, where "
@@ -926,6 +938,8 @@ class Engine:
             self._slot_done_after = self._last_of_slot()
             self._order_known = True
         self._free_kept()
+        if self._views is not None:
+            self._views.put_back_root()  # a recompute outside every unit reads the root's attributes
         # Prefetches issued during the forward for units that never ran are dropped.
         self._deferred = []
         if self.group is not None:
@@ -1001,11 +1015,14 @@ class Engine:
                 "skipped blocks on a zero-size batch (Note [units on every rank]). Nothing was reduced or applied."
             )
 
-    def _pre_backward(self, u: int) -> None:
+    def _pre_backward(self, u: int, m: int | None = None, view: Any = None) -> None:
+        """A use of `u` begins its backward (its member `m`'s forward recorded `view`)."""
         if self.phase != Phase.BACKWARD:
             raise OffSchedule(
                 "a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model)"
             )
+        if view is not None:  # what a recompute of this use reads (Note [the model's own checkpointing])
+            self._views.put_back(m, view)
         self._settle_check()
         if u in self._reduced:
             raise RuntimeError(
@@ -1127,6 +1144,8 @@ class Engine:
             a.release()
         planning = not self.planned and self._reduce_now
         busy = self._busy_log
+        if self._views is not None:
+            self._views.restore()
         self._reset_step_state()
         if planning:
             self._plan(busy)
@@ -1139,6 +1158,8 @@ class Engine:
         or stopped elsewhere), its buffers are kept as they are, since a message may still land in
         them, and the engine refuses every later step with an error that says to restart.
         """
+        if self._views is not None:
+            self._views.restore()  # the module's attributes as they were before the step
         try:
             if self._check is not None:  # what it says no longer matters: the step failed
                 work, self._check = self._check[0], None

@@ -64,7 +64,9 @@ def install(info: Any, unit: int) -> None:
         model = ref()
         rt = model.runtime if model is not None else None  # Note [unit runtime] in `_runtime.py`
         wants = getattr(rt, "remat_units", None)
-        if not wants or unit not in wants or rt.phase != Phase.FORWARD or not torch.is_grad_enabled():
+        # In the backward too: a recompute by the model's own checkpoint around the unit must save what
+        # its forward saved (non-reentrant checkpointing checks it), remat's checkpoint included.
+        if not wants or unit not in wants or rt.phase == Phase.IDLE or not torch.is_grad_enabled():
             return original(*args, **kwargs)
         cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)  # only if loaded
         if cache is not None and any(isinstance(x, cache) for x in (*args, *kwargs.values())):

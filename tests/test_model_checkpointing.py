@@ -1,0 +1,311 @@
+"""The model's own activation checkpointing under `sf.train_step`, against a single-process reference
+(Note [the model's own checkpointing] in shardfn/_recompute.py).
+
+Two placements of the checkpoint, each non-reentrant and reentrant:
+
+- inside a unit's forward, its hooks outside: Hugging Face's `gradient_checkpointing_enable()` on
+  Llama, GPT-2 and T5 (each decoder layer's `forward` is checkpointed). The recompute runs in the
+  unit's backward and calls no hook; the unit's pre-backward has put its parameters back.
+- around a unit's call, its hooks inside: PyTorch's own distributed-test Transformer
+  (`torch.testing._internal.distributed._tensor.common_dtensor`, `checkpoint_activations=True`:
+  `torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)`), and the same model with
+  `use_reentrant=True`, whose forward runs under no_grad, so that no hook sees the unit's outputs
+  and the unit is gathered by its hook in the recompute.
+
+Each runs under every strategy, with the units grouped (the default, Note [unit groups]) and alone
+in slot arenas (`group_bytes=0`, Note [slot arenas]), with shardfn's own remat on top, with the
+checkpointed layers holding units (the layer's own parameters in the root), and with mixed
+precision (against the same step without the model's checkpointing: the recompute computes what
+the forward did, bit for bit; and loosely against a bf16 reference). A step with the model's
+checkpointing issues the same all-gathers as without: the recompute reads the unit its backward
+gathered, never a parameter gathered on its own. One rank call per world size runs every case.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib.util
+import sys
+import traceback
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+import shardfn as sf
+from shardfn import _collectives as C
+
+pytest.importorskip("transformers", reason="the Hugging Face cases build tiny transformers models")
+
+STEPS = 3
+PER_RANK = 2
+SEQ = 8
+VOCAB = 64
+LR, EPS, WD = 1e-3, 1e-5, 0.01
+TOL = 1e-5  # fp32: relative error per parameter and per step loss
+BF16_TOL = 2e-2  # mixed precision against the bf16 reference (as tests/test_train.py's bf16 case)
+
+
+# -- models ---------------------------------------------------------------------------------------
+def _torch_transformer():
+    """`ModelArgs` and `Transformer` of PyTorch's distributed tests, from that file's own source.
+
+    Importing `common_dtensor` imports torch's unittest harness (it needs `expecttest` and
+    `hypothesis`, and calls `torch.backends.disable_global_flags()` for the whole process), so the
+    model's classes are taken from the file as they are and run on their own imports.
+    """
+    spec = importlib.util.find_spec("torch.testing._internal.distributed._tensor.common_dtensor")
+    tree = ast.parse(Path(spec.origin).read_text(), spec.origin)
+    want = {"ModelArgs", "Attention", "FeedForward", "Experts", "ExpertLayer", "TransformerBlock", "Transformer"}
+
+    def light(node) -> bool:
+        mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        return not any(m.startswith(("torch.testing", "torch.distributed._local_tensor")) for m in mods)
+
+    body = [n for n in tree.body if (isinstance(n, (ast.Import, ast.ImportFrom)) and light(n)) or (isinstance(n, ast.ClassDef) and n.name in want)]
+    name = "_torch_common_dtensor_models"
+    mod = sys.modules.get(name)
+    if mod is None:  # a module of its own (dataclasses look their class's module up)
+        mod = sys.modules[name] = types.ModuleType(name)
+        exec(compile(ast.Module(body, []), spec.origin, "exec"), mod.__dict__)  # noqa: S102 - torch's own source
+    return mod.ModelArgs, mod.Transformer
+
+
+def _transformer(reentrant: bool, checkpointing: bool) -> torch.nn.Module:
+    ModelArgs, Transformer = _torch_transformer()
+    args = ModelArgs(n_layers=3, vocab_size=VOCAB, max_seq_len=SEQ, dim=16, n_heads=4, dropout_p=0.0,
+                     checkpoint_activations=checkpointing)
+    if not reentrant:
+        return Transformer(args)
+
+    class ReentrantTransformer(Transformer):
+        """The same model, its layers under `checkpoint(layer, h, use_reentrant=True)`."""
+
+        def forward(self, tokens):
+            h = self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+            for layer in self.layers:
+                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=True) if self.checkpoint_activations else layer(h)
+            return self.output(self.norm(h)).float()
+
+    return ReentrantTransformer(args)
+
+
+def _hf(name: str) -> torch.nn.Module:
+    import transformers as tf
+
+    if name == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="eager"))
+    if name == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(
+            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=3, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, attn_implementation="eager"))
+    if name == "t5":
+        return tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, attn_implementation="eager"))
+    raise ValueError(name)
+
+
+# model id -> (builder (of whether the model checkpoints), units, Hugging Face model?)
+MODELS = {
+    "llama": (lambda ck: _hf("llama"), r"model\.layers\.\d+", True),
+    "gpt2": (lambda ck: _hf("gpt2"), r"transformer\.h\.\d+", True),
+    "t5": (lambda ck: _hf("t5"), r"(encoder|decoder)\.block\.\d+", True),
+    "torch": (lambda ck: _transformer(False, ck), r"layers\.\d+", False),
+    "torch_reentrant": (lambda ck: _transformer(True, ck), r"layers\.\d+", False),
+}
+
+
+def build(model: str, checkpointing: bool | str, seed: int = 0) -> torch.nn.Module:
+    """A model, seeded; `checkpointing`: "reentrant" (Hugging Face's use_reentrant=True), True (the
+    model's own way: Hugging Face's default, non-reentrant), or False."""
+    make, _, hf = MODELS[model]
+    torch.manual_seed(seed)
+    m = make(bool(checkpointing)).float().train()
+    if hf and checkpointing:
+        with warnings.catch_warnings():  # transformers 5.x: the old name of activation_checkpointing_enable
+            warnings.filterwarnings("ignore", message=r"`gradient_checkpointing_enable` is deprecated", category=FutureWarning)
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    return m
+
+
+def global_batch(model: str, step: int, world: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    n = PER_RANK * world
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    if model == "t5":
+        return dict(input_ids=ids, labels=torch.randint(0, VOCAB, (n, SEQ - 2), generator=g))
+    if MODELS[model][2]:
+        return dict(input_ids=ids, labels=ids.clone())
+    return dict(tokens=ids, labels=torch.randint(0, VOCAB, (n, SEQ), generator=g))
+
+
+def loss_of(model: str, out, batch) -> torch.Tensor:
+    if MODELS[model][2]:
+        return out.loss
+    return F.cross_entropy(out.flatten(0, 1), batch["labels"].flatten())
+
+
+def run_model(model: str, m: torch.nn.Module, batch: dict):
+    return m(**batch) if MODELS[model][2] else m(batch["tokens"])
+
+
+def reference(model: str, checkpointing, world: int, bf16: bool = False) -> dict:
+    """The single-process run on the global batches (in a bf16 copy with fp32 master weights: `bf16`)."""
+    m = build(model, checkpointing)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS, weight_decay=WD)
+    losses = []
+    for i in range(STEPS):
+        batch = global_batch(model, i, world)
+        opt.zero_grad()
+        if bf16:
+            low = copy.deepcopy(m).to(torch.bfloat16)
+            loss = loss_of(model, run_model(model, low, batch), batch).float()
+            loss.backward()
+            for p, q in zip(m.parameters(), low.parameters()):
+                p.grad = q.grad.float()
+        else:
+            loss = loss_of(model, run_model(model, m, batch), batch)
+            loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return dict(losses=losses, params={n: p.detach().clone() for n, p in m.named_parameters()})
+
+
+def sharded(model: str, checkpointing, strategy: str, rank: int, world: int, units: str | None = None, **options) -> dict:
+    m = build(model, checkpointing)
+    apply, params = sf.functionalize(m, units=units or MODELS[model][1])
+    del m
+
+    def loss_fn(params, batch):
+        return loss_of(model, apply(params, **batch) if MODELS[model][2] else apply(params, batch["tokens"]), batch)
+
+    mesh = sf.mesh(replicate=1, shard=world) if strategy == "hybrid_shard" else sf.mesh(dp=-1)
+    step = sf.train_step(loss_fn, sf.optim.adamw(LR, eps=EPS, weight_decay=WD), mesh, strategy=strategy, apply=apply, **options)
+    state = step.init(params)
+    del params
+    losses = []
+    C.STATS.reset()
+    for i in range(STEPS):
+        batch = {k: v.chunk(world)[rank].clone() for k, v in global_batch(model, i, world).items()}
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"].item())
+    gathers = C.STATS.calls.get("all_gather_single", 0) + C.STATS.calls.get("all_gather", 0)
+    full = sf.to_state_dict(sf.gather(state.params), apply)
+    return dict(losses=losses, params={k: v.detach().clone() for k, v in full.items()}, gathers=gathers)
+
+
+def _err(got: dict, want: dict) -> float:
+    """The largest relative error over the parameters and the step losses."""
+    errs = [abs(a - b) / abs(b) for a, b in zip(got["losses"], want["losses"])]
+    for n, w in want["params"].items():
+        errs.append((got["params"][n] - w).double().norm().item() / max(w.double().norm().item(), 1e-3))
+    return max(errs)
+
+
+# (model, Hugging Face checkpointing, strategy, options); group_bytes=0: every unit alone, in slot arenas.
+CASES = [
+    ("llama", True, "full_shard", {}),
+    ("llama", True, "full_shard", dict(group_bytes=0)),
+    ("llama", True, "shard_grad_op", dict(group_bytes=0)),
+    ("llama", True, "no_shard", {}),
+    ("llama", True, "hybrid_shard", dict(group_bytes=0)),
+    ("llama", True, "full_shard", dict(group_bytes=0, remat=True)),
+    ("llama", "reentrant", "full_shard", dict(group_bytes=0)),
+    ("llama", "reentrant", "full_shard", dict(remat=True)),
+    # Units inside the checkpointed layers: the layer's own parameters (attention, norms) are the root's.
+    ("llama", True, "full_shard", dict(units=r"model\.layers\.\d+\.mlp", group_bytes=0)),
+    ("gpt2", True, "full_shard", dict(group_bytes=0)),
+    ("gpt2", "reentrant", "hybrid_shard", {}),
+    ("t5", True, "full_shard", dict(group_bytes=0)),
+    ("torch", True, "full_shard", dict(group_bytes=0)),
+    ("torch", True, "hybrid_shard", {}),
+    ("torch", True, "full_shard", dict(group_bytes=0, remat=True)),
+    ("torch_reentrant", True, "full_shard", dict(group_bytes=0)),
+    ("torch_reentrant", True, "full_shard", {}),
+    ("torch_reentrant", True, "no_shard", {}),
+    ("torch_reentrant", True, "hybrid_shard", dict(group_bytes=0)),
+    ("torch_reentrant", True, "shard_grad_op", dict(remat=True)),
+]
+# Mixed precision: (model, checkpointing, strategy, options), also run without the model's checkpointing.
+MP_CASES = [
+    ("llama", True, "full_shard", dict(group_bytes=0)),
+    ("llama", "reentrant", "hybrid_shard", {}),
+    ("torch", True, "full_shard", dict(group_bytes=0)),
+    ("torch_reentrant", True, "full_shard", dict(group_bytes=0, remat=True)),
+]
+
+
+def _case_id(case) -> str:
+    model, ck, strategy, opts = case
+    parts = [model, "reentrant" if ck == "reentrant" else "", strategy, *(f"{k}={v}" for k, v in opts.items())]
+    return "-".join(p for p in parts if p)
+
+
+def rank_checkpointing() -> dict:
+    """Every case on this rank: its error against the reference, or the traceback it raised."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    refs: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as pytest makes them in this process
+        for case in CASES:
+            model, ck, strategy, opts = case
+            try:
+                key = (model, ck)
+                if key not in refs:
+                    refs[key] = reference(model, ck, world)
+                got = sharded(model, ck, strategy, rank, world, **opts)
+                out[_case_id(case)] = _err(got, refs[key])
+            except Exception:  # noqa: BLE001 - reported by the test, per case
+                out[_case_id(case)] = traceback.format_exc()
+            dist.barrier()
+        for case in MP_CASES:
+            model, ck, strategy, opts = case
+            mp = sf.MixedPrecision(torch.bfloat16, torch.float32)
+            try:
+                got = sharded(model, ck, strategy, rank, world, mixed_precision=mp, **opts)
+                plain = sharded(model, False, strategy, rank, world, mixed_precision=mp, **opts)
+                ref = reference(model, ck, world, bf16=True)
+                out["mp-" + _case_id(case)] = dict(ref=_err(got, ref), plain=_err(got, plain), gathers=(got["gathers"], plain["gathers"]))
+            except Exception:  # noqa: BLE001
+                out["mp-" + _case_id(case)] = traceback.format_exc()
+            dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(pools):
+    cache: dict[int, list[dict]] = {}
+
+    def get(world: int) -> list[dict]:
+        if world not in cache:
+            cache[world] = pools(world).run(rank_checkpointing, timeout=300)
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"w{w}")
+def test_the_models_own_checkpointing_trains_like_one_process(results, world):
+    failed = {}
+    for rank, res in enumerate(results(world)):
+        for case, r in res.items():
+            if isinstance(r, str):
+                failed[f"{case} rank {rank}"] = r
+            elif isinstance(r, dict):
+                if not (r["ref"] < BF16_TOL and r["plain"] < 1e-6):
+                    failed[f"{case} rank {rank}"] = r
+                if r["gathers"][0] != r["gathers"][1]:
+                    failed[f"{case} rank {rank} all-gathers (with, without the model's checkpointing)"] = r["gathers"]
+            elif not r < TOL:
+                failed[f"{case} rank {rank}"] = f"relative error {r:.3g}"
+    assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
