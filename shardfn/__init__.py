@@ -21,6 +21,7 @@ from ._mesh import mesh
 from ._named import all_gather, all_to_all, axis_index, axis_size, pmax, pmean, pmin, ppermute, psum, psum_scatter, pvary
 from ._meta_init import meta_device
 from ._shard import gather, shard
+from ._rng import fold_rng
 from ._shard_map import shard_map
 from ._simulate import simulate
 from ._spec import P, specs
@@ -58,6 +59,7 @@ __all__ = [
     "dp_value_and_grad",
     "estimate_memory",
     "export",
+    "fold_rng",
     "from_state_dict",
     "functionalize",
     "gather",

@@ -35,6 +35,7 @@ from ._named import lift
 from ._tree import compile_patterns
 from ._param import OffSchedule
 from ._remat import install as install_remat
+from ._rng import RANDOMNESS, folded
 from ._remat import select_units
 from ._shard import gather
 from ._tp import TensorParallel, dp_dim, local_part, local_shape, split_specs, state_spec
@@ -136,7 +137,13 @@ class GradientCore:
     def __init__(self, loss_fn: Callable[[Any, Any], Any], mesh: DeviceMesh, specs: Any = None, strategy: str = "full_shard",
                  mixed_precision: "MixedPrecision | None" = None, remat: Any = False, accumulation_steps: int = 1,
                  apply: Any = None, frozen: Any = None, offload: str | None = None, accumulation: str = "sharded",
-                 group_bytes: int | None = None, keep_last_unit: bool = True):
+                 group_bytes: int | None = None, keep_last_unit: bool = True, randomness: str = "per_rank"):
+        if randomness not in RANDOMNESS:
+            raise ValueError(
+                f"randomness must be one of {RANDOMNESS}, got {randomness!r}: 'per_rank' (each data-parallel rank draws its "
+                "own numbers, Note [randomness per rank]) or 'same' (every rank's generator as it stands)"
+            )
+        self.randomness = randomness
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
@@ -603,10 +610,11 @@ class GradientCore:
         k = self.accumulation_steps
         self._buffers.start()
         try:
-            if self.off_schedule:
-                loss_sum, aux = self._gradients_gathered(batch)
-            else:
-                loss_sum, aux = self._gradients_scheduled_or_gathered(batch)
+            with self._draws():
+                if self.off_schedule:
+                    loss_sum, aux = self._gradients_gathered(batch)
+                else:
+                    loss_sum, aux = self._gradients_scheduled_or_gathered(batch)
         except BaseException:
             self._buffers.restore(strict=False)  # Note [buffers]: a failed step leaves them as they were
             raise
@@ -631,6 +639,13 @@ class GradientCore:
             self._buffers.sync([x > 0 for x in flags[n_had : n_had + n_buf]], [x > 0 for x in flags[n_had + n_buf :]])
         aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux, none_is_leaf=True)
         return Gradients(loss_mean, grad_norm, skip, aux)
+
+    def _draws(self):
+        """What the step's random draws come from (Note [randomness per rank] in `_rng.py`)."""
+        if self.randomness == "same" or self.data_world == 1:
+            return contextlib.nullcontext()
+        index = self.mesh.get_local_rank(self.replicate_axis) * self.shard_world if self.replicate_axis else 0
+        return folded(index + self.mesh.get_local_rank(self.shard_axis), self.mesh.device_type)
 
     def _gradients_scheduled_or_gathered(self, batch: Any) -> tuple[torch.Tensor, Any]:
         """The step on the unit schedule; if the model leaves it (Note [steps off the unit

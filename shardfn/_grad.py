@@ -136,7 +136,7 @@ class ValueAndGrad:
         core = GradientCore(
             self._loss, mesh, specs, o["strategy"], o["mixed_precision"], o["remat"], o["accumulation_steps"],
             apply=o["apply"], frozen=o["frozen"], accumulation=o["accumulation"], group_bytes=o["group_bytes"],
-            keep_last_unit=o["keep_last_unit"],
+            keep_last_unit=o["keep_last_unit"], randomness=o["randomness"],
         )
         core.build(params)  # copies the shards into the core's flat buffers
         for p, x, own in zip(paths, leaves, core.dt_params):
@@ -189,6 +189,7 @@ def value_and_grad(
     group_bytes: int | None = None,
     keep_last_unit: bool = True,
     compile: bool | dict = False,
+    randomness: str = "per_rank",
 ) -> ValueAndGrad:
     """The loss and its gradient with respect to a sharded tree, on the FSDP unit schedule.
 
@@ -202,7 +203,7 @@ def value_and_grad(
             hold full values wherever they are used, as in `train_step`.
         has_aux: whether `loss_fn` returns `(loss, aux)`.
         strategy, mixed_precision, remat, accumulation_steps, accumulation, apply, frozen,
-            group_bytes, keep_last_unit: as in `train_step`.
+            group_bytes, keep_last_unit, randomness: as in `train_step`.
         compile: as in `train_step`: False (the default) runs eager; True or a dict of
             `torch.compile` options raises `NotImplementedError` (not supported yet). A compiled
             `loss_fn` or model is refused at the first call with a `ValueError`.
@@ -222,7 +223,7 @@ def value_and_grad(
     _compiled.check_compile_option(compile, "sf.value_and_grad")
     options = dict(strategy=strategy, mixed_precision=mixed_precision, remat=remat, accumulation_steps=accumulation_steps,
                    accumulation=accumulation, apply=apply, frozen=frozen, group_bytes=group_bytes,
-                   keep_last_unit=keep_last_unit)
+                   keep_last_unit=keep_last_unit, randomness=randomness)
     return ValueAndGrad(loss_fn, has_aux, options)
 
 

@@ -37,14 +37,14 @@ class TrainStep:
 
     def __init__(self, loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
                  apply=None, frozen=None, offload=None, accumulation="sharded", group_bytes=None, check_memory=None,
-                 keep_last_unit=True, compile=False):
+                 keep_last_unit=True, compile=False, randomness="per_rank"):
         _compiled.check_compile_option(compile, "sf.train_step")  # Note [compiled code in a step] in `_compiled.py`
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         self.core = GradientCore(
             loss_fn, mesh, specs, strategy, mixed_precision, remat, accumulation_steps,
             apply=apply, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
-            keep_last_unit=keep_last_unit,
+            keep_last_unit=keep_last_unit, randomness=randomness,
         )
         self.opt = opt
         self.max_grad_norm = max_grad_norm
@@ -290,6 +290,7 @@ def train_step(
     check_memory: bool | int | None = None,
     keep_last_unit: bool = True,
     compile: bool | dict = False,
+    randomness: str = "per_rank",
 ) -> TrainStep:
     """Builds a sharded train step around `loss_fn(params, batch)`.
 
@@ -339,6 +340,11 @@ def train_step(
             options, will compile it; not supported yet: `NotImplementedError`. A `loss_fn` or blocks
             compiled by the user are refused at `init` with a `ValueError` (Note [compiled code in a
             step] in `shardfn/_compiled.py`).
+        randomness: "per_rank" (the default): each data-parallel rank draws its own random numbers
+            in the step (dropout masks differ over the global batch; tensor-parallel peers draw the
+            same), folded in from one draw of the generator, as JAX's `fold_in(key, axis_index)`;
+            "same": every rank draws from its generator as it stands (ranks seeded alike draw
+            alike). Note [randomness per rank] in `shardfn/_rng.py`.
 
     Returns:
         A `TrainStep`: `state = step.init(params)`, then `state, metrics = step(state, batch)`.
@@ -351,5 +357,5 @@ def train_step(
     return TrainStep(
         loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
         apply=apply, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
-        check_memory=check_memory, keep_last_unit=keep_last_unit, compile=compile,
+        check_memory=check_memory, keep_last_unit=keep_last_unit, compile=compile, randomness=randomness,
     )

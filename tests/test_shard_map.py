@@ -382,3 +382,62 @@ def test_collectives_in_a_train_step_loss(pools, world, strategy):
     for r in pools(world).run(rank_collectives_in_a_step, strategy):
         for k, v in r.items():
             assert v < 2e-5, (k, v)
+
+
+# ----------------------------------------------------------------------------------------------
+# Randomness per rank: data-parallel ranks draw their own numbers, tp peers the same.
+
+
+class _Drop(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 8)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(torch.nn.functional.dropout(self.fc(x), 0.5, True))
+
+
+def rank_randomness(dims: dict, randomness: str) -> dict:
+    mesh = sf.mesh(**dims)
+    torch.manual_seed(0)  # every rank seeded alike, as scripts do
+    apply, params = sf.functionalize(_Drop())
+    masks = []
+
+    def loss_fn(p, x):
+        h = apply(p, x)
+        masks.append(torch.nn.functional.dropout(torch.ones(16), 0.5, True))  # what this rank drew
+        return h.pow(2).mean()
+
+    specs = sf.specs(params, mesh, rules=[(r"fc\.weight", sf.P("tp", None)), (r"out\.weight", sf.P(None, "tp"))] if "tp" in dims else [])
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.1), mesh, specs=specs, randomness=randomness)
+    state = step.init(params)
+    x = torch.ones(4, 6)
+    for _ in range(2):
+        state, _ = step(state, x)
+    coord = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    inside = None
+    if "tp" not in dims:  # per-shard code: fold_rng picks the axis the draws differ along
+        def fn(x):
+            with sf.fold_rng("dp"):
+                return torch.nn.functional.dropout(x, 0.5, True)
+
+        inside = sf.shard_map(fn, mesh=mesh, in_specs=sf.P(), out_specs=sf.P("dp"))(torch.ones(1, 32)).to_local()
+    return dict(coord=coord, masks=[m.tolist() for m in masks], after=torch.rand(4).tolist(), inside=None if inside is None else inside.tolist())
+
+
+def test_data_parallel_ranks_draw_their_own_numbers(pools):
+    a, b = pools(2).run(rank_randomness, dict(dp=-1), "per_rank")
+    assert a["masks"] != b["masks"]  # dropout differs over the global batch
+    assert a["masks"][0] != a["masks"][1]  # and from step to step
+    assert a["after"] == b["after"]  # the generators stay in step outside the step
+    assert a["inside"] != b["inside"]
+    a, b = pools(2).run(rank_randomness, dict(dp=-1), "same")
+    assert a["masks"] == b["masks"]  # the generators as they stand: seeded alike, drawn alike
+
+
+def test_tp_peers_draw_alike_and_dp_ranks_differ(pools):
+    got = pools(4).run(rank_randomness, dict(dp=2, tp=2), "per_rank")
+    by = {(r["coord"]["dp"], r["coord"]["tp"]): r["masks"] for r in got}
+    assert by[(0, 0)] == by[(0, 1)] and by[(1, 0)] == by[(1, 1)]
+    assert by[(0, 0)] != by[(1, 0)]
