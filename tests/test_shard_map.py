@@ -441,3 +441,71 @@ def test_tp_peers_draw_alike_and_dp_ranks_differ(pools):
     by = {(r["coord"]["dp"], r["coord"]["tp"]): r["masks"] for r in got}
     assert by[(0, 0)] == by[(0, 1)] and by[(1, 0)] == by[(1, 1)]
     assert by[(0, 0)] != by[(1, 0)]
+
+
+def rank_refusals_and_vmap() -> dict:
+    W = dist.get_world_size()
+    mesh = sf.mesh(dp=-1)
+    res = {}
+    try:  # uneven: refused as JAX does, naming the input, its shape, the spec and the mesh
+        sf.shard_map(lambda x: x, mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P("dp"))({"w": torch.ones(2 * W + 1, 3)})
+        res["uneven"] = "not refused"
+    except ValueError as e:
+        res["uneven"] = str(e)
+    try:
+        sf.psum(torch.ones(2), "dp")
+        res["outside"] = "not refused"
+    except ValueError as e:
+        res["outside"] = str(e)
+    try:
+        sf.shard_map(lambda x: sf.psum(x, "tp"), mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P())(torch.ones(W, 2))
+        res["axis"] = "not refused"
+    except ValueError as e:
+        res["axis"] = str(e)
+    try:
+        sf.shard_map(lambda x: sf.ppermute(x, "dp", [(0, 1), (1, 1)]), mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P("dp"))(torch.ones(W, 2))
+        res["perm"] = "not refused"
+    except ValueError as e:
+        res["perm"] = str(e)
+    # vmap inside the per-rank function: collectives of batched values (per-example psum)
+    x = torch.randn(W * 2, 5, 3, generator=torch.Generator().manual_seed(4))
+
+    def fn(x):
+        return torch.func.vmap(lambda r: sf.psum(r.sin(), "dp"), in_dims=1, out_dims=1)(x)
+
+    f = sf.shard_map(fn, mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P())
+    xg = x.clone().requires_grad_()
+    y = sf.gather(f(xg))
+    (g,) = torch.autograd.grad(y.pow(2).sum(), xg)
+    xr = x.clone().requires_grad_()
+    want = xr.sin().reshape(W, 2, 5, 3).sum(0)
+    (rg,) = torch.autograd.grad(want.pow(2).sum(), xr)
+    res["vmap"] = max(rel_err(y, want), rel_err(g, rg))
+    # a Hessian-vector product through psum and all_gather (a gradient of a gradient)
+    h = sf.shard_map(lambda x: sf.psum((sf.all_gather(x, "dp", tiled=True) * x.repeat(W, 1)).sum(), "dp"), mesh=mesh,
+                     in_specs=sf.P("dp"), out_specs=sf.P())
+    x2 = torch.randn(W, 3, generator=torch.Generator().manual_seed(6))
+    v = torch.randn(W, 3, generator=torch.Generator().manual_seed(7))
+
+    def hvp(fun, x):
+        return torch.func.jvp(torch.func.grad(fun), (x,), (v,))[1]
+
+    res["hvp"] = rel_err(hvp(lambda x: sf.gather(h(x)), x2), hvp(lambda x: _gathered_pairs(x, W), x2))
+    return res
+
+
+def _gathered_pairs(x: torch.Tensor, W: int) -> torch.Tensor:
+    """The global value of sum_r psum(all_gather(x) * tile(x_r)): every rank's block against the whole."""
+    blocks = x.reshape(W, -1, x.shape[-1])
+    return sum((x * blocks[r].repeat(W, 1)).sum() for r in range(W))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_refusals_vmap_and_second_derivatives(pools, world):
+    for r in pools(world).run(rank_refusals_and_vmap):
+        assert "dim 0 of size" in r["uneven"] and "['w']" in r["uneven"] and "pad the dim" in r["uneven"], r["uneven"]
+        assert "outside per-shard code" in r["outside"], r["outside"]
+        assert "'tp'" in r["axis"] and "('dp',)" in r["axis"], r["axis"]
+        assert "destination at most once" in r["perm"], r["perm"]
+        assert r["vmap"] < 1e-5, r["vmap"]
+        assert r["hvp"] < 1e-5, r["hvp"]
