@@ -73,6 +73,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from . import _collectives as C
 from ._engine import Phase
 from ._flat import _split_dim, _together, buffer_sizes, place
+from ._recompute import UnitViews
 
 __all__ = ["MemoryEstimate", "estimate_memory", "RESERVE", "device_budget", "MemoryCheckError"]
 
@@ -327,7 +328,10 @@ class _Counter(TorchDispatchMode):
 
 class _Probe:
     """A unit runtime (Note [unit runtime]) for the meta run: marks each unit's forward and the
-    start of its backward, casts inputs as the engine does, and asks for remat as the engine does."""
+    start of its backward, casts inputs as the engine does, asks for remat as the engine does, and
+    puts back what a recompute of the model's own checkpointing reads, as the engine does (Note
+    [the model's own checkpointing] in `_recompute.py`: a reentrant recompute computes the unit's
+    gradients on those tensors)."""
 
     def __init__(self, info, counter: _Counter, cast_dtype, remat_units: set[int]):
         self.info = info
@@ -335,6 +339,8 @@ class _Probe:
         self.cast_dtype = cast_dtype
         self.remat_units = remat_units
         self.phase = Phase.FORWARD
+        self.views = UnitViews(info) if info is not None else None
+        self._running: list = []  # per running unit use: the view its forward recorded
 
     def _cast(self, tree):
         dt = self.cast_dtype
@@ -345,7 +351,10 @@ class _Probe:
     def flat_params(self, apply, params):
         """`apply` computes on the tree as handed to it (with tensor parallel: its meta DTensors, which
         `apply` would gather whole without a runtime that owns them)."""
-        return apply.flat_params(params) if params is self.tree and apply.info is self.info else None
+        flat = apply.flat_params(params) if params is self.tree and apply.info is self.info else None
+        if self.views is not None and apply.info is self.info:
+            self.views.record_root(flat)
+        return flat
 
     def cast_inputs(self, info, args, kwargs):
         if self.cast_dtype is None or info is not self.info:
@@ -353,10 +362,14 @@ class _Probe:
         return self._cast(args), self._cast(kwargs)
 
     def pre_forward(self, info, u, args, kwargs):
-        if info is not self.info or self.phase != Phase.FORWARD:
+        if info is not self.info:
             return None
+        if self.phase != Phase.FORWARD:  # a recompute by the model's own checkpoint around the unit
+            self.views.for_recompute(u, info.unit_names[u])
+            return (self._cast(args), self._cast(kwargs)) if self.cast_dtype is not None else None
         self.counter.mark("fwd", u)
         self._fresh_views(u)
+        self._running.append(self.views.record(u))
         if self.cast_dtype is not None:
             return self._cast(args), self._cast(kwargs)
         return None
@@ -376,11 +389,17 @@ class _Probe:
         if info is not self.info or self.phase != Phase.FORWARD:
             return None
         self.counter.mark("fwd_end", u)
+        view = self._running.pop() if self._running else None
         if torch.is_grad_enabled():
             tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                counter = self.counter
-                torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g, u=u: counter.mark("bwd", u), mode="any")
+                counter, views = self.counter, self.views
+
+                def begin(_g, u=u, v=view):
+                    views.put_back(u, v)
+                    counter.mark("bwd", u)
+
+                torch.autograd.graph.register_multi_grad_hook(tensors, begin, mode="any")
         return None
 
 
@@ -533,11 +552,15 @@ def _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, micro) -
                 raise ValueError(f"loss_fn must return a scalar tensor (or (loss, aux)), got {type(loss).__name__}")
             del out
             probe.phase = Phase.BACKWARD
+            if probe.views is not None:
+                probe.views.put_back_root()
             counter.mark("end_forward")
             torch.autograd.backward(loss.reshape(()))
             del loss
             counter.mark("end")
     finally:
+        if probe.views is not None:
+            probe.views.restore()
         for mod, name, b in saved:
             mod._buffers[name] = b
         if tp is not None:

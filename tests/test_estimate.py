@@ -60,6 +60,8 @@ def _build(name: str, meta: bool = True):
                              num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="sdpa")
         with ctx:
             model = tf.LlamaForCausalLM(cfg)
+        if name == "llama_checkpointed":  # the model's own checkpointing, Hugging Face's default (non-reentrant)
+            model.activation_checkpointing_enable()
         units = r"model\.layers\.\d+"
         batch = (torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 256, (4, 16), generator=g))
 
@@ -142,7 +144,9 @@ ESTIMATE_CASES = {
         ("gpt", "no_shard", {"accumulation_steps": 2, "accumulation": "local"}, False),
         # (dp=1, tp=2): tp-sharded activations at their local size; remat's first step as its next
         ("gpt", "full_shard", {"tp": 2, "remat": True}, False), ("llama", "full_shard", {"tp": 2, "accumulation_steps": 2}, True)],
-    3: [("gpt", "full_shard", {"remat": True}, False), ("llama", "full_shard", {"bf16": True}, False)],
+    3: [("gpt", "full_shard", {"remat": True}, False), ("llama", "full_shard", {"bf16": True}, False),
+        # The model's own checkpointing (Note [the model's own checkpointing]): its recompute in the unit's backward.
+        ("llama_checkpointed", "full_shard", {"group_bytes": 0}, False)],
     4: [("gpt", "shard_grad_op", {"tp": 2}, False),  # (dp=2, tp=2)
         ("llama", "full_shard", {"tp": 2, "remat": True, "bf16": True, "accumulation_steps": 2}, False)],
 }

@@ -309,3 +309,37 @@ def test_the_models_own_checkpointing_trains_like_one_process(results, world):
             elif not r < TOL:
                 failed[f"{case} rank {rank}"] = f"relative error {r:.3g}"
     assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
+
+
+# -- the memory estimate ----------------------------------------------------------------------------
+def rank_estimate() -> dict:
+    """`sf.estimate_memory` of each model with and without its own checkpointing (units alone): the
+    full gradients of units (the same either way), and whether the estimate left a gradient on the
+    module's own (meta) parameters, where a reentrant recompute computing on them would put it."""
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for model, ck in (("llama", "reentrant"), ("llama", True), ("torch_reentrant", True)):
+            for checkpointing in (ck, False):
+                m = build(model, checkpointing)
+                apply, params = sf.functionalize(m, units=MODELS[model][1])
+
+                def loss_fn(params, batch, apply=apply, model=model):
+                    return loss_of(model, apply(params, **batch) if MODELS[model][2] else apply(params, batch["tokens"]), batch)
+
+                step = sf.train_step(loss_fn, sf.optim.adamw(LR), sf.mesh(dp=-1), apply=apply, group_bytes=0)
+                est = sf.estimate_memory(step, params, batch=global_batch(model, 0, 1))
+                leaked = [n for n, p in m.named_parameters() if p.grad is not None]
+                out[model, str(ck), bool(checkpointing)] = (est.largest["unit_grads"], leaked)
+    return out
+
+
+def test_the_estimate_counts_the_models_own_checkpointing(pools):
+    """The recompute's gradients land on the tree's leaves, as in the step (Note [the model's own
+    checkpointing] in shardfn/_recompute.py), not on the module's own parameters; the estimate's
+    peak against the measured one is in tests/test_estimate.py."""
+    out = pools(1).run(rank_estimate)[0]
+    for model, ck in (("llama", "reentrant"), ("llama", "True"), ("torch_reentrant", "True")):
+        (with_ck, leaked), (without, _) = out[model, ck, True], out[model, ck, False]
+        assert not leaked, (model, ck, "the estimate left gradients on the module's parameters", leaked[:4])
+        assert with_ck == without > 0, (model, ck, "full gradients of units", with_ck, without)
