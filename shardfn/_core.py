@@ -93,6 +93,13 @@ def _set_rng_state(state: tuple) -> None:
         torch.cuda.set_rng_state(state[1])
 
 
+def _empty_share(batch: Any) -> bool:
+    """Whether this rank's share of the batch has no example: every tensor of it (but scalars) has
+    an empty first dim, and there is one at least."""
+    dims = [x.shape[0] for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    return bool(dims) and not any(dims)
+
+
 def _split_batch(batch: Any, k: int) -> list[Any]:
     if k == 1:
         return [batch]
@@ -625,15 +632,19 @@ class GradientCore:
         sq = local_sumsq(self._norm_parts, weights).to(loss_sum.device) if self._norm_parts else loss_sum.new_zeros(())
         had = [self.units[u].had_grad[j] for u, j in self._trained_where]
         # And which modules changed a buffer on some rank (Note [buffers]): their buffers are synced.
-        stats = torch.cat([torch.stack([loss_sum / k, sq]), torch.tensor(had + changed, dtype=torch.float32).to(sq.device)])
+        # A rank with an empty share (the last, smaller global batch) has a NaN loss (a mean over no
+        # example): its loss is left out, and the loss is the mean over the ranks that had examples.
+        empty = _empty_share(batch)
+        mine = loss_sum.new_zeros(()) if empty else loss_sum / k
+        stats = torch.cat([torch.stack([mine, sq, sq.new_tensor(0.0 if empty else 1.0)]), torch.tensor(had + changed, dtype=torch.float32).to(sq.device)])
         if self.world > 1:
             C.all_reduce(stats, None if self.replicate_group is not None or self.tp_axis is not None else self.group)
-        loss_mean = (stats[0] / self.world).to(loss_sum.dtype)
+        loss_mean = (stats[0] / stats[2]).to(loss_sum.dtype)  # NaN only where no rank had an example
         grad_norm = stats[1].sqrt().to(sq.dtype)
         # Read back (a host sync on GPUs) only where this rank saw a leaf without a gradient, or the
         # model has buffers (Note [buffers]).
         n_had, n_buf = len(had), len(changed) // 2
-        flags = stats[2:].tolist() if changed or not all(had) else []
+        flags = stats[3:].tolist() if changed or not all(had) else []
         skip = [i for i, n in enumerate(flags[:n_had]) if n == 0] if not all(had) else []
         if changed:
             self._buffers.sync([x > 0 for x in flags[n_had : n_had + n_buf]], [x > 0 for x in flags[n_had + n_buf :]])

@@ -789,3 +789,43 @@ def test_leaves_split_on_another_dim_train_as_the_reference(pools, tmp_path):
             if load is not None:
                 assert r["loaded_ref_err"] < 1e-5 and r["resumed"] < 1e-5, (r["loaded_ref_err"], r["resumed"])
                 assert r["loaded_layout"] == ["(Shard(dim=1),)"], r["loaded_layout"]
+
+
+def rank_empty_share() -> dict:
+    """The last rank gets no example (a last global batch smaller than the world): metrics["loss"]
+    is the global batch's loss, not NaN; the update is the mean over every rank's gradient (the
+    empty share's counts zero), i.e. the reference's on the loss scaled by the share of ranks with
+    examples. Under full_shard (the GPT) and no_shard (the MLP), and with accumulation."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for kind, strategy, accumulation_steps in (("gpt", "full_shard", 1), ("mlp", "no_shard", 2)):
+        model = make_model(kind)
+        ref = Reference(model, kind)
+        apply, params = sf.functionalize(model, units=units_of(kind))
+        step = sf.train_step(make_loss_fn(kind, apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1), strategy=strategy,
+                             accumulation_steps=accumulation_steps)
+        state = step.init(params)
+        losses, ref_losses = [], []
+        for i in range(2):
+            x, y = global_batch(kind, i, world, per_rank=2)
+            n = 2 * (world - 1)  # shares of 2, and none on the last rank
+            mine = slice(min(2 * rank, n), min(2 * rank + 2, n))
+            with torch.no_grad():
+                ref_losses.append(loss_of(kind, ref.model(x[:n]), y[:n]).item())
+            scale = (world - 1) / world
+            ref.opt.zero_grad()
+            (loss_of(kind, ref.model(x[:n]), y[:n]) * scale).backward()
+            ref.opt.step()
+            state, metrics = step(state, (x[mine], y[mine]))
+            losses.append(metrics["loss"].item())
+        out[kind] = (losses, ref_losses, compare_params(state.params, apply, ref))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_with_an_empty_share_reports_the_global_loss(pools, world):
+    for r in pools(world).run(rank_empty_share):
+        for kind in ("gpt", "mlp"):
+            losses, ref_losses, err = r[kind]
+            assert all(abs(a - b) < 1e-5 * abs(b) for a, b in zip(losses, ref_losses)), (kind, losses, ref_losses)
+            assert err < 1e-5, (kind, err)
