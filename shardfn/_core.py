@@ -64,8 +64,17 @@ class MixedPrecision:
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             v = getattr(self, name)
-            if v is not None and not (isinstance(v, torch.dtype) and v.is_floating_point):
-                raise ValueError(f"MixedPrecision.{name} must be a floating-point torch.dtype or None, got {v!r}")
+            if v is not None and v not in _MP_DTYPES:
+                why = (" (a float8 dtype: torch has no arithmetic kernels for it, e.g. the additions of a "
+                       "backward, so it is a storage format for scaled matmuls, not a compute dtype)"
+                       if isinstance(v, torch.dtype) and v.is_floating_point else "")
+                raise ValueError(
+                    f"MixedPrecision.{name} must be None or one of torch.bfloat16, torch.float16, torch.float32, "
+                    f"torch.float64; got {v!r}{why}"
+                )
+
+
+_MP_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _split_loss(out: Any) -> tuple[torch.Tensor, Any]:

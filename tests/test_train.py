@@ -829,3 +829,15 @@ def test_a_rank_with_an_empty_share_reports_the_global_loss(pools, world):
             losses, ref_losses, err = r[kind]
             assert all(abs(a - b) < 1e-5 * abs(b) for a, b in zip(losses, ref_losses)), (kind, losses, ref_losses)
             assert err < 1e-5, (kind, err)
+
+
+def test_mixed_precision_refuses_dtypes_it_cannot_compute_in():
+    """float8 dtypes (no arithmetic kernels: the backward's additions fail in torch) and
+    non-floating dtypes are refused at construction, saying what is supported."""
+    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        for bad in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.bool, "bf16"):
+            with pytest.raises(ValueError, match=rf"MixedPrecision.{name} must be None or one of torch.bfloat16") as e:
+                sf.MixedPrecision(**{name: bad})
+            assert ("float8" in str(e.value)) == (isinstance(bad, torch.dtype) and bad.is_floating_point), str(e.value)
+        for good in (torch.bfloat16, torch.float16, torch.float32, torch.float64, None):
+            sf.MixedPrecision(**{name: good})
