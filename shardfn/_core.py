@@ -739,12 +739,18 @@ class GradientCore:
             full = optree.tree_unflatten(self.treespec, [gather(x) for x in leaves])
             trained = [x for x, t in zip(leaves, self.trained) if t]
             sums: list = [None] * len(trained)
-            for micro in _split_batch(batch, k):
-                with step_region(self.mesh, self.data_axes, lift) as reg:
-                    loss, aux = _split_loss(self.loss_fn(full, micro))
-                loss_sum = _add_loss(loss_sum, loss)
-                grads = torch.autograd.grad(loss * (scale * self.data_world / reg.spread(loss)), trained, allow_unused=True, retain_graph=k > 1)
-                sums = [g if s is None else s if g is None else s + g for s, g in zip(sums, grads)]
+            try:
+                for micro in _split_batch(batch, k):
+                    with step_region(self.mesh, self.data_axes, lift) as reg:
+                        loss, aux = _split_loss(self.loss_fn(full, micro))
+                    loss_sum = _add_loss(loss_sum, loss)
+                    grads = torch.autograd.grad(loss * (scale * self.data_world / reg.spread(loss)), trained, allow_unused=True, retain_graph=k > 1)
+                    sums = [g if s is None else s if g is None else s + g for s, g in zip(sums, grads)]
+            except RuntimeError as e:
+                clear = _explain(e, off_schedule=True)
+                if clear is not None:
+                    raise clear from e
+                raise
         del full
         for unit in self.units.values():
             unit.alloc_grad()
@@ -796,8 +802,9 @@ class GradientCore:
 # leaves before its forward has run every unit cannot line its collectives up: take such a
 # penalty on every rank, or from the second step on.
 
-def _explain(e: BaseException) -> BaseException | None:
-    """A clear error for what a failed step's exception means, when shardfn knows (else None)."""
+def _explain(e: BaseException, off_schedule: bool = False) -> BaseException | None:
+    """A clear error for what a failed step's exception means, when shardfn knows (else None);
+    `off_schedule`: the step ran on the gathered tree (Note [steps off the unit schedule])."""
     msg = str(e)
     if isinstance(e, RuntimeError) and f"is at version {STALE}" in msg:
         return StaleParameterError(
@@ -813,12 +820,20 @@ def _explain(e: BaseException) -> BaseException | None:
             "must not modify them; use the out-of-place op (x = x + ...)"
         )
     if isinstance(e, RuntimeError) and "device meta" in msg and "expected device" in msg:
+        if off_schedule:
+            return NotImplementedError(
+                "a recompute ran in the backward on the module's own (meta) parameters: the model checkpoints "
+                "activations itself (gradient_checkpointing_enable(), torch.utils.checkpoint), and this step runs "
+                "off the unit schedule (a backward inside loss_fn, Note [steps off the unit schedule] in "
+                "shardfn/_core.py), where its recompute is not supported yet. Turn the model's own checkpointing "
+                "off for such a loss_fn (e.g. model.gradient_checkpointing_disable())"
+            )
         return NotImplementedError(
-            "a recompute ran in the backward, after apply returned, on the module's own (meta) parameters: "
-            "the model checkpoints activations itself (e.g. Hugging Face's gradient_checkpointing_enable()), "
-            "or remat= covers a unit whose forward calls another unit. Use sf.train_step(..., remat=...) "
-            "on units that call no other unit, and turn the model's own checkpointing off (Hugging Face "
-            "decoders also need use_cache=False under remat)"
+            "a recompute ran in the backward on the module's own (meta) parameters (Note [the model's own "
+            "checkpointing] in shardfn/_recompute.py): the model checkpoints a region outside every unit while "
+            "loss_fn applied it to several parameter trees (make the checkpointed modules units, units=...), or "
+            "remat= covers a unit whose forward calls another unit (use remat= on units that call no other unit; "
+            "Hugging Face decoders also need use_cache=False under remat)"
         )
     if isinstance(e, RuntimeError) and ("unflatten unevenly sharded" in msg or "flatten unevenly sharded" in msg):
         said = "; ".join(line.strip() for line in msg.splitlines() if line.strip())

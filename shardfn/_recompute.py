@@ -95,10 +95,11 @@ class UnitViews:
         self._remember(m, view)
         return view
 
-    def record_root(self, flat: dict[str, torch.Tensor]) -> None:
-        """What `apply` puts in the root's attributes (`flat`: name -> tensor)."""
+    def record_root(self, flat: dict[str, torch.Tensor] | None) -> None:
+        """What `apply` puts in the root's attributes (`flat`: name -> tensor; None: not known, a
+        tree of the caller's own)."""
         if self._root_names:
-            self._remember(ROOT, tuple(flat.get(n) for n in self._root_names))
+            self._remember(ROOT, (object(),) if flat is None else tuple(flat.get(n) for n in self._root_names))
 
     def _remember(self, m: int, view: View) -> None:
         seen = self._views.setdefault(m, [])

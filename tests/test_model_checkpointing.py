@@ -32,6 +32,7 @@ import types
 import warnings
 from pathlib import Path
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -343,3 +344,57 @@ def test_the_estimate_counts_the_models_own_checkpointing(pools):
         (with_ck, leaked), (without, _) = out[model, ck, True], out[model, ck, False]
         assert not leaked, (model, ck, "the estimate left gradients on the module's parameters", leaked[:4])
         assert with_ck == without > 0, (model, ck, "full gradients of units", with_ck, without)
+
+
+# -- two trees in one step, a backward inside loss_fn --------------------------------------------
+def rank_two_trees_and_penalties() -> dict:
+    """One step of the torch Transformer (non-reentrant, then reentrant) applied to the step's tree
+    and to a tree derived from it; and with a gradient penalty, which takes the step off the unit
+    schedule (Note [steps off the unit schedule] in shardfn/_core.py)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    batch = {k: v.chunk(world)[rank].clone() for k, v in global_batch("torch", 0, world).items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for model in ("torch", "torch_reentrant"):
+            for what in ("two_trees", "penalty"):
+                got = {}
+                for checkpointing in (True, False):
+                    m = build(model, checkpointing)
+                    apply, params = sf.functionalize(m, units=MODELS[model][1])
+
+                    def loss_fn(params, b, apply=apply, what=what):
+                        loss = F.cross_entropy(apply(params, b["tokens"]).flatten(0, 1), b["labels"].flatten())
+                        if what == "two_trees":  # every unit runs on its own parameters, then on half of them
+                            half = optree.tree_map(lambda w: w * 0.5, params)
+                            return loss + F.cross_entropy(apply(half, b["tokens"]).flatten(0, 1), b["labels"].flatten())
+                        # A penalty on the final norm's gradient (no second derivative through attention)
+                        (g,) = torch.autograd.grad(loss, params["norm"]["weight"], create_graph=True)
+                        return loss + g.pow(2).sum()
+
+                    step = sf.train_step(loss_fn, sf.optim.adamw(LR), sf.mesh(dp=-1), apply=apply, group_bytes=0)
+                    state = step.init(params)
+                    try:
+                        state, metrics = step(state, batch)
+                        full = sf.to_state_dict(sf.gather(state.params), apply)
+                        got[checkpointing] = dict(losses=[metrics["loss"].item()], params=dict(full))
+                    except Exception as e:  # noqa: BLE001 - what the test asserts on
+                        got[checkpointing] = f"{type(e).__name__}: {e}"
+                out[model, what] = (got[True] if isinstance(got[True], str) else _err(got[True], got[False]), got[False] if isinstance(got[False], str) else None)
+    return out
+
+
+def test_two_trees_and_a_backward_inside_loss_fn(pools):
+    """A model applied to two trees in one step: each use's recompute reads its own tree, equal to
+    the step without the model's checkpointing; a reentrant checkpoint around a unit's call cannot
+    tell which use its recompute is for, and says so. A backward inside loss_fn (a penalty) takes
+    the step off the unit schedule, where the model's own checkpointing is refused, naming the fix."""
+    for r in pools(2).run(rank_two_trees_and_penalties):
+        assert all(unchecked is None for _, unchecked in r.values()), r  # without the model's checkpointing: all run
+        assert r["torch", "two_trees"][0] < 1e-6, r
+        assert r["torch_reentrant", "two_trees"][0].startswith("NotImplementedError"), r
+        assert "use_reentrant=False" in r["torch_reentrant", "two_trees"][0], r
+        assert r["torch", "penalty"][0].startswith("NotImplementedError"), r
+        assert "off the unit schedule" in r["torch", "penalty"][0] and "gradient_checkpointing_disable" in r["torch", "penalty"][0], r
+        # torch's own refusal: a reentrant checkpoint and torch.autograd.grad (the same in one process)
+        assert "use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()" in r["torch_reentrant", "penalty"][0], r
