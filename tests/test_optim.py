@@ -489,3 +489,87 @@ def rank_replaced_update() -> dict:
 def test_a_replaced_update_is_the_one_that_runs(pools):
     for out in pools(1).run(rank_replaced_update):
         assert out["unchanged"] and out["own"], out
+
+
+def test_apply_if_finite_skips_non_finite_updates():
+    """A NaN or an infinity anywhere skips the update (zeros; the inner state, Adam's count
+    included, unchanged); after max_consecutive_errors skipped in a row the next one is applied,
+    as in optax; finite updates are the inner transformation's exactly, in every mode."""
+    full = {"w": torch.randn(4, 3, generator=torch.Generator().manual_seed(0)), "b": torch.zeros(3)}
+    grads = grads_seq(full, 6, seed=3)
+    bad = {2: float("nan"), 3: float("inf"), 4: float("nan")}  # three in a row: the third is applied at max 2
+    for mode in ("update", "update_", "step_"):
+        opt = O.apply_if_finite(O.adamw(1e-2, weight_decay=0.1), max_consecutive_errors=2)
+        ref_opt = O.adamw(1e-2, weight_decay=0.1)
+        params = {k: v.clone() for k, v in full.items()}
+        ref = {k: v.clone() for k, v in full.items()}
+        state, ref_state = opt.init(params), ref_opt.init(ref)
+        seen = []
+        for i, g in enumerate(grads):
+            g = {k: v.clone() for k, v in g.items()}
+            if i in bad:
+                g["w"][1, 2] = bad[i]
+            if mode == "step_":
+                state = opt.step_(g, state, params)
+            else:
+                updates, state = (opt.update if mode == "update" else opt.update_)(g, state, params)
+                params = O.apply_updates(params, updates)
+            if i not in bad or i == 4:  # the third in a row is let through
+                ref_upd, ref_state = ref_opt.update({k: v.clone() for k, v in g.items()}, ref_state, ref)
+                ref = O.apply_updates(ref, ref_upd)
+            seen.append((int(state.notfinite_count), bool(state.last_finite), int(state.total_notfinite)))
+        assert seen == [(0, True, 0), (0, True, 0), (1, False, 1), (2, False, 2), (3, False, 3), (0, True, 3)], (mode, seen)
+        assert int(state.inner_state[0].count) == int(ref_state[0].count) == 4, mode
+        assert torch.isnan(params["w"][1, 2]) and torch.isnan(ref["w"][1, 2]), mode  # the NaN let through
+        torch.testing.assert_close(params, ref, equal_nan=True, rtol=1e-6, atol=1e-7, msg=mode)
+    # Finite updates only: the inner optimizer's exactly.
+    opt = O.apply_if_finite(O.sgd(0.1, momentum=0.9), 3)
+    assert rel_err(run_ours(opt, full, grads, "step_"), run_ours(O.sgd(0.1, momentum=0.9), full, grads, "step_")) == 0
+    for bad_max in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_consecutive_errors must be a positive int"):
+            O.apply_if_finite(O.sgd(0.1), bad_max)
+    with pytest.raises(ValueError, match="GradientTransformation"):
+        O.apply_if_finite(0.1, 3)
+
+
+def _rank_apply_if_finite_in_the_step(strategy: str) -> dict:
+    """A train step with apply_if_finite(adamw) on sharded state: at step 1 one gradient element
+    is infinite, in one rank's shard only (the last row of the last bias); every rank skips that
+    step, and the parameters are the reference's that skipped it too."""
+    import torch.distributed as dist
+    from reference import OPT, Reference, compare_params, global_batch, local_batch, loss_of, make_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model("mlp")
+    ref = Reference(model, "mlp")
+    apply, params = sf.functionalize(model, units=r"\d+")
+    poison = {"on": False}
+
+    def loss_fn(p, batch):
+        x, y = batch
+        loss = loss_of("mlp", apply(p, x), y)
+        return loss + p["4"]["bias"][-1] * float("inf") if poison["on"] else loss
+
+    opt = O.apply_if_finite(O.adamw(**OPT), max_consecutive_errors=3)
+    step = sf.train_step(loss_fn, opt, sf.mesh(dp=-1), strategy=strategy)
+    state = step.init(params)
+    rows = state.params["4"]["bias"].shape[0]
+    owner = rank == (rows - 1) // -(-rows // world) if strategy == "full_shard" else True  # holds the last row
+    for i in range(4):
+        batch = global_batch("mlp", i, world)
+        poison["on"] = i == 1
+        state, metrics = step(state, local_batch(batch, rank, world))
+        if i != 1:
+            ref.step(batch)
+    return {"err": compare_params(state.params, apply, ref), "counts": (int(state.opt_state.notfinite_count),
+            int(state.opt_state.total_notfinite)), "holds_the_row": owner}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_apply_if_finite_in_a_sharded_train_step(pools, world):
+    for strategy in ("full_shard", "no_shard"):
+        results = pools(world).run(_rank_apply_if_finite_in_the_step, strategy)
+        for r in results:
+            assert r["err"] < 1e-5 and r["counts"] == (0, 1), (strategy, r)
+        if strategy == "full_shard":  # the infinite element lay in some ranks' shards only
+            assert not all(r["holds_the_row"] for r in results), results

@@ -9,6 +9,7 @@ torch kernels for `sgd`, `adam` and `adamw`).
 from ._alias import adam, adamw, sgd
 from ._base import EmptyState, GradientTransformation, apply_updates
 from ._combine import MaskedState, chain, masked
+from ._finite import ApplyIfFiniteState, apply_if_finite
 from ._schedules import (
     Schedule,
     constant_schedule,
@@ -37,11 +38,13 @@ __all__ = [
     "TraceState",
     "ScaleByScheduleState",
     "MaskedState",
+    "ApplyIfFiniteState",
     "TorchOptimizerState",
     "Schedule",
     "apply_updates",
     "chain",
     "masked",
+    "apply_if_finite",
     "scale",
     "scale_by_adam",
     "trace",
