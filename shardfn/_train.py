@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _compiled, _donate, _estimate, _watch
 from ._agree import check_sync
+from ._context import ContextParallel
 from ._core import STRATEGIES, GradientCore, MixedPrecision, model_info
 from ._state import TrainState
 from ._tree import tree_flatten_with_paths
@@ -37,8 +38,17 @@ class TrainStep:
 
     def __init__(self, loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
                  apply=None, frozen=None, offload=None, accumulation="sharded", group_bytes=None, check_memory=None,
-                 keep_last_unit=True, compile=False, randomness="per_rank"):
+                 keep_last_unit=True, compile=False, randomness="per_rank", batch_specs=None):
         _compiled.check_compile_option(compile, "sf.train_step")  # Note [compiled code in a step] in `_compiled.py`
+        names = tuple(mesh.mesh_dim_names or ())
+        if batch_specs is not None and "cp" not in names:
+            raise ValueError(
+                f"batch_specs= names batch dims split over a cp axis, and this mesh has none (axes {names}): build the mesh "
+                "with one, e.g. sf.mesh(dp=2, cp=2), or leave batch_specs out"
+            )
+        # Note [context parallelism] in `_context.py`: the step runs on dp * cp ranks as one data axis.
+        self.context = ContextParallel(mesh, batch_specs) if "cp" in names else None
+        mesh = self.context.flat if self.context is not None else mesh
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         self.core = GradientCore(
@@ -116,7 +126,11 @@ class TrainStep:
             if _estimate.checks_first_step(self.check_memory, self.mesh.device_type):
                 _estimate.check_memory(self, params, batch, self.check_memory)
             self._memory_checked = True
-        g = self.core.gradients(params, batch)
+        if self.context is None:
+            g = self.core.gradients(params, batch)
+        else:
+            with self.context.attention():
+                g = self.core.gradients(params, self.context.cut(batch))
         self._clip(g.grad_norm)
         # Scalars of the optimizer state (its step count) are updated in place: the input state
         # keeps its own (Note [donated state]).
@@ -291,6 +305,7 @@ def train_step(
     keep_last_unit: bool = True,
     compile: bool | dict = False,
     randomness: str = "per_rank",
+    batch_specs: Any = None,
 ) -> TrainStep:
     """Builds a sharded train step around `loss_fn(params, batch)`.
 
@@ -345,6 +360,12 @@ def train_step(
             same), folded in from one draw of the generator, as JAX's `fold_in(key, axis_index)`;
             "same": every rank draws from its generator as it stands (ranks seeded alike draw
             alike). Note [randomness per rank] in `shardfn/_rng.py`.
+        batch_specs: on a mesh with a `cp` axis (`sf.mesh(dp=2, cp=2)`), a `P` per batch leaf (or a
+            prefix of the batch's tree) naming its sequence dims "cp", e.g. `sf.P(None, "cp")`: each
+            rank passes the batch of its dp coordinate, the step cuts the sequence (a head and a
+            tail chunk per cp rank) and runs `F.scaled_dot_product_attention` as exact ring
+            attention over cp; parameters are sharded over dp and cp together. Pass global
+            position ids in the batch (Note [context parallelism] in `shardfn/_context.py`).
 
     Returns:
         A `TrainStep`: `state = step.init(params)`, then `state, metrics = step(state, batch)`.
@@ -358,4 +379,5 @@ def train_step(
         loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
         apply=apply, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
         check_memory=check_memory, keep_last_unit=keep_last_unit, compile=compile, randomness=randomness,
+        batch_specs=batch_specs,
     )

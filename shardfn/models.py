@@ -92,9 +92,11 @@ class GPT(nn.Module):
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of `idx` (batch, T); `pos`: the tokens' positions (default `0..T-1`), for a
+        sequence split over ranks (context parallelism) where each rank holds part of it."""
         T = idx.shape[1]
-        x = self.wte(idx) * self.emb_scale + self.wpe(self.pos[:T])
+        x = self.wte(idx) * self.emb_scale + self.wpe(self.pos[:T] if pos is None else pos)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
