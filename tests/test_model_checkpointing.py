@@ -43,13 +43,13 @@ from shardfn import _collectives as C
 
 pytest.importorskip("transformers", reason="the Hugging Face cases build tiny transformers models")
 
-STEPS = 3
+STEPS = 2
 PER_RANK = 2
 SEQ = 8
 VOCAB = 64
 LR, EPS, WD = 1e-3, 1e-5, 0.01
 TOL = 1e-5  # fp32: relative error per parameter and per step loss
-BF16_TOL = 2e-2  # mixed precision against the bf16 reference (as tests/test_train.py's bf16 case)
+BF16_TOL = 1e-2  # mixed precision against the bf16 reference, all parameters as one vector (as tests/test_train.py)
 
 
 # -- models ---------------------------------------------------------------------------------------
@@ -204,49 +204,52 @@ def sharded(model: str, checkpointing, strategy: str, rank: int, world: int, uni
     return dict(losses=losses, params={k: v.detach().clone() for k, v in full.items()}, gathers=gathers)
 
 
-def _err(got: dict, want: dict) -> float:
-    """The largest relative error over the parameters and the step losses."""
+def _err(got: dict, want: dict, per_leaf: bool = True) -> float:
+    """The largest relative error over the parameters and the step losses. `per_leaf=False`: of all
+    parameters as one vector (bf16 against its reference, as tests/reference.py's compare_params:
+    Adam turns rounding noise in a near-zero gradient into full-size steps on that leaf)."""
     errs = [abs(a - b) / abs(b) for a, b in zip(got["losses"], want["losses"])]
+    if not per_leaf:
+        a, b = (torch.cat([x["params"][n].double().reshape(-1) for n in want["params"]]) for x in (got, want))
+        return max(errs + [((a - b).norm() / b.norm()).item()])
     for n, w in want["params"].items():
         errs.append((got["params"][n] - w).double().norm().item() / max(w.double().norm().item(), 1e-3))
     return max(errs)
 
 
-# (model, Hugging Face checkpointing, strategy, options); group_bytes=0: every unit alone, in slot arenas.
+# (model, checkpointing, strategy, options, world sizes); group_bytes=0: every unit alone, in slot arenas.
+# At 3 ranks (uneven shards), a case of each kind.
 CASES = [
-    ("llama", True, "full_shard", {}),
-    ("llama", True, "full_shard", dict(group_bytes=0)),
-    ("llama", True, "shard_grad_op", dict(group_bytes=0)),
-    ("llama", True, "no_shard", {}),
-    ("llama", True, "hybrid_shard", dict(group_bytes=0)),
-    ("llama", True, "full_shard", dict(group_bytes=0, remat=True)),
-    ("llama", "reentrant", "full_shard", dict(group_bytes=0)),
-    ("llama", "reentrant", "full_shard", dict(remat=True)),
+    ("llama", True, "full_shard", {}, (2, 3)),
+    ("llama", True, "full_shard", dict(group_bytes=0), (2, 3)),
+    ("llama", True, "shard_grad_op", dict(group_bytes=0), (2,)),
+    ("llama", True, "full_shard", dict(group_bytes=0, remat=True), (2,)),
+    ("llama", "reentrant", "full_shard", dict(group_bytes=0), (2, 3)),
+    ("llama", "reentrant", "full_shard", dict(remat=True), (2,)),
     # Units inside the checkpointed layers: the layer's own parameters (attention, norms) are the root's.
-    ("llama", True, "full_shard", dict(units=r"model\.layers\.\d+\.mlp", group_bytes=0)),
-    ("gpt2", True, "full_shard", dict(group_bytes=0)),
-    ("gpt2", "reentrant", "hybrid_shard", {}),
-    ("t5", True, "full_shard", dict(group_bytes=0)),
-    ("torch", True, "full_shard", dict(group_bytes=0)),
-    ("torch", True, "hybrid_shard", {}),
-    ("torch", True, "full_shard", dict(group_bytes=0, remat=True)),
-    ("torch_reentrant", True, "full_shard", dict(group_bytes=0)),
-    ("torch_reentrant", True, "full_shard", {}),
-    ("torch_reentrant", True, "no_shard", {}),
-    ("torch_reentrant", True, "hybrid_shard", dict(group_bytes=0)),
-    ("torch_reentrant", True, "shard_grad_op", dict(remat=True)),
+    ("llama", True, "full_shard", dict(units=r"model\.layers\.\d+\.mlp", group_bytes=0), (2, 3)),
+    ("gpt2", True, "full_shard", dict(group_bytes=0), (2,)),
+    ("gpt2", "reentrant", "hybrid_shard", {}, (2,)),
+    ("t5", True, "full_shard", dict(group_bytes=0), (2, 3)),
+    ("torch", True, "full_shard", dict(group_bytes=0), (2, 3)),
+    ("torch", True, "hybrid_shard", {}, (2,)),
+    ("torch", True, "full_shard", dict(group_bytes=0, remat=True), (2, 3)),
+    ("torch_reentrant", True, "full_shard", dict(group_bytes=0), (2, 3)),
+    ("torch_reentrant", True, "full_shard", {}, (2,)),
+    ("torch_reentrant", True, "no_shard", {}, (2,)),
+    ("torch_reentrant", True, "hybrid_shard", dict(group_bytes=0), (2, 3)),
+    ("torch_reentrant", True, "shard_grad_op", dict(remat=True), (2,)),
 ]
-# Mixed precision: (model, checkpointing, strategy, options), also run without the model's checkpointing.
+# Mixed precision: as CASES, each also run without the model's checkpointing.
 MP_CASES = [
-    ("llama", True, "full_shard", dict(group_bytes=0)),
-    ("llama", "reentrant", "hybrid_shard", {}),
-    ("torch", True, "full_shard", dict(group_bytes=0)),
-    ("torch_reentrant", True, "full_shard", dict(group_bytes=0, remat=True)),
+    ("llama", True, "full_shard", dict(group_bytes=0), (2, 3)),
+    ("llama", "reentrant", "hybrid_shard", {}, (2,)),
+    ("torch_reentrant", True, "full_shard", dict(group_bytes=0, remat=True), (2, 3)),
 ]
 
 
 def _case_id(case) -> str:
-    model, ck, strategy, opts = case
+    model, ck, strategy, opts, _ = case
     parts = [model, "reentrant" if ck == "reentrant" else "", strategy, *(f"{k}={v}" for k, v in opts.items())]
     return "-".join(p for p in parts if p)
 
@@ -259,7 +262,9 @@ def rank_checkpointing() -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # as pytest makes them in this process
         for case in CASES:
-            model, ck, strategy, opts = case
+            model, ck, strategy, opts, worlds = case
+            if world not in worlds:
+                continue
             try:
                 key = (model, ck)
                 if key not in refs:
@@ -270,13 +275,15 @@ def rank_checkpointing() -> dict:
                 out[_case_id(case)] = traceback.format_exc()
             dist.barrier()
         for case in MP_CASES:
-            model, ck, strategy, opts = case
+            model, ck, strategy, opts, worlds = case
+            if world not in worlds:
+                continue
             mp = sf.MixedPrecision(torch.bfloat16, torch.float32)
             try:
                 got = sharded(model, ck, strategy, rank, world, mixed_precision=mp, **opts)
                 plain = sharded(model, False, strategy, rank, world, mixed_precision=mp, **opts)
                 ref = reference(model, ck, world, bf16=True)
-                out["mp-" + _case_id(case)] = dict(ref=_err(got, ref), plain=_err(got, plain), gathers=(got["gathers"], plain["gathers"]))
+                out["mp-" + _case_id(case)] = dict(ref=_err(got, ref, per_leaf=False), plain=_err(got, plain), gathers=(got["gathers"], plain["gathers"]))
             except Exception:  # noqa: BLE001
                 out["mp-" + _case_id(case)] = traceback.format_exc()
             dist.barrier()
@@ -359,7 +366,7 @@ def rank_two_trees_and_penalties() -> dict:
         for model in ("torch", "torch_reentrant"):
             for what in ("two_trees", "penalty"):
                 got = {}
-                for checkpointing in (True, False):
+                for checkpointing in (True, False) if what == "two_trees" else (True,):
                     m = build(model, checkpointing)
                     apply, params = sf.functionalize(m, units=MODELS[model][1])
 
@@ -380,7 +387,8 @@ def rank_two_trees_and_penalties() -> dict:
                         got[checkpointing] = dict(losses=[metrics["loss"].item()], params=dict(full))
                     except Exception as e:  # noqa: BLE001 - what the test asserts on
                         got[checkpointing] = f"{type(e).__name__}: {e}"
-                out[model, what] = (got[True] if isinstance(got[True], str) else _err(got[True], got[False]), got[False] if isinstance(got[False], str) else None)
+                unchecked = got.get(False)
+                out[model, what] = (got[True] if isinstance(got[True], str) else _err(got[True], unchecked), unchecked if isinstance(unchecked, str) else None)
     return out
 
 
