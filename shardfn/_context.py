@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import _collectives as C
 from ._manual import axis_group
 from ._named import _Collective, _Permute
 from ._spec import P
@@ -146,8 +147,37 @@ class ContextParallel:
         if enable_gqa and k.shape[-3] != q.shape[-3]:
             rep = q.shape[-3] // k.shape[-3]
             k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
-        n, me = self.size, self.group.index
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if q.device.type in ("cpu", "meta"):
+            return _RingFlash.apply(q, k, v, bool(is_causal), float(scale), self)
+        return self._ring_math(q, k, v, is_causal, scale)
+
+    def chunk_pairs(self, src: int, causal: bool) -> list[tuple[int, int, bool]]:
+        """(query chunk, key chunk, diagonal) for this rank's queries against `src`'s keys, the
+        pairs a causal mask leaves out skipped: (0 or 1: head or tail, the same for keys)."""
+        n, me = self.size, self.group.index
+        qids, kids = (me, 2 * n - 1 - me), (src, 2 * n - 1 - src)
+        out = []
+        for i, qa in enumerate(qids):
+            for j, ka in enumerate(kids):
+                if not causal or ka < qa:
+                    out.append((i, j, False))
+                elif ka == qa:
+                    out.append((i, j, True))
+        return out
+
+    def send_on(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """`t` to the next cp rank, the previous one's in return (the meta device: nothing sent)."""
+        if t.device.type == "meta":
+            return torch.empty_like(t)
+        n = self.size
+        g = self.group
+        return C.permute_blocking(t, [g.ranks[(g.index + 1) % n]], g.ranks[(g.index - 1) % n], g.group, what)
+
+    def _ring_math(self, q, k, v, is_causal, scale):
+        """The ring with plain tensor ops (devices without the fused CPU kernel): exact, and its
+        backward autograd's, saving every ring step's scores."""
+        n, me, t = self.size, self.group.index, q.shape[-2]
         dtype = q.dtype
         qf = q.float()
         qpos = self.positions(t, me).to(q.device)
@@ -173,3 +203,73 @@ class ContextParallel:
             if s < n - 1:
                 kv = _Collective.apply(kv, _Permute(self.group, "context-parallel attention", ring))
         return (num / den).to(dtype)
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _RingFlash(torch.autograd.Function):
+    """Ring attention over cp on torch's fused CPU attention kernel, per pair of chunks, merged by
+    their log-sum-exps; saves q, k, v, the output and its log-sum-exp only. The backward passes
+    each key/value block around the ring again with its gradient accumulating beside it, and a
+    last exchange hands every block's gradient back to its owner."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float, cp: ContextParallel):  # type: ignore[override]
+        n, me = cp.size, cp.group.index
+        c = q.shape[-2] // 2
+        qs = (q[..., :c, :], q[..., c:, :])
+        outs = [None, None]
+        lses = [None, None]
+        kv = torch.cat([k, v], -1).contiguous()
+        dk = k.shape[-1]
+        for s in range(n):
+            kk, vv = kv[..., :dk], kv[..., dk:]
+            ks, vs = (kk[..., :c, :], kk[..., c:, :]), (vv[..., :c, :], vv[..., c:, :])
+            for i, j, diag in cp.chunk_pairs((me - s) % n, causal):
+                o, lse = _FLASH(qs[i], ks[j].contiguous(), vs[j].contiguous(), 0.0, diag, scale=scale)
+                if outs[i] is None:
+                    outs[i], lses[i] = o.float(), lse
+                else:
+                    new = torch.logaddexp(lses[i], lse)
+                    outs[i] = outs[i] * torch.exp(lses[i] - new)[..., None] + o.float() * torch.exp(lse - new)[..., None]
+                    lses[i] = new
+            if s < n - 1:
+                kv = cp.send_on(kv, "context-parallel attention")
+        out = torch.cat(outs, -2).to(q.dtype)
+        lse = torch.cat(lses, -1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.cp = causal, scale, cp
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, causal, scale = ctx.cp, ctx.causal, ctx.scale
+        n, me = cp.size, cp.group.index
+        c = q.shape[-2] // 2
+        dout = dout.contiguous()
+        halves = lambda t, dim=-2: (t.narrow(dim, 0, c), t.narrow(dim, c, c))  # noqa: E731
+        qs, outs, douts, lses = halves(q), halves(out), halves(dout), halves(lse, -1)
+        dq = [torch.zeros_like(x, dtype=torch.float32) for x in qs]
+        dk_, dv_ = k.shape[-1], v.shape[-1]
+        kv = torch.cat([k, v], -1).contiguous()
+        dkv = torch.zeros_like(kv, dtype=torch.float32)
+        for s in range(n):
+            kk, vv = kv[..., :dk_], kv[..., dk_:]
+            for i, j, diag in cp.chunk_pairs((me - s) % n, causal):
+                kj = kk.narrow(-2, j * c, c).contiguous()
+                vj = vv.narrow(-2, j * c, c).contiguous()
+                gq, gk, gv = _FLASH_BACKWARD(douts[i].contiguous(), qs[i].contiguous(), kj, vj, outs[i].contiguous(),
+                                             lses[i].contiguous(), 0.0, diag, scale=scale)
+                dq[i] += gq.float()
+                dkv[..., j * c:(j + 1) * c, :dk_] += gk.float()
+                dkv[..., j * c:(j + 1) * c, dk_:] += gv.float()
+            if s < n - 1:  # the block and its gradient so far go on together
+                both = cp.send_on(torch.cat([kv.float(), dkv], -1), "the gradient of context-parallel attention")
+                kv, dkv = both[..., : kv.shape[-1]].to(k.dtype), both[..., kv.shape[-1]:]
+        if n > 1:  # each block's gradient is one rank short of home
+            dkv = cp.send_on(dkv, "the gradient of context-parallel attention")
+        return torch.cat(dq, -2).to(q.dtype), dkv[..., :dk_].to(k.dtype), dkv[..., dk_:].to(v.dtype), None, None, None

@@ -1060,8 +1060,13 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
     unit_dtype = [gs[leaf_group[i]].compute for i in range(len(leaves))]
     k = core.accumulation_steps
     if batch is not None:
-        mb = _split_batch(optree.tree_map(lambda x: _meta_like(x) if isinstance(x, torch.Tensor) else x, batch), k)[0]
-        counter = _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, mb)
+        meta_batch = optree.tree_map(lambda x: _meta_like(x) if isinstance(x, torch.Tensor) else x, batch)
+        context = step.context  # Note [context parallelism]: this rank's chunks, attention as the ring
+        if context is not None:
+            meta_batch = context.cut(meta_batch)
+        mb = _split_batch(meta_batch, k)[0]
+        with context.attention() if context is not None else contextlib.nullcontext():
+            counter = _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, mb)
         events = counter.events
     else:
         events = [("end_forward", None, 0)]

@@ -40,6 +40,10 @@ class _Op:
         """The op on a tensor with one more leading dim (a vmap's batch dim)."""
         return self
 
+    def meta(self, x: torch.Tensor) -> torch.Tensor:
+        """The result's shape on the meta device, where nothing is sent (`sf.estimate_memory`)."""
+        return torch.empty_like(x)
+
 
 @dataclass(frozen=True)
 class _Sum(_Op):
@@ -74,6 +78,9 @@ class _Gather(_Op):
     def transpose(self):
         return _Scatter(self.group, self.what, self.dim, self.tiled)
 
+    def meta(self, x):
+        return torch.cat([x] * self.group.size, self.dim) if self.tiled else torch.stack([x] * self.group.size, self.dim)
+
     def shifted(self):
         return replace(self, dim=self.dim + 1)
 
@@ -92,6 +99,9 @@ class _Scatter(_Op):
 
     def transpose(self):
         return _Gather(self.group, self.what, self.dim, self.tiled)
+
+    def meta(self, x):
+        return x.chunk(self.group.size, self.dim)[0].clone() if self.tiled else x.select(self.dim, 0).clone()
 
     def shifted(self):
         return replace(self, dim=self.dim + 1)
@@ -128,6 +138,9 @@ class _AllToAll(_Op):
     def transpose(self):
         return replace(self, split_dim=self.concat_dim, concat_dim=self.split_dim)
 
+    def meta(self, x):
+        return torch.cat([x.chunk(self.group.size, self.split_dim)[0]] * self.group.size, self.concat_dim)
+
     def shifted(self):
         return replace(self, split_dim=self.split_dim + 1, concat_dim=self.concat_dim + 1)
 
@@ -138,6 +151,8 @@ class _Collective(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, op: _Op) -> torch.Tensor:  # type: ignore[override]
+        if x.device.type == "meta":
+            return op.meta(x)
         with torch._C._DisableFuncTorch():
             return op.run(x)
 
