@@ -240,11 +240,16 @@ class TensorParallel:
         self.watch = True  # watch for fallback gathers (the first step)
         self._reported: set[tuple[str, str]] = set()
         self._handles: list[Any] = []
+        self.running: list[str] = []  # the modules holding a split leaf whose forward is running, innermost last
 
     def leaf(self, i: int, local: torch.Tensor) -> DTensor:
         """Leaf `i` as a DTensor on the tp mesh over its gathered shard `local` (a view, with autograd
-        back to `local`)."""
-        return DTensor.from_local(local, self.mesh, self.placements[i], run_check=False, shape=self.shapes[i], stride=self.strides[i])
+        back to `local`), whose `.to_local()` is refused for a split leaf, exact for a whole one (`_Leaf`)."""
+        d = DTensor.from_local(local, self.mesh, self.placements[i], run_check=False, shape=self.shapes[i], stride=self.strides[i])
+        if self.size > 1:
+            d.__class__ = _Leaf
+            d._sf_tp = weakref.ref(self)  # type: ignore[attr-defined]
+        return d
 
     # -- steering (Note [tensor parallel forward]) ----------------------------------------------
     def install(self, module: torch.nn.Module, split_paths: set[str]) -> None:
@@ -253,8 +258,8 @@ class TensorParallel:
         ref = weakref.ref(self)
         for name, mod in module.named_modules():
             if name in owners:
-                self._handles.append(mod.register_forward_pre_hook(_pre_hook(ref)))
-                self._handles.append(mod.register_forward_hook(_post_hook(ref)))
+                self._handles.append(mod.register_forward_pre_hook(_pre_hook(ref, name)))
+                self._handles.append(mod.register_forward_hook(_post_hook(ref, name), always_call=True))
         weakref.finalize(self, _remove, list(self._handles))  # the module outlives its steps
 
     def remove(self) -> None:
@@ -336,9 +341,11 @@ def _remove(handles: list) -> None:
         h.remove()
 
 
-def _pre_hook(ref: Any):
+def _pre_hook(ref: Any, name: str):
     def pre(mod: torch.nn.Module, args: tuple) -> None:
         tp = ref()
+        if tp is not None:
+            tp.running.append(f"{name!r} ({type(mod).__name__})")
         if tp is None or not torch.is_grad_enabled():
             return None
         for a in args:
@@ -348,6 +355,52 @@ def _pre_hook(ref: Any):
         return None
 
     return pre
+
+
+class _Leaf(DTensor):
+    """A leaf as the tensor-parallel forward hands it to its module: a DTensor (its ops give plain
+    DTensors) whose `.to_local()`, which code written for torch's own tensor parallelism calls, is
+    served or refused here rather than failing inside DTensor. Whole on tp, the local tensor is the
+    whole leaf: it is given, and its gradient (a DTensor: the ops around it computed on DTensors,
+    the plain tensor counting as replicated) is made whole and handed back as the leaf's
+    (`_WholeLocal`), where DTensor's own backward failed ("the local_tensor argument only accepts
+    torch.Tensor but got DTensor"). Split on tp, a local shard beside DTensor activations cannot be
+    computed exactly: refused, naming the module."""
+
+    __slots__ = ()
+
+    def to_local(self, *, grad_placements: Any = None) -> torch.Tensor:
+        if all(p.is_replicate() for p in self.placements):
+            return _WholeLocal.apply(self)
+        tp = getattr(self, "_sf_tp", lambda: None)()
+        where = f"module {tp.running[-1]}" if tp is not None and tp.running else "loss_fn (or a module holding no split leaf)"
+        raise NotImplementedError(
+            f"tensor parallel: {where} called .to_local() on its parameter of shape {tuple(self.shape)}, split over tp "
+            f"({self.placements[0]}), as code written for torch's own tensor parallelism does. shardfn hands modules "
+            "their parameters as DTensors over tp and computes on them as DTensors (Note [tensor parallel forward] in "
+            "shardfn/_tp.py), so a local shard beside DTensor activations cannot be computed exactly. Compute on the "
+            "DTensor itself (drop the .to_local() and any DTensor.from_local() of the result), or keep this leaf whole "
+            "on tp (a rule mapping it to P() before the others)"
+        )
+
+
+class _WholeLocal(torch.autograd.Function):
+    """The local tensor of a leaf whole on tp; its gradient, a DTensor or not, made whole (a partial
+    sum all-reduced over tp) and handed back as a DTensor of the leaf's layout."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = x._spec
+        return x._local_tensor.view_as(x._local_tensor)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> DTensor:  # type: ignore[override]
+        spec = ctx.spec
+        if isinstance(g, DTensor):
+            if any(not p.is_replicate() for p in g.placements):
+                g = C.redistribute(g, g.device_mesh, [Replicate()] * g.device_mesh.ndim, "the tensor-parallel backward")
+            g = g._local_tensor
+        return DTensor(g.contiguous(), spec, requires_grad=False)
 
 
 def _grad_hook(ref: Any):
@@ -360,9 +413,11 @@ def _grad_hook(ref: Any):
     return hook
 
 
-def _post_hook(ref: Any):
+def _post_hook(ref: Any, name: str):
     def post(mod: torch.nn.Module, args: tuple, out: Any) -> Any:
         tp = ref()
+        if tp is not None and tp.running:
+            tp.running.pop()
         if tp is not None and _partial(out):
             return tp.replicate(out, "forward")
         return None

@@ -801,3 +801,64 @@ def rank_dropout_of_a_partial_sum() -> float:
 
 def test_dropout_of_a_partial_sum_is_the_masked_sum(pools):
     assert pools(2).run(rank_dropout_of_a_partial_sum) == [0.0, 0.0]
+
+
+class _Experts(torch.nn.Module):
+    """Stacked experts in one bmm, written for torch's own tensor parallelism: it computes on the
+    local shard of its DTensor weight (`.to_local()`) when it has one."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 6, 6) * 0.3)
+
+    def forward(self, x):  # x: (experts, n, 6)
+        w = self.w.to_local() if isinstance(self.w, DTensor) else self.w
+        return torch.bmm(x, w)
+
+
+class _MoE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 6)
+        self.experts = _Experts()
+        self.out = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = self.inp(x).unsqueeze(0).expand(4, -1, -1)
+        return self.out(torch.tanh(self.experts(h)).mean(0))
+
+
+def rank_to_local_on_tp_parameters() -> dict:
+    """A module that calls `.to_local()` on its tp-split parameter is refused, naming the module (not
+    DTensor's internal error); its parameter whole on tp, the same code trains as the reference."""
+    mesh = sf.mesh(dp=2, tp=2)
+    dp_rank = mesh.get_local_rank(0)
+    out: dict = {}
+    for name, rules in (("split", [(r"experts\.w", sf.P("tp"))]), ("whole", [(r"out\.weight", sf.P("tp", None)), (r"out\.bias", sf.P("tp"))])):
+        torch.manual_seed(0)
+        model = _MoE()
+        ref = copy.deepcopy(model)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        apply, params = sf.functionalize(model, units=r"experts")
+        step = sf.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), sf.optim.sgd(0.1), mesh, specs=sf.specs(params, mesh, rules=rules))
+        state = step.init(params)
+        try:
+            for i in range(2):
+                g = torch.Generator().manual_seed(i)
+                x, y = torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)
+                state, _ = step(state, (x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]))
+                ref_opt.zero_grad()
+                F.mse_loss(ref(x), y).backward()
+                ref_opt.step()
+            full = sf.to_state_dict(sf.gather(state.params), apply)
+            out[name] = max(_rel(full[k], v) for k, v in ref.state_dict().items())
+        except NotImplementedError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_to_local_on_a_tp_parameter_is_refused_naming_the_module(pools):
+    for r in pools(4).run(rank_to_local_on_tp_parameters):
+        assert isinstance(r["split"], str) and "module 'experts' (_Experts) called .to_local()" in r["split"], r["split"]
+        assert "(4, 6, 6)" in r["split"] and "keep this leaf whole on tp" in r["split"], r["split"]
+        assert isinstance(r["whole"], float) and r["whole"] < TOL, r["whole"]
