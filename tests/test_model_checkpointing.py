@@ -230,6 +230,7 @@ CASES = [
     ("llama", True, "full_shard", dict(units=r"model\.layers\.\d+\.mlp", group_bytes=0), (2, 3)),
     ("gpt2", True, "full_shard", dict(group_bytes=0), (2,)),
     ("gpt2", "reentrant", "hybrid_shard", {}, (2,)),
+    ("gpt2", True, "no_shard", {}, (2,)),
     ("t5", True, "full_shard", dict(group_bytes=0), (2, 3)),
     ("torch", True, "full_shard", dict(group_bytes=0), (2, 3)),
     ("torch", True, "hybrid_shard", {}, (2,)),
