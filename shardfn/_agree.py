@@ -4,8 +4,9 @@ Note [one model]
 ~~~~~~~~~~~~~~~~
 `step.init`, `sf.shard` and `sf.import_state_dict` take values that every rank of the mesh is
 supposed to hold alike: the full (non-DTensor) leaves of a parameter tree, which each rank built
-or loaded itself, and the local shards that several ranks hold (a replicated leaf under
-`no_shard`, `hybrid_shard`'s replicas, the tensor-parallel peers of a leaf whole on tp). A model
+or loaded itself, the local shards that several ranks hold (a replicated leaf under `no_shard`,
+`hybrid_shard`'s replicas, the tensor-parallel peers of a leaf whole on tp), and the module's
+buffers (`step.init`: its real ones; `import_state_dict`: those it read). A model
 built without a seed, with a per-rank seed, or loaded on rank 0 only would otherwise train a
 different model on each rank, with no word: nothing in a step compares the ranks' parameters.
 
