@@ -834,6 +834,8 @@ class Engine:
             )
         if self.phase == Phase.BACKWARD:  # a recompute, by the model's own checkpoint around the unit's call
             self._ensure(u)
+            if self._active.get(u, 0) == 0:  # no pre-backward came first (a reentrant checkpoint): it prefetches
+                self._prefetch(self._prev_of(u))
             if self._views is not None:  # Note [the model's own checkpointing] in `_recompute.py`
                 self._views.for_recompute(m, self._member_names[m])
             return (self._cast(args), self._cast(kwargs)) if self.cast_dtype is not None else None

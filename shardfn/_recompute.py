@@ -27,7 +27,8 @@ the parameters and handed to `apply`), and the same tensors are put back before 
 - by the unit's own forward hook, run by the recompute, when no pre-backward came before it: a
   reentrant checkpoint around the unit's call ran the unit's forward under no_grad, so no hook saw
   its outputs. The hook gathers the unit (as it gathers any unit run in the backward), which stays
-  gathered until its gradients are complete and reduced; the view is the one its forward recorded.
+  gathered until its gradients are complete and reduced, and starts gathering the unit before it,
+  as a pre-backward would (prefetch); the view is the one its forward recorded.
   A unit that ran on several different views in the step (a model applied to two trees) cannot
   say which one this recompute is for: refused. (A non-reentrant checkpoint around the call runs
   the hook too, after the pre-backward: the view stays that use's.)

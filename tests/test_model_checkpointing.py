@@ -407,3 +407,33 @@ def test_two_trees_and_a_backward_inside_loss_fn(pools):
         assert "off the unit schedule" in r["torch", "penalty"][0] and "gradient_checkpointing_disable" in r["torch", "penalty"][0], r
         # torch's own refusal: a reentrant checkpoint and torch.autograd.grad (the same in one process)
         assert "use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()" in r["torch_reentrant", "penalty"][0], r
+
+
+def rank_reentrant_prefetch() -> list:
+    """The engine's events in the second step's backward of the reentrant torch Transformer (three
+    units alone in slot arenas, under full_shard)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = build("torch_reentrant", True)
+    apply, params = sf.functionalize(m, units=MODELS["torch_reentrant"][1])
+
+    def loss_fn(params, b):
+        return F.cross_entropy(apply(params, b["tokens"]).flatten(0, 1), b["labels"].flatten())
+
+    step = sf.train_step(loss_fn, sf.optim.adamw(LR), sf.mesh(dp=-1), apply=apply, group_bytes=0)
+    state = step.init(params)
+    engine = step.core.engine
+    for i in range(2):
+        engine.stats.record_events = i == 1
+        state, _ = step(state, {k: v.chunk(world)[rank].clone() for k, v in global_batch("torch_reentrant", i, world).items()})
+    return [(what, u) for what, u, phase in engine.stats.events if phase == "backward" and what in ("gather", "reduce")]
+
+
+def test_a_reentrant_recompute_prefetches_the_unit_before(pools):
+    """A reentrant checkpoint around a unit's call runs the unit's forward under no_grad: no hook
+    sees its outputs, so the unit is gathered by its own hook in the recompute (Note [the model's
+    own checkpointing]), which also starts gathering the unit before it, as a pre-backward would:
+    that gather overlaps this unit's backward and starts before its reduction."""
+    for events in pools(2).run(rank_reentrant_prefetch):
+        # The last unit (2) stays gathered from its forward; 1 and 0 are gathered again, each before
+        # the reduction of the unit after it; the root (-1) last.
+        assert events == [("gather", 1), ("reduce", 2), ("gather", 0), ("reduce", 1), ("reduce", 0), ("reduce", -1)], events
