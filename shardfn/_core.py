@@ -416,6 +416,8 @@ class GradientCore:
         # Meta leaves: the module's recorded construction, replayed (Note [meta init] in `_meta_init.py`).
         meta = {i for i, leaf in enumerate(leaves) if leaf.is_meta}
         empty = check_init(init, "step.init", module=False)
+        # Buffers the replay makes real are every rank's alike already (Note [meta init]): not sent.
+        replayed = {n for n, b in info.module.named_buffers() if b.is_meta} if info is not None else set()
         if empty:  # values do not matter: the shards stay uninitialized
             empty_buffers(info.module if info is not None else None, device)
         elif meta:
@@ -431,7 +433,7 @@ class GradientCore:
                 units[u].fill(j, self._tp_local(at[path], full))
 
             materialize(info, set(at), emit, buffer_device=device)
-        self._fill_full(info, paths, leaves, units, where, meta, sync, buffers=not empty)
+        self._fill_full(info, paths, leaves, units, where, meta, sync, buffers=not empty, skip=replayed)
         dt_params, dt_grads, flat_views = [], [], []
         for i, (leaf, spec) in enumerate(zip(leaves, spec_list)):
             u, j = where[i]
@@ -449,10 +451,10 @@ class GradientCore:
         return dt_params, dt_grads, flat_views
 
     def _fill_full(self, info: Any, paths: list[str], leaves: list, units: dict, where: list, meta: set[int],
-                   sync: str | None, buffers: bool) -> None:
+                   sync: str | None, buffers: bool, skip: set[str]) -> None:
         """Fills the full (non-DTensor, non-meta) leaves with the values the ranks agree on, and
-        makes the module's real buffers agree too (Note [one model] in `_agree.py`): each leaf is
-        copied in as its bucket arrives."""
+        makes the module's real buffers agree too, but those named in `skip` (Note [one
+        model] in `_agree.py`): each leaf is copied in as its bucket arrives."""
         whole = tuple(range(self.mesh.ndim))
 
         def filler(i: int) -> Callable[[torch.Tensor], None]:
@@ -468,7 +470,8 @@ class GradientCore:
 
         items = [Item(paths[i], x, filler(i), whole) for i, x in enumerate(leaves) if i not in meta and not isinstance(x, DTensor)]
         if buffers and sync is not None and info is not None:
-            items += [Item(f"buffer {name}", b, copier(b), whole) for name, b in info.module.named_buffers() if not b.is_meta]
+            items += [Item(f"buffer {name}", b, copier(b), whole) for name, b in info.module.named_buffers()
+                      if not b.is_meta and name not in skip]
         agree(items, self.mesh, sync, "step.init")
 
     def _check_tp_batch(self, batch: Any) -> None:

@@ -186,6 +186,14 @@ def rank_shard_agrees() -> dict:
     sharded = sf.shard(params, sf.specs(params, mesh), mesh, init=meta_model)
     out["meta_calls"] = C.STATS.calls.get("broadcast", 0)
     out["meta_differ"] = _exact(sharded, apply, make_model("gpt", 0))
+    torch.manual_seed(0)
+    with sf.meta_device():
+        meta_model = GPT(GPT_CFG)
+    apply, params = sf.functionalize(meta_model, units=units_of("gpt"))
+    C.STATS.reset()
+    state = _step("full_shard", apply, mesh, params).init(params)
+    out["meta_init_calls"] = {k: v for k, v in C.STATS.calls.items() if k in ("broadcast", "all_reduce")}
+    out["meta_init_differ"] = _exact(state.params, apply, make_model("gpt", 0))
     return out
 
 
@@ -212,6 +220,7 @@ def test_shard_gives_every_rank_rank0s_values(pools, world):
         # NaNs and signed zeros agree bitwise: nothing differs
         assert r["mixed_check"] is None, r["mixed_check"]
         assert r["meta_calls"] == 0 and r["meta_differ"] == [], r
+        assert r["meta_init_calls"] == {} and r["meta_init_differ"] == [], r  # step.init: neither leaves nor replayed buffers sent
     assert len({tuple(r["mixed"]) for r in results}) == 1
 
 
