@@ -224,7 +224,8 @@ def rank_planted_stalls(tmp: str, timeout_s: float, after_s: float) -> list:
         torch.manual_seed(0)
         lin = torch.nn.Linear(4, 2)
         apply, params = sf.functionalize(lin)
-        return mesh, apply, sf.shard(params, {"weight": sf.P("dp"), "bias": sf.P()}, mesh)
+        # sync=None: rank 0 alone shards (its peer is away): the agreement would be the stall
+        return mesh, apply, sf.shard(params, {"weight": sf.P("dp"), "bias": sf.P()}, mesh, sync=None)
 
     def save():
         _, _, params = sharded()
@@ -243,7 +244,12 @@ def rank_planted_stalls(tmp: str, timeout_s: float, after_s: float) -> list:
         loss = lambda p, x: apply(p, x).pow(2).sum()  # noqa: E731
         sf.per_sample_grad_norms(loss, apply=apply)(params, torch.ones(3, 4))
 
-    plants = {"sf.save": save, "sf.export": export, "sf.optim.clip_by_global_norm": clip, "sf.per_sample_grad_norms": per_sample}
+    def ppermute():
+        ring = sf.shard_map(lambda x: sf.ppermute(x, "dp", [(0, 1), (1, 0)]), mesh=sf.mesh(dp=-1), in_specs=sf.P("dp"), out_specs=sf.P("dp"))
+        ring(torch.ones(4, 3))
+
+    plants = {"sf.save": save, "sf.export": export, "sf.optim.clip_by_global_norm": clip, "sf.per_sample_grad_norms": per_sample,
+              "sf.ppermute": ppermute}
     out = []
     for k, (name, fn) in enumerate(plants.items()):
         new_group(k, timeout_s)
@@ -265,11 +271,11 @@ def rank_planted_stalls(tmp: str, timeout_s: float, after_s: float) -> list:
 
 
 def test_a_stall_in_any_collective_is_named(pools, tmp_path):
-    """A checkpoint save, an export, the clip's global norm and a per-sample norm whose peer never
-    comes: the waiting rank gets a RankError naming the stalled rank and the call, as for a
+    """A checkpoint save, an export, the clip's global norm, a per-sample norm and a shard_map's
+    ppermute whose peer never comes: the waiting rank gets a RankError naming the stalled rank and the call, as for a
     stalled gather."""
     *got, together = pools(2).run(rank_planted_stalls, str(tmp_path), 2.5, 60.0)[0]
-    assert together == 2 and len(got) == 4, got
+    assert together == 2 and len(got) == 5, got
     for name, kind, rank, msg in got:
         assert (kind, rank) == ("stalled", 1), (name, kind, rank, msg)
         assert f"while rank 0 timed out waiting on it in {name}" in msg, (name, msg)
