@@ -288,7 +288,9 @@ def _masked_batch(step: int, n: int):
 
 def rank_collectives_in_a_step(strategy: str) -> dict:
     rank, W = dist.get_rank(), dist.get_world_size()
-    mesh = sf.mesh(dp=-1)
+    hybrid = strategy == "hybrid_shard"
+    mesh = sf.mesh(replicate=2, shard=-1) if hybrid else sf.mesh(dp=-1)
+    DP = ("replicate", "shard") if hybrid else "dp"  # the step's data axes
     res = {}
     opt = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
 
@@ -302,8 +304,8 @@ def rank_collectives_in_a_step(strategy: str) -> dict:
     def loss_fn(p, batch):
         x, y = batch
         zi, zt = apply(p, x, y)
-        zi_all, zt_all = sf.all_gather(zi, "dp", tiled=True), sf.all_gather(zt, "dp", tiled=True)
-        labels = sf.axis_index("dp") * x.shape[0] + torch.arange(x.shape[0])
+        zi_all, zt_all = sf.all_gather(zi, DP, tiled=True), sf.all_gather(zt, DP, tiled=True)
+        labels = sf.axis_index(DP) * x.shape[0] + torch.arange(x.shape[0])
         return _clip_loss(zi, zt, zi_all, zt_all, labels)
 
     step = sf.train_step(loss_fn, sf.optim.adamw(**opt), mesh, strategy=strategy)
@@ -335,7 +337,7 @@ def rank_collectives_in_a_step(strategy: str) -> dict:
     def masked(p, batch):
         x, y, mask = batch
         err = ((apply(p, x) - y) ** 2).mean(-1)
-        return sf.psum((err * mask).sum(), "dp") / sf.psum(mask.sum(), "dp")
+        return sf.psum((err * mask).sum(), DP) / sf.psum(mask.sum(), DP)
 
     step = sf.train_step(masked, sf.optim.sgd(0.1, momentum=0.9), mesh, strategy=strategy)  # sees the gradient's scale
     state = step.init(params)
@@ -359,15 +361,15 @@ def rank_collectives_in_a_step(strategy: str) -> dict:
     net2 = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
     rnet.load_state_dict(net2.state_dict())
     apply, params = sf.functionalize(net2)
-    sharded = sf.shard(params, sf.specs(params, mesh), mesh)
+    sharded = sf.shard(params, sf.specs(params, mesh, default=sf.P("shard") if hybrid else sf.P("dp")), mesh)
 
     def masked2(p, batch):
         x, y, mask = batch
         err = ((apply(p, x) - y) ** 2).mean(-1)
-        return sf.psum((err * mask).sum(), "dp") / sf.psum(mask.sum(), "dp")
+        return sf.psum((err * mask).sum(), DP) / sf.psum(mask.sum(), DP)
 
     x, y, mask = _masked_batch(9, 4 * W)
-    loss, grads = sf.value_and_grad(masked2, apply=apply)(sharded, tuple(t.chunk(W)[rank] for t in (x, y, mask)))
+    loss, grads = sf.value_and_grad(masked2, apply=apply, strategy="hybrid_shard" if hybrid else "full_shard")(sharded, tuple(t.chunk(W)[rank] for t in (x, y, mask)))
     rnet.zero_grad()
     rloss = (((rnet(x) - y) ** 2).mean(-1) * mask).sum() / mask.sum()
     rloss.backward()
@@ -377,7 +379,7 @@ def rank_collectives_in_a_step(strategy: str) -> dict:
     return res
 
 
-@pytest.mark.parametrize("world,strategy", [(2, "full_shard"), (3, "full_shard"), (3, "no_shard"), (2, "shard_grad_op")])
+@pytest.mark.parametrize("world,strategy", [(2, "full_shard"), (3, "full_shard"), (3, "no_shard"), (2, "shard_grad_op"), (4, "hybrid_shard")])
 def test_collectives_in_a_train_step_loss(pools, world, strategy):
     for r in pools(world).run(rank_collectives_in_a_step, strategy):
         for k, v in r.items():
