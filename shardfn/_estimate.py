@@ -341,6 +341,7 @@ class _Probe:
         self.phase = Phase.FORWARD
         self.views = UnitViews(info) if info is not None else None
         self._running: list = []  # per running unit use: the view its forward recorded
+        self._began: set = set()  # units whose backward has begun
 
     def _cast(self, tree):
         dt = self.cast_dtype
@@ -365,6 +366,9 @@ class _Probe:
         if info is not self.info:
             return None
         if self.phase != Phase.FORWARD:  # a recompute by the model's own checkpoint around the unit
+            if u not in self._began:  # a reentrant one, whose forward no hook saw: the engine gathers here
+                self._began.add(u)
+                self.counter.mark("bwd", u)
             self.views.for_recompute(u, info.unit_names[u])
             return (self._cast(args), self._cast(kwargs)) if self.cast_dtype is not None else None
         self.counter.mark("fwd", u)
@@ -393,10 +397,11 @@ class _Probe:
         if torch.is_grad_enabled():
             tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                counter, views = self.counter, self.views
+                counter, views, began = self.counter, self.views, self._began
 
                 def begin(_g, u=u, v=view):
                     views.put_back(u, v)
+                    began.add(u)
                     counter.mark("bwd", u)
 
                 torch.autograd.graph.register_multi_grad_hook(tensors, begin, mode="any")
