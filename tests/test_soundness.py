@@ -486,7 +486,7 @@ def rank_failures(group_bytes: int | None) -> dict:
                 # A missed pre-backward, planted: unit 1 is not gathered again before its backward.
                 engine = step.engine
                 original = engine._pre_backward
-                engine._pre_backward = lambda u: None if u == 1 else original(u)
+                engine._pre_backward = lambda u, *rest: None if u == 1 else original(u, *rest)
                 try:
                     step(state, x)
                     out["stale"] = "NO ERROR"
