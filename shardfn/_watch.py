@@ -14,8 +14,10 @@ connections closing, which fails the wait at once, or the process group's own ti
   its function (a collective called on some ranks only), died without a word (its process is gone:
   `os._exit`, a signal, out of memory), or stalled (the collective timed out while that rank was
   running its own code, or computing without waiting on any collective);
-* every rank's heartbeat thread writes, once a second, where the rank is (outside shardfn, inside
+* every rank's watch thread writes, twice a second, where the rank is (outside shardfn, inside
   a shardfn call, waiting on a collective): that is what names a stalled rank.
+
+On several nodes the same holds with what Note [fail fast across nodes] adds.
 
 The collective timeout is the process group's: `SHARDFN_TIMEOUT` seconds (default 600) for groups
 that shardfn starts (`sf.mesh`, `sf.launch`), `sf.launch(..., timeout=)` for launched ranks. The
@@ -40,6 +42,40 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+# Note [fail fast across nodes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# On one node torchrun's agent ends every worker as soon as one fails, and the job's store (the
+# agent's own, MASTER_ADDR:MASTER_PORT) outlives them all. Across nodes neither holds. Each node's
+# agent watches only its own workers: when node 0's worker fails, node 0's agent stops its other
+# workers and exits, and nothing tells node 1's agent (with max_restarts 0 it never looks at the
+# rendezvous again, unless the rendezvous store was node 0's agent's too and its next read fails).
+# And the job's store is hosted by node 0's agent, so it is gone a moment later: the record of who
+# failed went with it, a rank of node 1 whose collective failed could name nobody, and the check
+# "is its process still there" (/proc) only ever saw the ranks of its own host. So, when torchrun
+# says the job spans several nodes (GROUP_WORLD_SIZE > 1):
+#
+# * a second store: the first rank of the last node hosts a TCPStore of its own and announces it in
+#   the job's store; every rank's watch thread connects to it, and every report, heartbeat and
+#   verdict goes to both stores. Whichever node fails, one of the two outlives it (the job's store
+#   on node 0, the second store on the last node); a connection that fails once is left alone;
+# * each rank says who it is (`who/r`: host, pid, node), and errors name the rank with its node:
+#   "rank 0 (node 0) failed: ...";
+# * a rank on another node is told dead by its heartbeat, not /proc: after a closed connection,
+#   the rank waits STALE_BEATS beats (1.5 s) for the job's verdict, or for peers whose heartbeat does
+#   not change in that time (by this rank's clock; clocks of different nodes are never compared);
+#   those that went silent, and did not return, died (of one node's ranks, the first to go silent,
+#   by their own node's clock, is named first). A silent heartbeat alone decides nothing: a rank in
+#   a long call that holds the GIL stops beating too, so only a closed connection or a timed-out
+#   collective makes a rank look;
+# * whatever a rank finds is published as the job's verdict (`failed`: the rank at fault, its kind,
+#   the sentence; the first written wins, in both stores), and every rank's watch thread reads the
+#   verdict each beat. A rank that nothing told within GRACE_S of the verdict (no RankError was
+#   raised in it: it runs its own code, or waits on a rank that waits too, or it is the stalled
+#   rank itself) says so on stderr and in torchrun's error file, and ends its process, so its node's
+#   agent ends too. A rank that caught a RankError, returned, or failed itself is left alone.
+#
+# On one node nothing of this runs: the agent stops every rank, and messages stay as they were.
+
 __all__ = [
     "RankError",
     "collective_timeout",
@@ -57,8 +93,14 @@ STARTUP_TIMEOUT_ENV = "SHARDFN_STARTUP_TIMEOUT"
 LAUNCHED_ENV = "SHARDFN_LAUNCHED"
 """Set in ranks that `sf.launch` started."""
 DEFAULT_TIMEOUT_S = 600.0
-BEAT_S = 1.0
+BEAT_S = 0.5
 """How often each rank's heartbeat says where it is."""
+STALE_BEATS = 3
+"""A rank on another node whose heartbeat has not changed for this many beats is not beating."""
+GRACE_S = 3.0
+"""On several nodes: how long a rank that nothing told of the job's verdict keeps running."""
+STORE_TIMEOUT_S = 2.0
+"""The watch's store calls give up after this long (a store whose host is gone)."""
 
 
 class RankError(RuntimeError):
@@ -145,6 +187,7 @@ def watched(op: str, mark: bool = True) -> Iterator[None]:
         clear = explain(e, op if outer is None else outer)
         if clear is e:
             raise
+        TOLD[0] = True
         raise clear from e
     finally:
         if outer is None and mark:
@@ -162,40 +205,258 @@ def waiting() -> Iterator[None]:
 
 
 class _Watch:
-    """This rank's link to the job's store: reports, and the heartbeat thread."""
+    """This rank's link to the job's stores: reports, verdicts, and the watch thread (Notes [fail
+    fast], [fail fast across nodes]).
+
+    `stores` are the main thread's connections, `_own` the watch thread's (a connection is used by
+    one thread at a time): the job's store first, then, on several nodes, the second store once
+    it is announced. A store that fails once is not asked again."""
 
     def __init__(self, host: str, port: int, rank: int, world: int, prefix: str):
         self.rank, self.world, self.prefix = rank, world, prefix
         self.host, self.port = host, port
-        self.store = self._connect()
-        self.store.set(f"pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
-        self._beat_store = self._connect()
+        self.node, self.multi = node_name(), nodes_in_job() > 1
+        self.stores = [self._connect(host, port)]
+        self.store = self.stores[0]
+        self._own = [self._connect(host, port)]
+        self._dead: set[int] = set()  # ids of connections that failed
+        self._whos: dict[int, list] = {}
+        self.verdict_seen: float | None = None  # when the watch thread first read a verdict
+        self._server = None
+        for st in self.stores:
+            self._introduce(st)
+        self._thread: threading.Thread | None = None
+        if self.multi and _hosts_second_store():
+            # Note [fail fast across nodes]: the store that outlives node 0's agent.
+            addr = _address_towards(host, port)
+            with contextlib.suppress(Exception):  # none: the job's store alone, as on one node
+                self._server = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                                             timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+                self.store.set("second-store", f"{addr} {self._server.port}")
         self._stop = threading.Event()
         self._beat()
-        threading.Thread(target=self._beating, name="shardfn-heartbeat", daemon=True).start()
+        atexit.register(_stop_at_exit, self)  # before the hooks' handler: runs after it (last in, first out)
+        self._thread = threading.Thread(target=self._watching, name="shardfn-watch", daemon=True)
+        self._thread.start()
 
-    def _connect(self):
-        store = dist.TCPStore(
-            self.host, self.port, is_master=False, timeout=datetime.timedelta(seconds=5), wait_for_workers=False
-        )
+    def _connect(self, host: str, port: int):
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
         return dist.PrefixStore(self.prefix, store)
+
+    def _introduce(self, store) -> None:
+        store.set(f"pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+        store.set(f"who/{self.rank}", json.dumps([socket.gethostname(), os.getpid(), self.node]))
+
+    # -- the watch thread ---------------------------------------------------------------------
 
     def _beat(self) -> None:
         w = WHERE
-        self._beat_store.set(f"seen/{self.rank}", json.dumps([time.time(), w.op, w.since, w.waiting]))
-
-    def _beating(self) -> None:
-        while not self._stop.wait(BEAT_S):
+        beat = json.dumps([time.time(), w.op, w.since, w.waiting])
+        for st in self._live(self._own):
             try:
-                self._beat()
-            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
-                return
+                st.set(f"seen/{self.rank}", beat)
+            except Exception:  # noqa: BLE001 - that store is gone
+                self._dead.add(id(st))
+
+    def _watching(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            self._beat()
+            if not self.multi:
+                continue
+            if len(self._own) == 1:
+                self._join_second_store()
+            if self.verdict_seen is None and self.get("failed") is not None:
+                self.verdict_seen = time.monotonic()
+            if self.verdict_seen is not None and time.monotonic() - self.verdict_seen > GRACE_S:
+                if not (FAILED_HERE[0] or TOLD[0] or RETURNED[0]):
+                    self._stop_this_rank()
+                    return
+
+    def _join_second_store(self) -> None:
+        where = self.get("second-store")
+        if where is None:
+            return
+        addr, port = where.rsplit(" ", 1)
+        try:
+            mine, theirs = self._connect(addr, int(port)), self._connect(addr, int(port))
+            self._introduce(mine)
+        except Exception:  # noqa: BLE001 - its host is gone already
+            return
+        self._own.append(mine)
+        self.stores.append(theirs)
+
+    def _stop_this_rank(self) -> None:
+        """Ends this rank, which was told nothing in GRACE_S since a verdict (it runs its own code,
+        or waits on a rank that waits too): the job has stopped on another rank, or on this one."""
+        verdict = self.verdict()
+        text = verdict["text"] if verdict else "another rank failed"
+        me = self.who(self.rank)
+        msg = (f"shardfn: {text}. {me[0].upper()}{me[1:]} is stopped: the job's other ranks stopped on "
+               f"{'it' if verdict and verdict['rank'] == self.rank else 'that rank'} (Note [fail fast across nodes])")
+        print(msg, file=sys.stderr, flush=True)
+        _write_error_file("RankError", msg, msg)
+        os._exit(1)
+
+    # -- reads and writes ---------------------------------------------------------------------
+
+    def _live(self, stores: list) -> list:
+        return [st for st in list(stores) if id(st) not in self._dead]
+
+    def _read(self, stores: list, key: str) -> str | None:
+        for st in self._live(stores):
+            try:
+                if st.check([key]):
+                    return st.get(key).decode()
+            except Exception:  # noqa: BLE001 - that store is gone
+                self._dead.add(id(st))
+        return None
+
+    def _mine(self) -> list:
+        """The connections of the calling thread: the watch thread's own, or the others'."""
+        return self._own if threading.current_thread() is self._thread else self.stores
 
     def get(self, key: str) -> str | None:
-        try:
-            return self.store.get(key).decode() if self.store.check([key]) else None
-        except Exception:  # noqa: BLE001 - the store is gone
-            return None
+        """`key` from the first store that has it."""
+        return self._read(self._mine(), key)
+
+    def seen(self, r: int) -> list | None:
+        """Rank `r`'s freshest heartbeat over the stores: [time, op, since, waiting]."""
+        beats = []
+        for st in self._live(self._mine()):
+            v = self._read([st], f"seen/{r}")
+            if v is not None:
+                beats.append(json.loads(v))
+        return max(beats, key=lambda b: b[0]) if beats else None
+
+    def set(self, key: str, value: str) -> None:
+        for st in self._live(self._mine()):
+            try:
+                st.set(key, value)
+            except Exception:  # noqa: BLE001
+                self._dead.add(id(st))
+
+    def delete(self, key: str) -> None:
+        for st in self._live(self._mine()):
+            try:
+                st.delete_key(key)
+            except Exception:  # noqa: BLE001
+                self._dead.add(id(st))
+
+    def publish(self, rank: int | None, kind: str, text: str) -> dict:
+        """Writes the job's verdict (the first one written wins, in every store); returns the one
+        that stands."""
+        mine = json.dumps({"rank": rank, "kind": kind, "text": text})
+        standing = None
+        for st in self._live(self._mine()):
+            try:
+                got = st.compare_set("failed", "", mine).decode()
+            except Exception:  # noqa: BLE001
+                self._dead.add(id(st))
+                continue
+            standing = standing or got
+        return _verdict(standing or mine)
+
+    def verdict(self) -> dict | None:
+        raw = self.get("failed")
+        return None if raw is None else _verdict(raw)
+
+    def who(self, r: int) -> str:
+        """"rank r", with its node on several nodes: "rank r (node n)"."""
+        if not self.multi:
+            return f"rank {r}"
+        rec = self._who(r)
+        return f"rank {r} (node {rec[2]})" if rec else f"rank {r}"
+
+    def _who(self, r: int) -> list | None:
+        if r not in self._whos:
+            raw = self.get(f"who/{r}")
+            if raw is None:
+                return None
+            self._whos[r] = json.loads(raw)
+        return self._whos[r]
+
+    def same_node(self, r: int) -> bool:
+        rec = self._who(r)
+        return rec is None or (rec[0] == socket.gethostname() and rec[2] == self.node)
+
+    def died(self, r: int) -> bool:
+        """Whether rank `r`'s process is gone, as told from here: on this node, from /proc."""
+        return _alive(self.get(f"pid/{r}")) is False
+
+
+def _verdict(raw: str) -> dict:
+    try:
+        v = json.loads(raw)
+    except ValueError:
+        v = None
+    if not isinstance(v, dict):  # an older writer's "rank\ntext"
+        rank, what = raw.split("\n", 1)
+        v = {"rank": int(rank), "kind": "failed", "text": f"rank {rank} failed: {what}"}
+    return v
+
+
+def _stop_at_exit(w: _Watch) -> None:
+    """The watch thread ends before the interpreter does (Note [watch thread at exit])."""
+    w._stop.set()
+    for t in [w._thread, *_LINGER]:
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            t.join(STORE_TIMEOUT_S + BEAT_S)
+
+
+# Note [watch thread at exit]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A daemon thread still running when the interpreter finalizes is ended by CPython (3.13 and
+# older) with `pthread_exit` as soon as it takes the GIL again. If that happens as it comes back
+# from a call into torch that released the GIL, such as a store `set`, the thread is unwound from
+# inside pybind11's `gil_scoped_release` destructor, which is `noexcept`: `std::terminate`, and
+# the process ends with SIGABRT, "terminate called without an active exception", after all its
+# work was done (pytorch/pytorch#38228; `docs/exit-abort.md` has a ten-line reproduction that
+# aborts every time). The watch thread calls the store once or twice a beat, so a rank's exit met
+# it now and then; under torchrun on several nodes the abort failed a finished job's node, whose
+# agent then never reached the exit barrier the other node's agent waits in (300 s). So the watch
+# thread, and the thread that waits for a rank to be waited on (`leave_when_waited_on`), are
+# stopped and joined by an exit handler, while the interpreter is whole; they only ever wait on
+# an Event between calls.
+
+
+def _write_error_file(name: str, message: str, text: str) -> None:
+    """torchrun's error file for this rank, if none is written yet (its summary shows it)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and not os.path.exists(path):
+        with contextlib.suppress(Exception):
+            with open(path, "w") as f:
+                json.dump({"message": {"message": f"{name}: {message}",
+                                       "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}, f)
+
+
+def node_name() -> str:
+    """This rank's node: torchrun's GROUP_RANK, else the host name."""
+    return os.environ.get("GROUP_RANK") or socket.gethostname()
+
+
+def nodes_in_job() -> int:
+    """How many nodes torchrun started the job on (GROUP_WORLD_SIZE; 1 where it is not set)."""
+    try:
+        return max(1, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _hosts_second_store() -> bool:
+    """Whether this rank hosts the job's second store: the first rank of the last node."""
+    return os.environ.get("GROUP_RANK") == str(nodes_in_job() - 1) and os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _address_towards(host: str, port: int) -> str:
+    """This host's address on the route to `host` (where the other nodes reach it)."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except OSError:
+        return socket.getfqdn()
 
 
 _WATCH: list = []  # [] not started, [None] unavailable, [_Watch]
@@ -238,15 +499,10 @@ def _install_hooks() -> None:
     def hook(tp, value, tb):
         failed.append(True)
         report_failure(value)
-        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-        if path and not os.path.exists(path):  # torchrun's summary then shows this exception
-            import traceback
+        import traceback
 
-            text = "".join(traceback.format_exception(tp, value, tb))
-            with contextlib.suppress(Exception):
-                with open(path, "w") as f:
-                    json.dump({"message": {"message": f"{tp.__name__}: {value}",
-                                           "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}, f)
+        # torchrun's summary then shows this exception
+        _write_error_file(tp.__name__, str(value), "".join(traceback.format_exception(tp, value, tb)))
         previous(tp, value, tb)
 
     def at_exit() -> None:
@@ -259,6 +515,9 @@ def _install_hooks() -> None:
 
 
 FAILED_HERE = [False]  # whether this rank failed (its process group is then left to the exit)
+TOLD = [False]  # whether a RankError was raised here (this rank's code knows the job stopped)
+RETURNED = [False]  # whether this rank reported that its function returned
+_LINGER: list = []  # the thread of leave_when_waited_on, joined at exit with the watch thread
 
 
 def report_failure(exc: BaseException) -> None:
@@ -267,11 +526,7 @@ def report_failure(exc: BaseException) -> None:
     w = _WATCH[0] if _WATCH else None
     if w is None or isinstance(exc, RankError) or _communication_error(exc):
         return  # a consequence of another rank's failure, not a cause
-    text = f"{w.rank}\n{exception_text(exc)}"
-    try:
-        w.store.compare_set("failed", "", text)
-    except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
-        pass
+    w.publish(w.rank, "failed", f"{w.who(w.rank)} failed: {exception_text(exc)}")
 
 
 def report_step(exc: BaseException | None) -> None:
@@ -282,15 +537,12 @@ def report_step(exc: BaseException | None) -> None:
         return
     if exc is not None and (isinstance(exc, RankError) or _communication_error(exc)):
         return
-    try:
-        if exc is None:
-            w.store.delete_key(f"stepfailed/{w.rank}")
-            _STEP_FAILED[0] = False
-        else:
-            w.store.set(f"stepfailed/{w.rank}", exception_text(exc))
-            _STEP_FAILED[0] = True
-    except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
-        pass
+    if exc is None:
+        w.delete(f"stepfailed/{w.rank}")
+        _STEP_FAILED[0] = False
+    else:
+        w.set(f"stepfailed/{w.rank}", exception_text(exc))
+        _STEP_FAILED[0] = True
 
 
 _STEP_FAILED = [False]  # whether this rank's last step raised (its record is in the store)
@@ -299,12 +551,10 @@ _STEP_FAILED = [False]  # whether this rank's last step raised (its record is in
 def report_returned() -> None:
     """Tells the other ranks that this rank's function returned (it joins no more collectives)."""
     w = _WATCH[0] if _WATCH else None
+    RETURNED[0] = True
     if w is None:
         return
-    try:
-        w.store.set(f"returned/{w.rank}", "1")
-    except Exception:  # noqa: BLE001
-        pass
+    w.set(f"returned/{w.rank}", "1")
 
 
 def leave_when_waited_on() -> None:
@@ -344,8 +594,7 @@ def leave_when_waited_on() -> None:
 
     def run() -> None:
         others = [r for r in range(w.world) if r != w.rank]
-        while True:
-            time.sleep(BEAT_S / 2)
+        while not w._stop.wait(BEAT_S / 2):  # Note [watch thread at exit]
             if w.get("failed") is not None:
                 return
             now = time.time()
@@ -358,7 +607,9 @@ def leave_when_waited_on() -> None:
                     leave()
                     return
 
-    threading.Thread(target=run, name="shardfn-linger", daemon=True).start()
+    linger = threading.Thread(target=run, name="shardfn-linger", daemon=True)
+    _LINGER.append(linger)
+    linger.start()
 
 
 def _alive(desc: str | None) -> bool | None:
@@ -379,56 +630,63 @@ def _alive(desc: str | None) -> bool | None:
 
 def explain(err: BaseException, op: str) -> BaseException:
     """A `RankError` naming the rank at fault for communication error `err` in shardfn call `op`,
-    or `err` itself when the store tells nothing."""
+    or `err` itself when the stores tell nothing. On several nodes the rank is named with its node,
+    and what this rank found is published as the job's verdict (Note [fail fast across nodes])."""
     w = _WATCH[0] if _WATCH else None
     if w is None:
         return err
-    me, others = w.rank, [r for r in range(w.world) if r != w.rank]
-    failed = w.get("failed")
-    if failed is None:
+    found = _explain(w, err, op)
+    if found is None:
+        return err
+    rank, kind, culprit, observed = found
+    if w.multi and kind != "verdict":
+        v = w.publish(rank, kind, f"{culprit} {observed}")
+        if v["text"] != f"{culprit} {observed}":  # another rank's verdict came first: the job's cause
+            rank, kind, culprit, observed = v["rank"], v["kind"], v["text"], f"({w.who(w.rank)} stopped in {op})"
+    return RankError(f"{culprit} {observed}", rank, "failed" if kind == "verdict" else kind)
+
+
+def _explain(w: _Watch, err: BaseException, op: str) -> "tuple[int | None, str, str, str] | None":
+    """(rank at fault, kind, what happened to it, what this rank saw), or None."""
+    me, others = w.who(w.rank), [r for r in range(w.world) if r != w.rank]
+    v = w.verdict()
+    if v is None:
         time.sleep(0.2)  # a rank that fails reports before its connections close; give it a moment
-        failed = w.get("failed")
-    if failed is not None:
-        rank, what = failed.split("\n", 1)
-        return RankError(f"rank {rank} failed: {what} (rank {me} stopped in {op})", int(rank), "failed")
+        v = w.verdict()
+    if v is not None:
+        return v["rank"], "verdict" if v["kind"] == "failed" else v["kind"], v["text"], f"({me} stopped in {op})"
     # A peer whose last step raised and which went on: the root cause, even once it returned.
     stepped = [(r, w.get(f"stepfailed/{r}")) for r in others]
     stepped = [(r, what) for r, what in stepped if what is not None]
     if stepped:
         r, what = stepped[0]
-        return RankError(
-            f"rank {r}'s train step raised {what}, and rank {r} went on (the exception was caught) while rank {me} "
-            f"waited on it in {op}: the ranks are out of step. Let a step's exception end the function on every "
-            "rank, or restart the processes",
-            r,
-            "failed",
-        )
+        return (r, "failed", f"{w.who(r)}'s train step raised {what}, and rank {r} went on (the exception was caught)",
+                f"while {me} waited on it in {op}: the ranks are out of step. Let a step's exception end the function "
+                "on every rank, or restart the processes")
     returned = [r for r in others if w.get(f"returned/{r}") is not None]
     if returned:
-        return RankError(
-            f"rank {_names(returned)} returned from its function while rank {me} waited on it in {op}: a collective "
-            "must be called on every rank (`if rank == 0: sf.gather(x)` runs it on one). Call it on every rank and "
-            "use the result where you need it",
-            returned[0],
-            "returned",
-        )
-    dead = [r for r in others if _alive(w.get(f"pid/{r}")) is False]
+        return (returned[0], "returned", f"{', '.join(w.who(r) for r in returned)} returned from its function",
+                f"while {me} waited on it in {op}: a collective must be called on every rank (`if rank == 0: "
+                "sf.gather(x)` runs it on one). Call it on every rank and use the result where you need it")
+    dead = [r for r in others if w.same_node(r) and w.died(r)]
+    how = "its process exited: os._exit, a signal, or out of memory"
+    timed_out = isinstance(err, TimeoutError) or "Timed out" in str(err) or "timeout" in str(err).lower()
+    if not dead and w.multi and not timed_out:
+        v, dead = _silent_elsewhere(w, [r for r in others if not w.same_node(r)])
+        if v is not None:
+            return v["rank"], "verdict" if v["kind"] == "failed" else v["kind"], v["text"], f"({me} stopped in {op})"
+        how = "its connections closed and its heartbeat stopped: os._exit, a signal, out of memory, or its node is gone"
     if dead:
-        return RankError(
-            f"rank {_names(dead)} died without raising an exception (its process exited: os._exit, a signal, or "
-            f"out of memory) while rank {me} was in {op}",
-            dead[0],
-            "died",
-        )
-    msg = str(err)
-    if isinstance(err, TimeoutError) or "Timed out" in msg or "timeout" in msg.lower():
+        return (dead[0], "died", f"{', '.join(w.who(r) for r in dead)} died without raising an exception ({how})",
+                f"while {me} was in {op}")
+    if timed_out:
         now, outside, computing, silent = time.time(), [], [], []
         for r in others:
-            seen = w.get(f"seen/{r}")
+            seen = w.seen(r)
             if seen is None:
                 silent.append((r, None))
                 continue
-            t, rop, since, waiting = json.loads(seen)
+            t, rop, since, waiting = seen
             if now - t > 3 * BEAT_S + 1:
                 silent.append((r, now - t))
             elif rop is None:
@@ -439,28 +697,38 @@ def explain(err: BaseException, op: str) -> BaseException:
         lim = f" (the collective timeout: {limit:.0f} s; set {TIMEOUT_ENV} or sf.launch(..., timeout=))" if limit else ""
         if outside:
             r = outside[0][0]
-            return RankError(
-                f"rank {_names([r for r, _ in outside])} stalled: it is running its own code, outside any shardfn call, "
-                f"while rank {me} timed out waiting on it in {op}{lim}",
-                r,
-                "stalled",
-            )
+            return (r, "stalled", f"{', '.join(w.who(q) for q, _ in outside)} stalled: it is running its own code, "
+                    "outside any shardfn call,", f"while {me} timed out waiting on it in {op}{lim}")
         if computing:
             r, rop, for_s = computing[0]
-            return RankError(
-                f"rank {r} stalled: it has been in {rop} for {for_s:.0f} s without reaching the collective that rank "
-                f"{me} timed out on in {op}{lim}",
-                r,
-                "stalled",
-            )
+            return (r, "stalled", f"{w.who(r)} stalled: it has been in {rop} for {for_s:.0f} s",
+                    f"without reaching the collective that {me} timed out on in {op}{lim}")
         if silent:
             r = silent[0][0]
-            return RankError(
-                f"rank {r} stopped reporting (hung, or its host is gone) while rank {me} timed out in {op}{lim}",
-                r,
-                "stalled",
-            )
-    return err
+            return (r, "stalled", f"{w.who(r)} stopped reporting (hung, or its host is gone)",
+                    f"while {me} timed out in {op}{lim}")
+    return None
+
+
+def _silent_elsewhere(w: _Watch, remote: list[int]) -> "tuple[dict | None, list[int]]":
+    """After a closed connection on several nodes: waits up to STALE_BEATS beats for the job's
+    verdict, or for ranks on other nodes whose heartbeats do not change (told by this rank's
+    clock, not by comparing clocks across nodes). Returns (verdict, silent ranks, the first to
+    fall silent first: the last beats of one node's ranks share its clock)."""
+    if not remote:
+        return None, []
+    first = {r: w.seen(r) for r in remote}
+    t0 = time.monotonic()
+    while True:
+        time.sleep(BEAT_S / 2)
+        v = w.verdict()
+        if v is not None:
+            return v, []
+        if time.monotonic() - t0 >= STALE_BEATS * BEAT_S:
+            break
+    silent = [r for r in remote if first[r] is not None and w.seen(r) == first[r]
+              and w.get(f"returned/{r}") is None]
+    return None, sorted(silent, key=lambda r: (first[r][0], r))
 
 
 def _communication_error(e: BaseException) -> bool:

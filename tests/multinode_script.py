@@ -8,6 +8,12 @@ It trains the test GPT a few steps with `hybrid_shard` on `sf.mesh(replicate=-1,
 (which under torchrun calls the function on each rank and returns every rank's result). Rank 0
 writes every rank's result to OUT (torch.save); the test compares it with the single-process
 reference.
+
+With `fault MODE FOLDER JOBS DELAY` instead of OUT, the ranks train the test MLP until rank 0 (node 0)
+plants a fault at step 2, after writing the time to FOLDER/MODE.mark: "raise" (a ValueError), "exit" (`os._exit(3)`),
+"kill" (SIGKILL of its own process) or "stall" (a sleep outside any shardfn call, longer than the
+collective timeout). tests/test_multinode.py checks that node 1 stops within seconds, naming
+node 0's rank.
 """
 
 from __future__ import annotations
@@ -49,7 +55,53 @@ def train() -> dict:
     return out
 
 
+def faulty(mode: str, folder: str, jobs: int, delay: float) -> None:
+    """Trains until rank 0 plants `mode` (see the module's docstring). Every rank of the `jobs`
+    jobs started together waits at step 2 until all of them are there (a file per job in
+    `folder`), so that no fault meets other jobs' start-ups, and `delay` s more (the jobs' faults
+    apart); then rank 0 plants its fault. A RankError's time is kept in `folder`."""
+    import glob
+    import time
+
+    rank, node = int(os.environ["RANK"]), os.environ["GROUP_RANK"]
+    print(f"rank {rank} on node {node}", flush=True)
+    model = make_model("mlp")
+    apply, params = sf.functionalize(model, units=units_of("mlp"))
+    mesh = sf.mesh(dp=-1)
+    world = dist.get_world_size()
+    step = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), mesh)
+    state = step.init(params)
+    try:
+        for i in range(1000):
+            if i == 2:
+                open(os.path.join(folder, f"{mode}.ready.{rank}"), "w").close()
+                end = time.time() + 120
+                while len(glob.glob(os.path.join(folder, "*.ready.*"))) < 2 * jobs and time.time() < end:
+                    time.sleep(0.05)
+                time.sleep(delay)  # every rank, outside shardfn: nobody waits on a collective meanwhile
+            if rank == 0 and i == 2:
+                with open(os.path.join(folder, f"{mode}.mark"), "w") as f:
+                    f.write(repr(time.time()))
+                print(f"rank 0 plants {mode!r}", flush=True)
+                if mode == "raise":
+                    raise ValueError("planted on node 0")
+                if mode == "exit":
+                    os._exit(3)
+                if mode == "kill":
+                    os.kill(os.getpid(), 9)
+                if mode == "stall":
+                    time.sleep(600)
+            state, _ = step(state, local_batch(global_batch("mlp", i, world), rank, world))
+    except sf.RankError:
+        with open(os.path.join(folder, f"{mode}.named.{rank}"), "w") as f:
+            f.write(repr(time.time()))
+        raise
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "fault":
+        faulty(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
+        sys.exit(0)
     results = sf.launch(train)
     if dist.get_rank() == 0:
         torch.save(results, sys.argv[1])

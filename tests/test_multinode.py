@@ -111,6 +111,101 @@ def test_two_torchrun_nodes_train_as_one_process_on_the_global_batch(tmp_path):
         assert err < 1e-5, (strategy, err)
 
 
+# ---- a fault on one node stops the other --------------------------------------------------------
+
+NODE_FAULTS = {
+    # what node 1's rank says; each names node 0's rank with its node (Note [fail fast across nodes])
+    "raise": "rank 0 (node 0) failed: ValueError: planted on node 0",
+    "exit": "rank 0 (node 0) died without raising an exception",
+    "kill": "rank 0 (node 0) died without raising an exception",
+    "stall": "rank 0 (node 0) stalled",
+}
+FAULT_TIMEOUT_S = 4  # the collective timeout of the stall's job: its stall is named once it runs out
+FAULT_DELAY_S = {"raise": 0.0, "exit": 4.0, "kill": 8.0, "stall": 12.0}  # apart: the jobs' ends do not pile up
+
+
+@pytest.fixture(scope="module")
+def node_faults(tmp_path_factory):
+    """One two-node torchrun job per planted fault, all started at once, each node one rank
+    (`--nproc-per-node 1`); every job's ranks wait for the others at step 2, then each plants
+    its fault a few seconds apart. The first agent started is node 0 (the rendezvous orders nodes by
+    address, then process id) and hosts the job's store (MASTER_ADDR:MASTER_PORT), which ends
+    with it; node 1's agent hosts the rendezvous (`is_host`), so node 0's agent ending leaves it
+    running: node 1 stops only if its rank does. Every agent is waited on with one bound; each
+    one's end time is kept."""
+    logs = tmp_path_factory.mktemp("faults")
+    jobs: dict = {}
+    for mode in NODE_FAULTS:
+        env = dict(os.environ, OMP_NUM_THREADS="1", SHARDFN_TIMEOUT=str(FAULT_TIMEOUT_S if mode == "stall" else 60),
+                   PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+        port, run = _free_port(), uuid.uuid4().hex
+        procs = []
+        for node in range(NODES):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", "1",
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", run,
+                   "--rdzv-conf", f"join_timeout=60,is_host={int(node == 1)}", str(HERE / "multinode_script.py"),
+                   "fault", mode, str(logs), str(len(NODE_FAULTS)), str(FAULT_DELAY_S[mode])]
+            with open(logs / f"{mode}.node{node}", "w") as out:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=logs))
+        jobs[mode] = procs
+    ended: dict = {}
+    deadline = time.monotonic() + 150  # start-up is most of it; a hang fails here
+    while time.monotonic() < deadline and len(ended) < NODES * len(jobs):
+        for mode, procs in jobs.items():
+            for node, p in enumerate(procs):
+                if (mode, node) not in ended and p.poll() is not None:
+                    ended[mode, node] = time.time()
+        time.sleep(0.1)
+    yield jobs, ended, logs
+    _stop([p for procs in jobs.values() for p in procs])
+
+
+@pytest.mark.parametrize("mode", list(NODE_FAULTS))
+def test_a_fault_on_one_node_stops_the_other_within_seconds_naming_the_rank(node_faults, mode):
+    """A raise, an os._exit, a SIGKILL and a stall of node 0's rank: node 1's rank names it, with
+    its node, and node 1's agent ends within 10 s of the fault (of the collective timeout running
+    out, for the stall); node 0's ends too."""
+    jobs, ended, logs = node_faults
+    text = "\n".join(f"--- node {n}:\n{(logs / f'{mode}.node{n}').read_text()[-4000:]}" for n in range(NODES))
+    full = [(logs / f"{mode}.node{n}").read_text() for n in range(NODES)]
+    assert "rank 0 on node 0" in full[0] and "rank 1 on node 1" in full[1], text  # the nodes as the test means them
+    mark = logs / f"{mode}.mark"
+    assert mark.exists(), text
+    planted = float(mark.read_text())
+    assert (mode, 1) in ended and (mode, 0) in ended, ("an agent did not end", sorted(ended), text)
+    took = ended[mode, 1] - planted
+    named = logs / f"{mode}.named.1"
+    named = float(named.read_text()) - planted if named.exists() else float("nan")
+    print(f"{mode}: node 1's rank named it {named:.1f} s after the fault, node 1 stopped after {took:.1f} s, "
+          f"node 0 after {ended[mode, 0] - planted:.1f} s")
+    assert took < 10 + (FAULT_TIMEOUT_S if mode == "stall" else 0), (took, text)
+    assert ended[mode, 0] - planted < 10 + (FAULT_TIMEOUT_S if mode == "stall" else 0), text
+    assert [p.returncode for p in jobs[mode]] == [1, 1], text
+    assert NODE_FAULTS[mode] in full[1], text
+
+
+EXIT_WITH_THE_WATCH = r"""
+import datetime, sys, torch.distributed as dist
+from shardfn import _watch
+_watch.BEAT_S = 0  # the watch thread calls the store without pause: the exit always meets it in a call
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+_watch._Watch("127.0.0.1", server.port, 0, 2, "exit-test/")
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_ends_cleanly_while_its_watch_thread_calls_the_store():
+    """Note [watch thread at exit]: the node-0 worker's "terminate called without an active
+    exception" (SIGABRT after its work was done) was the watch thread, a daemon, ended by the
+    interpreter's finalization inside a store call. It is stopped and joined at exit now."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", EXIT_WITH_THE_WATCH], env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert "exiting" in p.stdout, p.stderr[-2000:]
+        assert p.returncode == 0 and "terminate called" not in p.stderr, (p.returncode, p.stderr[-2000:])
+
+
 # ---- the node layout, on one machine's ranks ------------------------------------------------------
 
 
