@@ -77,6 +77,11 @@ class MixedPrecision:
 _MP_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
+def _loss_of(out: Any) -> Any:
+    """The loss of what `loss_fn` returned, as it returned it (a DTensor under tensor parallel)."""
+    return out[0] if isinstance(out, tuple) and len(out) == 2 else out
+
+
 def _split_loss(out: Any) -> tuple[torch.Tensor, Any]:
     if isinstance(out, tuple) and len(out) == 2:
         loss, aux = out
@@ -710,10 +715,12 @@ class GradientCore:
                     last = m == k - 1
                     engine.begin(accumulate=m > 0 and not local, reduce=last or not local)
                     with step_region(self.mesh, self.data_axes, lift) as reg:
-                        loss, aux = _split_loss(self.loss_fn(engine.user_tree, micro))
+                        out = self.loss_fn(engine.user_tree, micro)
+                        spread = reg.spread(_loss_of(out))  # Note [named collectives in a step]
+                        loss, aux = _split_loss(out)
                     loss_sum = _add_loss(loss_sum, loss)
                     engine.end_forward()
-                    torch.autograd.backward(loss * (scale * self.data_world / reg.spread(loss)))
+                    torch.autograd.backward(loss * (scale * self.data_world / spread))
                     engine.end()
             if self.tp is not None:
                 self.tp.watch = False  # the first step showed what gathers
@@ -745,9 +752,11 @@ class GradientCore:
             try:
                 for micro in _split_batch(batch, k):
                     with step_region(self.mesh, self.data_axes, lift) as reg:
-                        loss, aux = _split_loss(self.loss_fn(full, micro))
+                        out = self.loss_fn(full, micro)
+                        spread = reg.spread(_loss_of(out))
+                        loss, aux = _split_loss(out)
                     loss_sum = _add_loss(loss_sum, loss)
-                    grads = torch.autograd.grad(loss * (scale * self.data_world / reg.spread(loss)), trained, allow_unused=True, retain_graph=k > 1)
+                    grads = torch.autograd.grad(loss * (scale * self.data_world / spread), trained, allow_unused=True, retain_graph=k > 1)
                     sums = [g if s is None else s if g is None else s + g for s, g in zip(sums, grads)]
             except RuntimeError as e:
                 clear = _explain(e, off_schedule=True)
