@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -132,6 +133,18 @@ def _position(axes: tuple[str, ...], sizes: dict, coords: dict) -> int:
     return index
 
 
+def _memory(t: torch.Tensor) -> int | None:
+    """A key for the memory `t` views (None where there is none to name: meta, wrappers)."""
+    try:
+        t = torch._C._functorch.get_unwrapped(t) if torch._C._functorch.is_functorch_wrapped_tensor(t) else t
+        if t.device.type == "meta" or isinstance(t, torch.distributed.tensor.DTensor):
+            return None
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+    return ptr or None
+
+
 class Region:
     """One manual region: its mesh, its axes, and the axes each tensor computed in it varies over."""
 
@@ -148,6 +161,7 @@ class Region:
         self.collectives = 0  # named collectives called in the region
         self.paused = False
         self._mode: "_Tracking | None" = None
+        self._writes: dict[int, frozenset] = {}  # memory written in place -> the axes written into it
 
     def track(self) -> None:
         """Starts typing the calls made in the region from here on (Note [varying axes])."""
@@ -175,28 +189,44 @@ class Region:
 
     def axes(self, axis: "str | tuple[str, ...] | list[str]", call: str) -> tuple[str, ...]:
         """`axis` (a name or names) checked against the region's mesh, as a tuple."""
-        axes = (axis,) if isinstance(axis, str) else tuple(axis)
+        axes = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, (tuple, list)) else None
         bad = [a for a in axes if a not in self.names] if axes and all(isinstance(a, str) for a in axes) else [axis]
         if bad or not axes or len(set(axes)) != len(axes):
+            every = self.names[0] if len(self.names) == 1 else self.names
             raise ValueError(
                 f"{call}: axis {axis!r} is not a name, or a tuple of distinct names, of the axes {self.names} that the "
-                f"enclosing {self.what} runs over. Name those axes, e.g. {call}(x, {self.names[0]!r})"
+                f"enclosing {self.what} runs over. Name those axes, e.g. {call}(x, {every!r})"
+                + (" for all of them" if len(self.names) > 1 else "")
                 + ("; collectives over other mesh axes run inside sf.shard_map" if len(self.names) < len(self.sizes) else "")
             )
         return axes
 
     def of(self, x: Any) -> frozenset:
-        """The axes `x` varies over (a tensor the region has not seen: `unseen`)."""
+        """The axes `x` varies over (a tensor the region has not seen: `unseen`), with those of
+        what was written into its memory in place (through any view of it)."""
         if not isinstance(x, torch.Tensor):
             return frozenset()
         t = x
         while True:
             found = self.types.get(t)
             if found is not None:
-                return found
+                break
             if not torch._C._functorch.is_functorch_wrapped_tensor(t):
-                return self.unseen
+                found = self.unseen
+                break
             t = torch._C._functorch.get_unwrapped(t)
+        if self._writes:
+            key = _memory(t)
+            if key is not None and key in self._writes:
+                return found | self._writes[key]
+        return found
+
+    def written(self, target: torch.Tensor, axes: frozenset) -> None:
+        """An in-place write of a value varying over `axes` into `target`: every view of its
+        memory varies over them from now on (the buffer a `narrow(...).copy_(x)` wrote into)."""
+        key = _memory(target)
+        if key is not None and axes:
+            self._writes[key] = self._writes.get(key, frozenset()) | axes
 
     def mark(self, x: Any, axes: frozenset) -> None:
         for t in pytree.tree_leaves(x):
@@ -237,6 +267,7 @@ class _Tracking(TorchFunctionMode):
         target = _mutated(func, args, kwargs)
         if target is not None:
             region.types[target] = union
+            region.written(target, union)
         return out
 
 

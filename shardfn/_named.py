@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
 from ._manual import AxisGroup, Region, axis_group, axis_names
@@ -151,6 +152,8 @@ class _Collective(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, op: _Op) -> torch.Tensor:  # type: ignore[override]
+        if isinstance(x, DTensor):
+            return _on_local(x, op.run if x.device.type != "meta" else op.meta, isinstance(op, (_Sum, _Copy, _Permute)), op.what)
         if x.device.type == "meta":
             return op.meta(x)
         with torch._C._DisableFuncTorch():
@@ -180,8 +183,15 @@ class _Extremum(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, group: AxisGroup, op: str, what: str) -> torch.Tensor:  # type: ignore[override]
+        def run(t: torch.Tensor) -> torch.Tensor:
+            return C.all_reduce_blocking(t.detach().contiguous().clone(), group.group, what, op)
+
+        if isinstance(x, DTensor):
+            if any(p.is_partial() for p in x.placements):
+                raise NotImplementedError(f"{what} of a partial sum over tensor-parallel ranks: call .full_tensor() on it first")
+            return _on_local(x, run, True, what)
         with torch._C._DisableFuncTorch():
-            return C.all_reduce_blocking(x.detach().contiguous().clone(), group.group, what, op)
+            return run(x)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
@@ -210,6 +220,20 @@ class _Extremum(torch.autograd.Function):
 def lift(reg: Region, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
     """`x` through `pvary` over `axes` (what a region's tracking inserts: Note [varying axes])."""
     return _pvary(x, reg, axes)
+
+
+def _on_local(x: DTensor, run, elementwise: bool, what: str) -> DTensor:
+    """A collective over data axes of a DTensor laid out over other axes (a train step's tensor-
+    parallel values): the collective of its local tensors, in its layout. Ops that keep every
+    element where it is take any layout; the others need the value whole (replicated)."""
+    if not elementwise and not all(p.is_replicate() for p in x.placements):
+        raise NotImplementedError(
+            f"{what} of a tensor split over tensor-parallel ranks ({x.placements}): call .full_tensor() on it first"
+        )
+    with torch._C._DisableFuncTorch():
+        out = run(x.to_local())
+    shape, stride = (x.shape, x.stride()) if elementwise else (out.shape, out.stride())
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=shape, stride=stride)
 
 
 def _pvary(x: torch.Tensor, reg: Region, axes: tuple[str, ...]) -> torch.Tensor:
@@ -274,6 +298,8 @@ def psum(x: Any, axis: "str | Sequence[str]") -> Any:
     def one(v):
         if isinstance(v, (int, float)):
             return v * group.size
+        if isinstance(v, torch.Tensor) and v.dtype == torch.bool:
+            raise ValueError("sf.psum of a bool tensor: cast it first (x.int() to count, or x.any() / sf.pmax to combine)")
         v, have = _lift(reg, _tensor(v, "psum"), axes)
         if group.size == 1:
             reg.types[v] = have - frozenset(axes)
@@ -366,7 +392,13 @@ def ppermute(x: torch.Tensor, axis: "str | Sequence[str]", perm: Sequence[tuple[
     reg, axes = axis_names(axis, "ppermute")
     x = _tensor(x, "ppermute")
     group = axis_group(reg.mesh, axes)
-    pairs = tuple((int(s), int(d)) for s, d in perm)
+    try:
+        pairs = tuple((int(s), int(d)) for s, d in perm)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"sf.ppermute over {axes}: perm must be a list of (source, destination) pairs of indices, got {perm!r}; e.g. "
+            "the ring shift [(i, (i + 1) % n) for i in range(n)]"
+        ) from None
     srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
     if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts) or any(not 0 <= i < group.size for i in srcs + dsts):
         raise ValueError(

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from . import _collectives as C
-from ._manual import Region, axis_group, region
+from ._manual import Region, axis_group, current, region
 from ._named import _pvary, lift
 from ._spec import P, local_slices, placements_for, shard_slices
 
@@ -45,10 +45,12 @@ def _broadcast(specs: Any, tree: Any, what: str) -> list:
     """`specs` (a prefix of `tree`, with P leaves) broadcast to one spec per leaf of `tree`."""
     try:
         full = optree.tree_broadcast_prefix(specs, tree, is_leaf=_is_spec, none_is_leaf=True)
-    except ValueError as e:
+    except ValueError:
+        shape = optree.tree_map(lambda x: f"<{type(x).__name__}{tuple(x.shape) if isinstance(x, torch.Tensor) else ''}>", tree,
+                                none_is_leaf=True)
         raise ValueError(
-            f"sf.shard_map: {what} must be a prefix of the {'arguments' if what == 'in_specs' else 'outputs'}' tree (a P for "
-            f"each, or one P for all): {e}"
+            f"sf.shard_map: {what} {specs!r} is not a prefix of the {'arguments' if what == 'in_specs' else 'outputs'}' tree "
+            f"{shape}: give a P for each leaf or subtree, in a tree of the same kind (a tuple for a tuple), or one P for all"
         ) from None
     return optree.tree_leaves(full, is_leaf=_is_spec, none_is_leaf=True)
 
@@ -231,12 +233,19 @@ class _Block(torch.autograd.Function):
         return _Block.apply(tangent, ctx.spec, ctx.mesh, ctx.shape)
 
 
-def _enter(x: Any, spec: Any, mesh: DeviceMesh, path: str, reg: Region) -> Any:
+def _enter(x: Any, spec: Any, mesh: DeviceMesh, path: str, reg: Region, outer: "Region | None") -> Any:
     if not isinstance(x, torch.Tensor):
         return x
     spec = _check_spec(spec, tuple(x.shape), mesh, f"input {path}")
     from ._functorch import unwrap
 
+    again = sorted(outer.of(x) & frozenset(spec.axes), key=str) if outer is not None else []
+    if again:
+        raise ValueError(
+            f"sf.shard_map: input {path} already varies over {again}: it is a block of the enclosing {outer.what}, and "
+            f"spec {spec!r} would cut it again. A shard_map inside per-shard code may split over other axes only; "
+            "pass the enclosing block with sf.P() over these axes, or move the split to the outer shard_map"
+        )
     inner = unwrap(x)
     if isinstance(inner, DTensor):
         if inner.device_mesh != mesh:
@@ -247,8 +256,8 @@ def _enter(x: Any, spec: Any, mesh: DeviceMesh, path: str, reg: Region) -> Any:
         with reg.untracked():
             block = _EnterDTensor.apply(x, spec, mesh)
     else:
-        with reg.untracked():
-            block = _EnterFull.apply(x, spec, mesh) if spec.axes else x
+        with reg.untracked():  # a copy, also when nothing is cut: fn may write into its blocks
+            block = _EnterFull.apply(x, spec, mesh)
     reg.types[block] = frozenset(spec.axes)
     return block
 
@@ -268,8 +277,9 @@ def _leave(block: Any, spec: Any, mesh: DeviceMesh, path: str, reg: Region, chec
             raise ValueError(
                 f"sf.shard_map: output {path} has out spec {spec!r}, which says it is the same on every rank along "
                 f"{extra}, but its value varies along {extra}: name the axes in its out spec (e.g. sf.P({extra[0]!r}) to "
-                f"concatenate the blocks), or reduce it first (sf.psum(x, {tuple(extra) if len(extra) > 1 else extra[0]!r}) "
-                "or sf.pmean); check=False takes every rank's block as it is"
+                f"concatenate the blocks), or reduce it first (sf.pmean(x, {tuple(extra) if len(extra) > 1 else extra[0]!r}) "
+                "or sf.psum; an all_gather's result is typed as varying, as in JAX, so its out spec names the axis); "
+                "check=False takes every rank's block as it is"
             )
     missing = tuple(a for a in names if a in spec.axes and a not in varies)
     if missing:
@@ -313,8 +323,9 @@ def shard_map(fn: Callable, *, mesh: DeviceMesh, in_specs: Any, out_specs: Any, 
         specs = _broadcast(in_specs, args, "in_specs")
         paths = optree.tree_paths(args, none_is_leaf=True)
         leaves, treedef = optree.tree_flatten(args, none_is_leaf=True)
+        outer = current()  # an enclosing region: its blocks are not cut again
         with region(mesh, "sf.shard_map", lift) as reg:
-            blocks = [_enter(x, s, mesh, _path(p), reg) for x, s, p in zip(leaves, specs, paths)]
+            blocks = [_enter(x, s, mesh, _path(p), reg, outer) for x, s, p in zip(leaves, specs, paths)]
             out = fn(*optree.tree_unflatten(treedef, blocks))
             out_leaves, out_def = optree.tree_flatten(out)
             want = _broadcast(out_specs, out, "out_specs")

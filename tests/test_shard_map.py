@@ -386,6 +386,50 @@ def test_collectives_in_a_train_step_loss(pools, world, strategy):
             assert v < 2e-5, (k, v)
 
 
+
+def rank_losses_with_tensor_parallel() -> dict:
+    """The psum-normalized loss on a (dp=2, tp=2) mesh, tensor-parallel leaves and all: its loss is
+    a DTensor over "tp", taken as the global loss as it is (gradients of the full scale, clipped on
+    the global norm)."""
+    rank = dist.get_rank()
+    mesh = sf.mesh(dp=2, tp=2)
+    dp = mesh.get_coordinate()[0]
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
+    rnet = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
+    rnet.load_state_dict(net.state_dict())
+    apply, params = sf.functionalize(net)
+    rules = [(r"0\.weight", sf.P("tp", None)), (r"0\.bias", sf.P("tp")), (r"2\.weight", sf.P(None, "tp"))]
+    specs = sf.specs(params, mesh, rules=rules, default=sf.P("dp"))
+
+    def masked(p, batch):
+        x, y, mask = batch
+        err = ((apply(p, x) - y) ** 2).mean(-1)
+        return sf.psum((err * mask).sum(), "dp") / sf.psum(mask.sum(), "dp")
+
+    step = sf.train_step(masked, sf.optim.sgd(0.1, momentum=0.9), mesh, specs=specs, max_grad_norm=0.05)
+    state = step.init(params)
+    ropt = torch.optim.SGD(rnet.parameters(), lr=0.1, momentum=0.9)
+    losses, norms = [], []
+    for s in range(3):
+        x, y, mask = _masked_batch(s, 8)
+        state, metrics = step(state, tuple(t.chunk(2)[dp] for t in (x, y, mask)))
+        ropt.zero_grad()
+        rloss = (((rnet(x) - y) ** 2).mean(-1) * mask).sum() / mask.sum()
+        rloss.backward()
+        norms.append(abs(metrics["grad_norm"].item() - torch.nn.utils.clip_grad_norm_(rnet.parameters(), 0.05).item()))
+        ropt.step()
+        losses.append(abs(metrics["loss"].item() - rloss.item()) / rloss.item())
+    full = sf.to_state_dict(sf.gather(state.params), apply)
+    return dict(params=max(rel_err(full[k], v) for k, v in rnet.state_dict().items()), loss=max(losses),
+                norm=max(norms), rank=rank)
+
+
+def test_a_psum_normalized_loss_under_tensor_parallel_matches_one_process(pools):
+    for r in pools(4).run(rank_losses_with_tensor_parallel):
+        for k in ("params", "loss", "norm"):
+            assert r[k] < 2e-5, (k, r)
+
 # ----------------------------------------------------------------------------------------------
 # Randomness per rank: data-parallel ranks draw their own numbers, tp peers the same.
 
@@ -411,7 +455,7 @@ def rank_randomness(dims: dict, randomness: str) -> dict:
         masks.append(torch.nn.functional.dropout(torch.ones(16), 0.5, True))  # what this rank drew
         return h.pow(2).mean()
 
-    specs = sf.specs(params, mesh, rules=[(r"fc\.weight", sf.P("tp", None)), (r"out\.weight", sf.P(None, "tp"))] if "tp" in dims else [])
+    specs = sf.specs(params, mesh, rules=[(r"fc\.weight", sf.P("tp", None)), (r"fc\.bias", sf.P("tp")), (r"out\.weight", sf.P(None, "tp"))] if "tp" in dims else [])
     step = sf.train_step(loss_fn, sf.optim.sgd(0.1), mesh, specs=specs, randomness=randomness)
     state = step.init(params)
     x = torch.ones(4, 6)
@@ -469,6 +513,42 @@ def rank_refusals_and_vmap() -> dict:
         res["perm"] = "not refused"
     except ValueError as e:
         res["perm"] = str(e)
+    bad = {
+        "perm_kind": lambda x: sf.ppermute(x, "dp", "ring"),
+        "bool": lambda x: sf.psum(x > 0, "dp"),
+        "axis_kind": lambda x: sf.psum(x, 0),
+    }
+    for name, body in bad.items():
+        try:
+            sf.shard_map(body, mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P("dp"), check=False)(torch.ones(W, 2))
+            res[name] = "not refused"
+        except ValueError as e:
+            res[name] = str(e)
+
+    def into_a_buffer(x):  # a block written through a view of an invariant buffer: the buffer varies
+        buf = torch.zeros(2 * x.shape[0], x.shape[1])
+        buf.narrow(0, 0, x.shape[0]).copy_(x)
+        return buf
+
+    try:
+        sf.shard_map(into_a_buffer, mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P())(torch.ones(W, 2))
+        res["view_write"] = "not refused"
+    except ValueError as e:
+        res["view_write"] = str(e)
+    res["view_write_ok"] = tuple(sf.gather(sf.shard_map(into_a_buffer, mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P("dp"))(
+        torch.arange(2.0 * W).reshape(W, 2))).shape)
+
+    def cut_again(x):
+        return sf.shard_map(lambda y: y, mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P("dp"))(x)
+
+    try:
+        sf.shard_map(cut_again, mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P("dp"))(torch.ones(W * W, 2))
+        res["nested"] = "not refused"
+    except ValueError as e:
+        res["nested"] = str(e)
+    mine = torch.zeros(3)
+    sf.shard_map(lambda b: b.add_(1), mesh=mesh, in_specs=sf.P(), out_specs=sf.P())(mine)
+    res["caller_kept"] = mine.tolist()
     # vmap inside the per-rank function: collectives of batched values (per-example psum)
     x = torch.randn(W * 2, 5, 3, generator=torch.Generator().manual_seed(4))
 
@@ -509,5 +589,12 @@ def test_refusals_vmap_and_second_derivatives(pools, world):
         assert "outside per-shard code" in r["outside"], r["outside"]
         assert "'tp'" in r["axis"] and "('dp',)" in r["axis"], r["axis"]
         assert "destination at most once" in r["perm"], r["perm"]
+        assert "(source, destination) pairs" in r["perm_kind"], r["perm_kind"]
+        assert "bool tensor" in r["bool"], r["bool"]
+        assert "axis 0 is not a name" in r["axis_kind"], r["axis_kind"]
+        assert "varies along ['dp']" in r["view_write"], r["view_write"]
+        assert r["view_write_ok"] == (2 * world, 2), r["view_write_ok"]
+        assert "already varies over ['dp']" in r["nested"], r["nested"]
+        assert r["caller_kept"] == [0.0, 0.0, 0.0], r["caller_kept"]  # the block was a copy
         assert r["vmap"] < 1e-5, r["vmap"]
         assert r["hvp"] < 1e-5, r["hvp"]
