@@ -1,15 +1,36 @@
-"""Compiled code handed to a step: the `compile=` option, and what a user compiled before.
+"""Compiled steps: the `compile=` option, and what a user compiled before.
+
+Note [compiled units]
+~~~~~~~~~~~~~~~~~~~~~
+`compile=True` (or a dict of `torch.compile` options) compiles the forward of each unit of the
+model: `torch.compile(unit.forward, fullgraph=True)`, and through AOTAutograd its backward. The
+unit's module hooks stay eager, outside the compiled region: they are where the engine gathers,
+frees, prefetches and reduces (the whole schedule), and they run in
+`Module.__call__`, around `forward`. So the compiled graph sees what the module's own code
+computes and nothing of shardfn: the unit's gathered parameters (views of the unit's gathered
+buffer, read, never written) come in as graph inputs with the activations, and the gradients
+come out of the compiled backward into the same hooks as eager ones. Identical units (the
+blocks of a stack) run the same code object, so they share one compiled graph (dynamo's cache is
+per code object, its guards on the module's structure, not its identity). A model without
+units compiles its root module's forward (everything then runs as one unit).
+
+A unit's forward is wrapped once, innermost (under remat's checkpoint, Note [remat] in
+`_remat.py`): the wrapper runs the compiled forward while a step that asked for it runs
+(`ModelInfo.compiling`, set for the step's forward and backward) and the module's own forward
+otherwise, so `apply` outside a step, and other steps of the same model, run eager.
+
+Not compiled yet: the step as one graph (collectives inside, bucketed by the compiler), tensor
+parallel and context parallel meshes (refused with `NotImplementedError`).
 
 Note [compiled code in a step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A step cannot be compiled yet: `compile=True` (or a dict of `torch.compile` options) is refused
-where the step or the transform is built, with `NotImplementedError`, rather than silently run
-eager. What users already write is refused too, before anything is traced: a block compiled
-before `sf.functionalize` (`block.compile()`, or `torch.compile(block)` put back into its parent)
-and a compiled `loss_fn` (`torch.compile(loss_fn)`). Traced, they reach the engine's views of its
-flat buffers (Note [flat unit layout] in `_flat.py`), which AOTAutograd fails on with an internal
-`AssertionError`; `step.init`, and the first call of an `sf.value_and_grad` function, refuse them
-with a `ValueError` that names what was compiled and the fix.
+What users already write is refused, before anything is traced: a block compiled before
+`sf.functionalize` (`block.compile()`, or `torch.compile(block)` put back into its parent) and a
+compiled `loss_fn` (`torch.compile(loss_fn)`). Traced, they reach the engine's views of its flat
+buffers (Note [flat unit layout] in `_flat.py`) and its hooks, which AOTAutograd fails on with an
+internal `AssertionError`; `step.init`, and the first call of an `sf.value_and_grad` function,
+refuse them with a `ValueError` that names what was compiled and `compile=True`, which compiles
+the same code where it can be.
 
 torch 2.13 has no public way to ask whether a module or a function was compiled; what
 `torch.compile` leaves on them is read instead (docs/private-torch-apis.md): the wrapper module's
@@ -19,38 +40,155 @@ torch 2.13 has no public way to ask whether a module or a function was compiled;
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+import logging
+import time
+import warnings
+import weakref
+from typing import Any, Iterator
 
 from torch import nn
 
-__all__ = ["check_compile_option", "compiled_function", "compiled_modules", "refuse_compiled"]
+__all__ = ["CompiledUnits", "compile_options", "compiled_function", "compiled_modules", "refuse_compiled"]
 
-_NOT_YET = (
-    "compiled steps are not supported yet: the step runs eager. Leave compile=False (the default) and pass the "
-    "model and loss_fn uncompiled"
-)
+_NON_LEAF_GRAD = r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed"
+_TORCH_COMPILE_KEYS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
 
 
-def check_compile_option(compile: Any, where: str) -> None:
-    """Refuses a `compile=` setting other than the default False.
+def compile_options(compile: Any, where: str) -> dict | None:
+    """The `torch.compile` options of a `compile=` setting: None for False (eager).
 
     Args:
-        compile: the `compile=` argument: False, True, or a dict of `torch.compile` options.
+        compile: the `compile=` argument: False, True, or a dict of `torch.compile` options
+            (`fullgraph`, `dynamic`, `backend`, `mode`, `options`, `disable`); True is
+            `{"fullgraph": True}`, and a dict is taken over that.
         where: what the option was given to, for messages (`"sf.train_step"`).
 
     Raises:
-        NotImplementedError: for True or a dict (compiled steps are not supported yet).
-        ValueError: for anything else than False, True or a dict.
+        ValueError: for anything else than False, True or such a dict.
     """
     if compile is False:
-        return
-    if compile is True or isinstance(compile, dict):
-        raise NotImplementedError(f"{where}(..., compile={compile!r}): {_NOT_YET}")
+        return None
+    if compile is True:
+        return {"fullgraph": True}
+    if isinstance(compile, dict):
+        bad = sorted(k for k in compile if k not in _TORCH_COMPILE_KEYS)
+        if bad:
+            raise ValueError(
+                f"{where}(..., compile={compile!r}): {bad} are not torch.compile options; use some of "
+                f"{list(_TORCH_COMPILE_KEYS)}, e.g. compile={{'mode': 'max-autotune-no-cudagraphs'}}"
+            )
+        return {"fullgraph": True, **compile}
     raise ValueError(
         f"{where}(..., compile={compile!r}): compile must be False (the default), True, or a dict of "
         "torch.compile options"
     )
+
+
+class CompiledUnits:
+    """The compiled forwards of one step's units (Note [compiled units]).
+
+    Args:
+        info: the functionalized model (`_models.ModelInfo`).
+        options: `torch.compile` options (from `compile_options`).
+    """
+
+    def __init__(self, info: Any, options: dict):
+        self.info, self.options = info, options
+        self._compiled: dict[int, Any] = {}  # id(module) -> its compiled forward
+        self.first_call_s: list[float] = []  # wall time of each unit's first compiled call (its compile)
+        self._logged = False
+        names = info.unit_names or [""]
+        self.modules = [(name, info.module.get_submodule(name)) for name in names]
+        for name, module in self.modules:
+            _install(info, name, module)
+
+    def forward_of(self, name: str, module: nn.Module, original: Any) -> Any:
+        """The compiled forward of `module` (compiled on first use)."""
+        fn = self._compiled.get(id(module))
+        if fn is None:
+            import torch
+
+            fn = self._compiled[id(module)] = _first_call_named(torch.compile(original, **self.options), name, self)
+        return fn
+
+    def log_compile_time(self) -> None:
+        """Logs, once, how long the units' first compiled calls took (their compile), on the
+        `shardfn` logger at INFO."""
+        if self._logged or not self.first_call_s:
+            return
+        self._logged = True
+        logging.getLogger("shardfn").info(
+            "compile=True: the first compiled calls of %d units took %.1f s in all (compiling their forwards and "
+            "backwards; identical units share one graph); later steps at the same shapes reuse them",
+            len(self.first_call_s), sum(self.first_call_s),
+        )
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The units run compiled in this block (the step's forward and backward)."""
+        before = self.info.compiling
+        self.info.compiling = self
+        try:
+            yield
+        finally:
+            self.info.compiling = before
+        self.log_compile_time()
+
+
+def _first_call_named(fn: Any, name: str, owner: CompiledUnits) -> Any:
+    """`fn`, whose first call (where it compiles) is timed, and whose errors name the unit."""
+    first = [True]
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter() if first[0] else 0.0
+        try:
+            with warnings.catch_warnings():
+                # dynamo reads `.grad` of each graph input as it wraps it; the unit's parameters
+                # are views of its gathered buffer, not leaves, and torch warns of that read.
+                warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD, category=UserWarning)
+                out = fn(*args, **kwargs)
+        except Exception as e:
+            e.add_note(
+                f"shardfn: in unit {name or '<root>'!r}, compiled by the step's compile= option as "
+                f"torch.compile(forward, {', '.join(f'{k}={v!r}' for k, v in owner.options.items())}) "
+                "(Note [compiled units] in shardfn/_compiled.py). fullgraph=True refuses graph breaks: "
+                "compile={'fullgraph': False} allows them, compile=False runs eager"
+            )
+            raise
+        if first[0]:
+            first[0] = False
+            owner.first_call_s.append(time.perf_counter() - t0)
+        return out
+
+    return call
+
+
+def _install(info: Any, name: str, module: nn.Module) -> None:
+    """Wraps `module`'s forward once, innermost (under remat's wrapper, if any): it runs the
+    compiled forward of the step that is compiling the model, if one is, else the original."""
+    outer = module.__dict__.get("forward")
+    holder = outer if getattr(outer, "_shardfn_remat", False) else None
+    current = holder.inner if holder is not None else (outer or module.forward)
+    if getattr(current, "_shardfn_compiled", False):
+        return
+    ref = weakref.ref(info)
+
+    @functools.wraps(current)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        model = ref()
+        units = model.compiling if model is not None else None
+        if units is None:
+            return current(*args, **kwargs)
+        return units.forward_of(name, module, current)(*args, **kwargs)
+
+    forward._shardfn_compiled = True  # type: ignore[attr-defined]
+    if holder is not None:
+        holder.inner = forward
+    else:
+        module.forward = forward
 
 
 def compiled_function(fn: Any) -> bool:
@@ -101,8 +239,8 @@ def refuse_compiled(loss_fn: Any, module: nn.Module | None, where: str) -> None:
         name = getattr(loss_fn, "__name__", None) or type(loss_fn).__name__
         raise ValueError(
             f"{where}: loss_fn {name!r} is compiled (torch.compile(loss_fn)); shardfn cannot run a compiled loss_fn, "
-            "whose trace would reach the step's own buffers. Pass the uncompiled function; compiling the step is "
-            f"{where}(..., compile=True), which is not supported yet (run the step eager)"
+            "whose trace would reach the step's own buffers and hooks. Pass the uncompiled function, and "
+            f"{where}(..., compile=True) to compile the model's units (Note [compiled units] in shardfn/_compiled.py)"
         )
     if module is None:
         return
@@ -115,6 +253,7 @@ def refuse_compiled(loss_fn: Any, module: nn.Module | None, where: str) -> None:
         f"{where}: the model holds compiled modules: {shown}{more}. shardfn cannot run modules compiled before "
         "sf.functionalize, whose traces would reach the step's own buffers. Pass the uncompiled module to "
         "sf.functionalize (build the model without module.compile(); for torch.compile(block) put back into its "
-        "parent, keep the block itself, which the compiled one holds as ._orig_mod); compiling the step is "
-        f"{where}(..., compile=True), which is not supported yet (run the step eager)"
+        "parent, keep the block itself, which the compiled one holds as ._orig_mod), and "
+        f"{where}(..., compile=True) compiles the model's units where they can be (Note [compiled units] in "
+        "shardfn/_compiled.py)"
     )

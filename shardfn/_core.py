@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from . import _collectives as C
 from . import _donate, _runtime, _watch
 from ._agree import Item, agree
+from ._compiled import CompiledUnits
 from ._buffers import ModuleBuffers
 from ._engine import GROUP_BYTES, Engine, Policy, StaleParameterError, group_name, plan_groups
 from ._flat import STALE, FlatUnit, LeafSpec
@@ -158,7 +159,8 @@ class GradientCore:
     def __init__(self, loss_fn: Callable[[Any, Any], Any], mesh: DeviceMesh, specs: Any = None, strategy: str = "full_shard",
                  mixed_precision: "MixedPrecision | None" = None, remat: Any = False, accumulation_steps: int = 1,
                  apply: Any = None, frozen: Any = None, offload: str | None = None, accumulation: str = "sharded",
-                 group_bytes: int | None = None, keep_last_unit: bool = True, randomness: str = "per_rank"):
+                 group_bytes: int | None = None, keep_last_unit: bool = True, randomness: str = "per_rank",
+                 compile: dict | None = None):
         if randomness not in RANDOMNESS:
             raise ValueError(
                 f"randomness must be one of {RANDOMNESS}, got {randomness!r}: 'per_rank' (each data-parallel rank draws its "
@@ -196,6 +198,10 @@ class GradientCore:
                 )
             if offload is not None:
                 raise NotImplementedError(f"offload={offload!r} with tensor parallel (a 2-D mesh {names}) is not supported yet")
+            if compile is not None:
+                raise NotImplementedError(
+                    f"compile=True with tensor parallel (a 2-D mesh {names}) is not supported yet: leave compile=False on this mesh"
+                )
             if names[0] == "tp" or names[1] == "dp":
                 # The roles go by position; these are the names `sf.rules` and `sf.specs` use for them.
                 raise ValueError(
@@ -225,6 +231,8 @@ class GradientCore:
         self.group_bytes = GROUP_BYTES if group_bytes is None else group_bytes
         self.keep_last_unit = keep_last_unit
         self.off_schedule = False  # Note [steps off the unit schedule]
+        self.compile = compile  # torch.compile options, or None (Note [compiled units] in `_compiled.py`)
+        self.compiled: CompiledUnits | None = None
         self.group = mesh.get_group(self.shard_axis)
         self.replicate_group = mesh.get_group(self.replicate_axis) if self.replicate_axis else None
         self.shard_world = mesh.size(names.index(self.shard_axis))
@@ -274,6 +282,7 @@ class GradientCore:
         self.grads = optree.tree_unflatten(treespec, dt_grads)
         self._install_tp(info, paths, leaves)
         self.engine.set_tree(treespec, paths, where)
+        self._install_compiled(info)  # before remat: a compiled forward runs under remat's checkpoint
         self._install_remat(info)
         return self.tree()
 
@@ -568,6 +577,17 @@ class GradientCore:
         self._norm_weights = weights
         return segs, parts
 
+    def _install_compiled(self, info: Any) -> None:
+        """The compiled forwards of the units, if `compile=` asked for them (Note [compiled units])."""
+        if self.compile is None:
+            return
+        if info is None:
+            raise NotImplementedError(
+                "compile=True compiles the units of a model from sf.functionalize; this tree belongs to no functionalized "
+                "model (a loss_fn over plain tensors): functionalize the model, or leave compile=False"
+            )
+        self.compiled = CompiledUnits(info, self.compile)
+
     def _install_remat(self, info: Any) -> None:
         """Wraps the forward of each unit `remat` chooses (`_remat.py`)."""
         if self.remat:
@@ -634,7 +654,7 @@ class GradientCore:
         k = self.accumulation_steps
         self._buffers.start()
         try:
-            with self._draws():
+            with self._draws(), self.compiled.active() if self.compiled is not None else contextlib.nullcontext():
                 if self.off_schedule:
                     loss_sum, aux = self._gradients_gathered(batch)
                 else:

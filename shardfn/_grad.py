@@ -136,7 +136,7 @@ class ValueAndGrad:
         core = GradientCore(
             self._loss, mesh, specs, o["strategy"], o["mixed_precision"], o["remat"], o["accumulation_steps"],
             apply=o["apply"], frozen=o["frozen"], accumulation=o["accumulation"], group_bytes=o["group_bytes"],
-            keep_last_unit=o["keep_last_unit"], randomness=o["randomness"],
+            keep_last_unit=o["keep_last_unit"], randomness=o["randomness"], compile=o["compile"],
         )
         core.build(params)  # copies the shards into the core's flat buffers
         for p, x, own in zip(paths, leaves, core.dt_params):
@@ -205,7 +205,7 @@ def value_and_grad(
         strategy, mixed_precision, remat, accumulation_steps, accumulation, apply, frozen,
             group_bytes, keep_last_unit, randomness: as in `train_step`.
         compile: as in `train_step`: False (the default) runs eager; True or a dict of
-            `torch.compile` options raises `NotImplementedError` (not supported yet). A compiled
+            `torch.compile` options compiles each unit's forward and backward. A compiled
             `loss_fn` or model is refused at the first call with a `ValueError`.
 
     Returns:
@@ -220,8 +220,7 @@ def value_and_grad(
         ...     loss, grads = grad_fn(params, batch)
         ...     opt_state = opt.step_(grads, opt_state, params)   # in place
     """
-    _compiled.check_compile_option(compile, "sf.value_and_grad")
-    options = dict(strategy=strategy, mixed_precision=mixed_precision, remat=remat, accumulation_steps=accumulation_steps,
+    options = dict(compile=_compiled.compile_options(compile, "sf.value_and_grad"), strategy=strategy, mixed_precision=mixed_precision, remat=remat, accumulation_steps=accumulation_steps,
                    accumulation=accumulation, apply=apply, frozen=frozen, group_bytes=group_bytes,
                    keep_last_unit=keep_last_unit, randomness=randomness)
     return ValueAndGrad(loss_fn, has_aux, options)

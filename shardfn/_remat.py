@@ -67,7 +67,7 @@ def install(info: Any, unit: int) -> None:
         # In the backward too: a recompute by the model's own checkpoint around the unit must save what
         # its forward saved (non-reentrant checkpointing checks it), remat's checkpoint included.
         if not wants or unit not in wants or rt.phase == Phase.IDLE or not torch.is_grad_enabled():
-            return original(*args, **kwargs)
+            return forward.inner(*args, **kwargs)
         cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)  # only if loaded
         if cache is not None and any(isinstance(x, cache) for x in (*args, *kwargs.values())):
             raise ValueError(
@@ -89,7 +89,7 @@ def install(info: Any, unit: int) -> None:
             calls[0] += 1
             if calls[0] == 1:  # the forward: the module's own buffers, updated once
                 with _reparametrize_module(module, {**params, **buffers}):
-                    out = original(*a, **k)
+                    out = forward.inner(*a, **k)
                     # A buffer the forward reassigned (`self.ema = 0.9 * self.ema + ...`) is put back
                     # by the swap's exit: its new value goes into the module's own tensor.
                     now = dict(module.named_buffers(remove_duplicate=False))
@@ -109,10 +109,11 @@ def install(info: Any, unit: int) -> None:
             # A recompute: what the forward read, in fresh copies that take its writes.
             mine = {n: t.clone() for n, t in saved.items()}
             with _reparametrize_module(module, {**params, **{n: mine.get(first[id(b)], b) for n, b in buffers.items()}}):
-                return original(*a, **k)
+                return forward.inner(*a, **k)
 
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     forward._shardfn_remat = True  # type: ignore[attr-defined]
+    forward.inner = original  # type: ignore[attr-defined]  # what it runs; a compiled unit's goes in here (Note [compiled units])
     module.forward = forward
 

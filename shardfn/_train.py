@@ -39,12 +39,17 @@ class TrainStep:
     def __init__(self, loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
                  apply=None, frozen=None, offload=None, accumulation="sharded", group_bytes=None, check_memory=None,
                  keep_last_unit=True, compile=False, randomness="per_rank", batch_specs=None):
-        _compiled.check_compile_option(compile, "sf.train_step")  # Note [compiled code in a step] in `_compiled.py`
+        compile = _compiled.compile_options(compile, "sf.train_step")  # Note [compiled units] in `_compiled.py`
         names = tuple(mesh.mesh_dim_names or ())
         if batch_specs is not None and "cp" not in names:
             raise ValueError(
                 f"batch_specs= names batch dims split over a cp axis, and this mesh has none (axes {names}): build the mesh "
                 "with one, e.g. sf.mesh(dp=2, cp=2), or leave batch_specs out"
+            )
+        if compile is not None and "cp" in names:
+            raise NotImplementedError(
+                f"compile=True on a mesh with a cp axis {names} is not supported yet (ring attention runs eager): leave "
+                "compile=False with context parallelism"
             )
         # Note [context parallelism] in `_context.py`: the step runs on dp * cp ranks as one data axis.
         self.context = ContextParallel(mesh, batch_specs) if "cp" in names else None
@@ -54,7 +59,7 @@ class TrainStep:
         self.core = GradientCore(
             loss_fn, mesh, specs, strategy, mixed_precision, remat, accumulation_steps,
             apply=apply, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
-            keep_last_unit=keep_last_unit, randomness=randomness,
+            keep_last_unit=keep_last_unit, randomness=randomness, compile=compile,
         )
         self.opt = opt
         self.max_grad_norm = max_grad_norm
@@ -351,10 +356,11 @@ def train_step(
             gathered from its forward to its backward, which comes first (one all-gather fewer per
             step, as torchtitan does for FSDP2's last block); False frees it like the others, its
             full size less while the loss (the largest activations, often the peak) is computed.
-        compile: False (the default) runs the step eager. True, or a dict of `torch.compile`
-            options, will compile it; not supported yet: `NotImplementedError`. A `loss_fn` or blocks
-            compiled by the user are refused at `init` with a `ValueError` (Note [compiled code in a
-            step] in `shardfn/_compiled.py`).
+        compile: False (the default) runs the step eager. True compiles each unit's forward (and
+            its backward) with `torch.compile(fullgraph=True)`, the gathers and reductions eager
+            around it; a dict of `torch.compile` options is taken over that (Note [compiled units]
+            in `shardfn/_compiled.py`). Not on (dp, tp) or cp meshes yet (`NotImplementedError`).
+            A `loss_fn` or blocks compiled by the user are refused at `init` with a `ValueError`.
         randomness: "per_rank" (the default): each data-parallel rank draws its own random numbers
             in the step (dropout masks differ over the global batch; tensor-parallel peers draw the
             same), folded in from one draw of the generator, as JAX's `fold_in(key, axis_index)`;
