@@ -104,6 +104,7 @@ from ._functorch import under_grad_transform, unwrap
 from ._models import unit_of_module
 from ._param import Detour, OffSchedule, Param
 from ._recompute import UnitViews
+from . import _schedule as schedule
 
 __all__ = ["Engine", "EngineStats", "Phase", "Policy", "StaleParameterError", "GROUP_BYTES", "plan_groups", "group_name"]
 
@@ -365,7 +366,7 @@ class Engine:
     def _kept_for_backward(self, u: int) -> bool:
         """The last unit to run in the first step's forward stays gathered after its forward: its
         backward comes first, and would gather it again at once (Note [unit schedule])."""
-        return self.policy.keep_last and self._order_known and u == self._last_ran
+        return schedule.keeps_for_backward(self.policy, self._order_known, u, self._last_ran)
 
     def _release_idle_slots(self) -> None:
         """After the last unit's forward, nothing else is gathered until the first unit's backward,
@@ -385,20 +386,9 @@ class Engine:
         sizes = {u: unit.sizes() for u, unit in units.items()}
         compute = {u: unit.compute_dtype for u, unit in units.items()}
         device = self.root.device
-        arenas: dict[int, dict[str, Arena]] = {}
-        slots: dict[int, dict[str, Arena]] = {}
-        if slot_of:  # one all-gather output for all of them: one unit gather in flight at a time
-            gathered = Arena(max(sizes[v]["gathered"] for v in slot_of), compute[next(iter(slot_of))], device, shared=True)
-        for u in units:
-            if u in slot_of:
-                k = slot_of[u]
-                if k not in slots:
-                    members = [v for v in slot_of if slot_of[v] == k]
-                    slots[k] = {name: Arena(max(sizes[v][name] for v in members), compute[u], device, shared=True) for name in ("full", "stage")}
-                    slots[k]["gathered"] = gathered
-                arenas[u] = slots[k]
-            else:
-                arenas[u] = {name: Arena(sizes[u][name], compute[u], device, shared=False) for name in ("full", "gathered", "stage")}
+        plan = schedule.arena_plan(sizes, compute, slot_of)  # Note [one schedule] in `_schedule.py`
+        made = {key: Arena(plan.numel[key], plan.dtype[key], device, shared=key in plan.shared) for key in plan.numel}
+        arenas = {u: {name: made[key] for name, key in plan.key_of[u].items()} for u in units}
         for u, unit in units.items():
             # A unit's reduce-scatter input goes in its own slot (its parameters are dead by then);
             # the root's goes in its own arena, as it is reduced after the backward.
@@ -408,70 +398,32 @@ class Engine:
             raise NotImplementedError(f"units reduce in different dtypes {sorted(map(str, rdt))}; give every unit one dtype")
         rdt_one = rdt.pop()
         self.slot_of = dict(slot_of)
-        self.max_reductions = self._reductions_in_flight()
+        self.max_reductions = schedule.reductions_in_flight(self.policy, len(self.units), self.slot_of)
         # Scratch for reduce-scatter inputs that are not built in a slot: allocated only when used.
         n_in = max(s["rs_in"] for s in sizes.values())
         n_out = max(s["rs_out"] for s in sizes.values())
         self.reduce_arenas = [(Arena(n_in, rdt_one, device, shared=True), Arena(n_out, rdt_one, device, shared=True)) for _ in range(self.max_reductions)]
         self.arenas = _unique([*(a for d in arenas.values() for a in d.values()), *(a for p in self.reduce_arenas for a in p)])
         self._slot_arenas = _unique([a for v in slot_of for a in self.units[v].arenas.values()])
-        self._slot_done_after = self._last_of_slot()
+        self._slot_done_after = schedule.last_of_slot(self.order, self.slot_of)
         for u, unit in units.items():
             self._hook_grads(unit, u)
         if self._where:
             self._make_trees()
-
-    def _reductions_in_flight(self) -> int:
-        """How many gradient reductions may overlap the backward without any extra buffer."""
-        p = self.policy
-        if p.all_reduce:
-            # Replicated gradients are all-reduced in place in their flat buffers, which need no
-            # scratch: every unit's all-reduce may run while the backward goes on, as DDP's buckets.
-            return len(self.units) + 1
-        if self.slot_of and p.reduce_in_master and p.single_micro_batch and p.slots == 2:
-            # Each reduction's input lives in its own unit's slot and neighbours use different
-            # slots: two can be in flight (the engine finishes a slot's reduction before refilling it).
-            # Not with three slots (gathers in place): the third already holds one reduction's
-            # input while the previous unit is gathered, and a second would hold a fourth unit.
-            return 2
-        return 1
 
     def _plan(self, busy: dict[int, list[tuple[int, int]]]) -> None:
         """After the first step: slot arenas in forward order, busy units kept apart."""
         self.planned = True
         if not (self.policy.share_slots and self.units):
             return
-        candidates = [u for u in self.order if u not in self._nested and self._unit(u).compute_dtype == self._unit(self.order[0]).compute_dtype]
-        private: set[int] = set()
-
-        def overlap(a: int, b: int) -> bool:
-            return any(s1 < e2 and s2 < e1 for s1, e1 in busy.get(a, ()) for s2, e2 in busy.get(b, ()))
-
-        while True:
-            shared = [u for u in candidates if u not in private]
-            slot_of = {u: i % self.policy.slots for i, u in enumerate(shared)}
-            clash = [(a, b) for i, a in enumerate(shared) for b in shared[i + 1 :] if slot_of[a] == slot_of[b] and overlap(a, b)]
-            if not clash:
-                break
-            span = {u: sum(e - s for s, e in busy.get(u, ())) for u in candidates}
-            private |= {max(pair, key=lambda v: span[v]) for pair in clash}
-        if len(shared) < 2:
-            slot_of = {}
-        self._bind(slot_of)
+        compute = {u: self._unit(u).compute_dtype for u in self.order}
+        self._bind(schedule.plan_slots(self.order, self._nested, compute, self.policy, busy))
 
     def replan(self) -> None:
         """Forgets the plan: the next step runs with an arena per unit and plans again."""
         self._order_known = False
         self.planned = False
         self._bind({})
-
-    def _last_of_slot(self) -> set[int]:
-        """The units that are the last of their slot to run in the backward (first in forward order)."""
-        first: dict[int, int] = {}
-        for u in self.order:
-            if u in self.slot_of:
-                first.setdefault(self.slot_of[u], u)
-        return set(first.values())
 
     # -- what loss_fn sees (Note [parameters outside apply] in `_param.py`) ------------------------
     def set_tree(self, treespec: Any, paths: list[str], where: list[tuple[int, int]]) -> None:
@@ -679,13 +631,7 @@ class Engine:
     # -- gather / free ------------------------------------------------------------------------
     def _slot_holder(self, u: int) -> int | None:
         """The live unit other than `u` that holds `u`'s slot arena, if any."""
-        slot = self.slot_of.get(u)
-        if slot is None:
-            return None
-        for v in self._live:
-            if v != u and self.slot_of.get(v) == slot:
-                return v
-        return None
+        return schedule.slot_holder(u, self._live, self.slot_of)
 
     def _start(self, u: int) -> None:
         self._settle_check()
@@ -703,12 +649,10 @@ class Engine:
                     "If this repeats, the order of units changes from step to step: use strategy='shard_grad_op'."
                 )
             self._free(v, prefetch=False)
-        if u != ROOT and self.reshard_after_forward:
+        if u != ROOT:
             # A unit runs that nobody prefetched: drop prefetches nobody uses yet rather than
-            # exceed the bound.
-            for w in [w for w in self._live if not self._busy(w)]:
-                if len(self._live) < self.max_live:
-                    break
+            # exceed the bound (Note [one schedule]).
+            for w in schedule.evictions(self.policy, self._live, [w for w in self._live if not self._busy(w)]):
                 self._free(w, prefetch=False)
         if u in self.slot_of:  # one shared all-gather output: one unit gather in flight
             for w in [w for w in self._works if w in self.slot_of]:
@@ -760,7 +704,7 @@ class Engine:
     def _prefetch(self, u: int | None) -> None:
         if u is None or u in self._live or u in self._reduced:
             return
-        if self.reshard_after_forward and (len(self._live) >= self.max_live or self._slot_holder(u) is not None):
+        if schedule.prefetch_waits(self.policy, len(self._live), self._slot_holder(u) is not None):
             if u not in self._deferred:
                 self._deferred.append(u)
             return
@@ -798,8 +742,7 @@ class Engine:
         return self._cast(args), self._cast(kwargs)
 
     def _cast(self, tree: Any) -> Any:
-        dt = self.cast_dtype
-        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dt) if t.is_floating_point() else t, tree)
+        return schedule.cast_floating(tree, self.cast_dtype)
 
     def read(self, u: int, j: int) -> torch.Tensor:
         """The full value of leaf `j` of unit `u`, for a read outside `apply` (Note [parameters
@@ -933,11 +876,10 @@ class Engine:
         if self.phase != Phase.FORWARD:
             return
         if not self._order_known and self._seen:
-            rest = [u for u in range(len(self.units)) if u not in self._seen]
-            self.order = self._seen + rest
+            self.order = schedule.forward_order(self._seen, len(self.units))
             self._last_ran = self._seen[-1]
             self._pos = {u: i for i, u in enumerate(self.order)}
-            self._slot_done_after = self._last_of_slot()
+            self._slot_done_after = schedule.last_of_slot(self.order, self.slot_of)
             self._order_known = True
         self._free_kept()
         if self._views is not None:

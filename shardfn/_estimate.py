@@ -18,7 +18,10 @@ The estimate replays one step of the engine's plan on paper, in the order the en
   runs under the same checkpoint as in the step, so its recompute is counted where it happens.
 - The two are merged on the meta run's clock: at each unit's forward and backward the engine's
   schedule (prefetch, free, slot release, reductions in flight, when the sharded gradient is
-  allocated) changes the bytes held in buffers, and each parameter's full gradient is held from
+  allocated) changes the bytes held in buffers. The schedule's decisions (the slot plan and its
+  arenas, the unit kept for its backward, the last unit of each slot, how many reductions are in
+  flight, the forward order, input casts) are read from `_schedule.py`, where the engine reads
+  them too (Note [one schedule]), and each parameter's full gradient is held from
   its arrival until its unit is reduced (the root's until the end of the backward). The peak is
   the largest sum of the state (param shards, gradient shards, optimizer state, module buffers),
   the buffers live at that moment and the meta run's live bytes; where it happens is reported as
@@ -74,6 +77,7 @@ from . import _collectives as C
 from ._engine import Phase
 from ._flat import _split_dim, _together, buffer_sizes, place
 from ._recompute import UnitViews
+from . import _schedule as schedule
 
 __all__ = ["MemoryEstimate", "estimate_memory", "RESERVE", "device_budget", "MemoryCheckError"]
 
@@ -344,8 +348,7 @@ class _Probe:
         self._began: set = set()  # units whose backward has begun
 
     def _cast(self, tree):
-        dt = self.cast_dtype
-        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dt) if t.is_floating_point() else t, tree)
+        return schedule.cast_floating(tree, self.cast_dtype)
 
     tree: Any = None  # the parameter tree handed to loss_fn
 
@@ -648,46 +651,20 @@ class _Sim:
         self.largest: dict = {}
         self.phase = "forward"
         self.current = ""
-        # Arena sizes, as `Engine._bind` makes them.
-        self.arena: dict = {}
+        # The arenas `Engine._bind` makes, from the one plan (Note [one schedule] in `_schedule.py`).
         units = [u for u in groups if u != -1]
-        if slot_of:
-            self.arena[("gathered", "shared")] = max(groups[v].sizes["gathered"] * _itemsize(groups[v].compute) for v in slot_of)
-        for u in [*units, -1]:
-            gr = groups[u]
-            c = _itemsize(gr.compute)
-            if u in slot_of:
-                k = slot_of[u]
-                mem = [v for v in slot_of if slot_of[v] == k]
-                for name in ("full", "stage"):
-                    self.arena[(name, "slot", k)] = max(groups[v].sizes[name] * _itemsize(groups[v].compute) for v in mem)
-            else:
-                for name in ("full", "gathered", "stage"):
-                    self.arena[(name, u)] = gr.sizes[name] * c
+        order_all = [*units, -1]
+        self.plan = schedule.arena_plan({u: groups[u].sizes for u in order_all}, {u: groups[u].compute for u in order_all}, slot_of)
+        self.arena: dict = {key: self.plan.nbytes(key) for key in self.plan.numel}
         rdt = groups[-1].reduce
-        self.n_red = self._reductions_in_flight(len(units))
+        self.n_red = schedule.reductions_in_flight(policy, len(units), slot_of)
         self.rs_in = max(g.sizes["rs_in"] for g in groups.values()) * _itemsize(rdt)
         self.rs_out = max(g.sizes["rs_out"] for g in groups.values()) * _itemsize(rdt)
-        self.done_after = set()
-        first = {}
-        for u in order:
-            if u in slot_of:
-                first.setdefault(slot_of[u], u)
-        self.done_after = set(first.values())
-
-    def _reductions_in_flight(self, n: int) -> int:
-        p = self.policy
-        if p.all_reduce:
-            return n + 1
-        if self.slot_of and p.reduce_in_master and p.single_micro_batch and p.slots == 2:
-            return 2
-        return 1
+        self.done_after = schedule.last_of_slot(order, slot_of)
 
     # -- arenas ----------------------------------------------------------------------------------
     def _key(self, u: int, name: str):
-        if u in self.slot_of:
-            return ("gathered", "shared") if name == "gathered" else (name, "slot", self.slot_of[u])
-        return (name, u)
+        return self.plan.key_of[u][name]
 
     def _alloc(self, key) -> None:
         if key not in self.alloc:
@@ -725,15 +702,11 @@ class _Sim:
             return
         gr = self.g[u]
         if u != -1:
-            holder = [v for v in self.live if v != u and u in self.slot_of and self.slot_of.get(v) == self.slot_of[u]]
-            for v in holder:
-                self.free(v)
-            if self.policy.reshard_after_forward:
-                for w in sorted(self.live):
-                    if len(self.live) < self.policy.max_live:
-                        break
-                    if w != self.running_unit:
-                        self.free(w)
+            holder = schedule.slot_holder(u, self.live, self.slot_of)
+            if holder is not None:
+                self.free(holder)
+            for w in schedule.evictions(self.policy, self.live, [w for w in self.live if w != self.running_unit]):
+                self.free(w)
             self.live.add(u)
         self._alloc(self._key(u, "full"))
         if gr.staged:
@@ -773,7 +746,7 @@ class _Sim:
     def _keeps(self, u: int | None) -> bool:
         """The engine's `_kept_for_backward`: the last unit of the first forward, once the order
         is known (after the first step's first forward)."""
-        return self.policy.keep_last and self.order_known and u is not None and u == self.last_ran
+        return schedule.keeps_for_backward(self.policy, self.order_known, u, self.last_ran)
 
     def release_slots(self) -> None:
         """The engine's `_release_idle_slots`: the slots no gathered unit holds."""
@@ -935,11 +908,8 @@ class _Sim:
     def prefetch(self, u, backward: bool = False) -> None:
         if u is None or u in self.live or u in self.reduced:
             return
-        if self.policy.reshard_after_forward:
-            if len(self.live) >= self.policy.max_live:
-                return
-            if any(v != u and u in self.slot_of and self.slot_of.get(v) == self.slot_of[u] for v in self.live):
-                return
+        if schedule.prefetch_waits(self.policy, len(self.live), schedule.slot_holder(u, self.live, self.slot_of) is not None):
+            return
         self.start(u)
 
     def end(self) -> None:
@@ -1091,11 +1061,10 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
         if kind == "fwd" and member_group[arg] not in order:
             order.append(member_group[arg])
     last_ran = order[-1] if order else None  # the unit kept for the backward (`keep_last_unit`)
-    order += [u for u in range(n) if u not in order]
+    order = schedule.forward_order(order, n)
     nested_units = _nested(names)
     nested = {g for g, ms in enumerate(groups) for m in ms if m in nested_units}
-    candidates = [u for u in order if u not in nested and gs[u].compute == gs[order[0]].compute] if order else []
-    slot_of = {u: i % policy.slots for i, u in enumerate(candidates)} if policy.share_slots and len(candidates) >= 2 else {}
+    slot_of = schedule.plan_slots(order, nested, {u: gs[u].compute for u in order}, policy)  # no busy clash known here
 
     # The state: shards, optimizer, buffers.
     persistent = {"params": sum((g.S + g.R) * _itemsize(g.master) for g in gs.values())}

@@ -352,3 +352,47 @@ def test_the_kept_unit_is_estimated_from_the_second_step_on(pools):
     assert kept > freed, (kept, freed)
     assert not kept_first and phase == "backward", (kept_first, phase)
     assert freed_first
+
+
+def rank_one_decision_moves_both(keep: bool) -> dict:
+    """The step's gathers, its measured peak and its estimate, with the schedule's decision of which
+    unit stays gathered for its backward as it is (`keep`), or changed to keep none."""
+    import shardfn as sf
+    from shardfn import _schedule
+    from shardfn.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=4096, block_size=32, n_layer=3, n_head=2, d=64))  # the peak is the loss's
+    apply, params = sf.functionalize(model, units=r"blocks\.\d+")
+    batch = (torch.randint(0, 4096, (4, 32)), torch.randint(0, 4096, (4, 32)))
+
+    def loss_fn(p, b):
+        return torch.nn.functional.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten())
+
+    decided = _schedule.keeps_for_backward
+    if not keep:
+        _schedule.keeps_for_backward = lambda *args: False
+    try:
+        step = sf.train_step(loss_fn, sf.optim.adamw(1e-3), sf.mesh(dp=-1), group_bytes=0)
+        est = sf.estimate_memory(step, params, batch=batch)
+        state = step.init(params)
+        for i in range(3):
+            step.engine.stats.record_events = i == 2
+            state, _ = step(state, batch)
+        gathers = sum(1 for what, _, _ in step.engine.stats.events if what == "gather")
+        measured = sorted(step_peak(step, params, batch, steps=3).peak for _ in range(3))[1]
+    finally:
+        _schedule.keeps_for_backward = decided
+    return dict(gathers=gathers, estimate=est.peak, measured=measured)
+
+
+def test_one_schedule_decision_moves_the_engine_and_the_estimate(pools):
+    """Note [one schedule]: the decision which unit stays gathered from its forward to its
+    backward is read by the engine and by the estimate from `_schedule`; changed there (keep
+    none), the engine gathers one unit more per step, its measured peak (the loss's) drops by
+    about that unit, and the estimate follows it, within 10% of the measured peak both times."""
+    kept, freed = (pools(2).run(rank_one_decision_moves_both, keep)[0] for keep in (True, False))
+    assert freed["gathers"] == kept["gathers"] + 1, (kept, freed)
+    assert freed["measured"] < kept["measured"] and freed["estimate"] < kept["estimate"], (kept, freed)
+    for r in (kept, freed):
+        assert 0.9 <= r["estimate"] / r["measured"] <= 1.1, r
