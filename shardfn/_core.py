@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
-from . import _donate, _runtime, _watch
+from . import _debug, _donate, _runtime, _watch
 from ._agree import Item, agree
 from ._compiled import CompiledUnits
 from ._buffers import ModuleBuffers
@@ -730,7 +730,7 @@ class GradientCore:
         engine = self.engine
         tp = self.tp.context() if self.tp is not None else contextlib.nullcontext()
         try:
-            with _runtime.activate(engine), torch.enable_grad(), tp:
+            with _runtime.activate(engine), torch.enable_grad(), tp, _debug.reads_checked(skip=self.compiled is not None):
                 for m, micro in enumerate(_split_batch(batch, k)):
                     last = m == k - 1
                     engine.begin(accumulate=m > 0 and not local, reduce=last or not local)

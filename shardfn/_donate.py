@@ -31,6 +31,8 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor
 
+from . import _debug
+
 __all__ = ["DonatedError", "Donation", "adopt", "alias", "copy", "donate", "same_memory", "wrap"]
 
 
@@ -148,7 +150,10 @@ def same_memory(t: torch.Tensor, view: torch.Tensor) -> bool:
 
 def adopt(dt: DTensor, view: torch.Tensor) -> None:
     """Points `dt`'s local tensor (the same object: local tensors a user took with `to_local()`
-    follow) at `view`'s memory, a shard in a flat buffer; `dt` then pickles its values."""
+    follow) at `view`'s memory, a shard in a flat buffer; `dt` then pickles its values.
+
+    The memory it held is given back by torch once no other tensor holds it; a user's view of it
+    keeps its values, so it is never poisoned (Note [freed memory] 7 in `_debug.py`)."""
     local = dt._local_tensor
     with torch.no_grad():
         local.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
@@ -171,7 +176,9 @@ def adopt(dt: DTensor, view: torch.Tensor) -> None:
 # whose update returned views): that state lives on the tensor object, not in the attribute dict
 # that moves. Anything else gets a new DTensor, and what it held stays donated. As with any new
 # object, an `id()` seen before may come back: a cache keyed by ids of objects it does not hold was
-# never sound, and now it goes wrong every other step.
+# never sound, and now it goes wrong every other step. In debug mode the garbage collector
+# confirms, for the first few wrappers of each donation, that the list is their only referrer
+# (Note [freed memory] 6 in `_debug.py`).
 def _reference_count_alone() -> int:
     kept = [object()]
     return sys.getrefcount(kept[0])  # the same expression as `_unreachable`'s: one list holds it
@@ -250,11 +257,16 @@ class Donation:
         out = []
         append, get = out.append, memo.get
         spares = kept if kept is not None and len(kept) == len(leaves) else None
+        checks = _debug.CHECKED_PER_DONATION if _debug.ON else 0
         for i, x in enumerate(leaves):
             if isinstance(x, DTensor):
                 new = get(id(x))
                 if new is None:
-                    spare = spares[i] if spares is not None and _unreachable(spares, i) else None
+                    alone = spares is not None and _unreachable(spares, i)
+                    if alone and checks:  # before a local name holds it (a frame would refer to it)
+                        checks -= 1
+                        _debug.check_alone(spares, i)
+                    spare = spares[i] if alone else None
                     new = memo[id(x)] = self(x, spare)
                 append(new)
             else:

@@ -96,6 +96,7 @@ from typing import Any
 import torch
 
 from . import _collectives as C
+from . import _debug
 from ._memory import huge_pages
 
 __all__ = ["Segment", "LeafSpec", "FlatUnit", "buffer_sizes", "place"]
@@ -151,6 +152,10 @@ class LeafSpec:
 
 
 def _storage_free(t: torch.Tensor) -> None:
+    # Note [freed memory] 1 in `_debug.py`: nothing reads this storage until it is allocated again
+    # (the tensors over it stay, and must not be read); in debug mode it is poisoned first.
+    if _debug.ON:
+        _debug.poison_storage(t)
     t.untyped_storage().resize_(0)
 
 
@@ -181,6 +186,7 @@ class Arena:
         self.nbytes = self.base.untyped_storage().nbytes()
         self.shared = shared
         self.owner: FlatUnit | None = None
+        self.reduce_input: FlatUnit | None = None  # whose reduce-scatter input is here, in flight
         _storage_free(self.base)
 
     def alloc(self) -> None:
@@ -190,14 +196,32 @@ class Arena:
         if self.owner is not None:
             self.owner.mark_stale()
             self.owner = None
+        self.reduce_input = None  # given back only once no collective reads it
         _storage_free(self.base)
 
     def claim(self, unit: "FlatUnit") -> None:
-        """`unit` is about to write its data here: whoever held it is stale from now on."""
+        """`unit` is about to write its data here: whoever held it is stale from now on.
+
+        The engine frees the previous owner first (Note [freed memory] 2 in `_debug.py`): in debug
+        mode a claim over a unit still gathered raises."""
         if self.owner is not unit:
             if self.owner is not None:
+                if _debug.ON and self.owner.valid:
+                    raise RuntimeError(
+                        f"unit {unit.name!r} takes the arena of unit {self.owner.name!r} while that unit is still "
+                        "gathered (Note [slot arenas]); please report this with the model"
+                    )
                 self.owner.mark_stale()
             self.owner = unit
+
+    def check_unread(self, unit: "FlatUnit") -> None:
+        """Debug mode: `unit` is about to write here, and no reduction reads it (Note [freed
+        memory] 4 in `_debug.py`)."""
+        if self.reduce_input is not None:
+            raise RuntimeError(
+                f"unit {unit.name!r} writes the arena that holds unit {self.reduce_input.name!r}'s reduce-scatter "
+                "input while that reduction is in flight (Note [slot arenas]); please report this with the model"
+            )
 
     @property
     def allocated(self) -> bool:
@@ -369,6 +393,8 @@ class FlatUnit:
         self.proxies: list[torch.Tensor] = []
         self._readers: tuple[torch.Tensor, ...] = ()
         self.valid = False
+        self._rs_inp: torch.Tensor | None = None  # the reduce-scatter input in flight (debug mode's poison)
+        _debug.track(self)
 
     def sizes(self) -> dict[str, int]:
         """Element counts of this unit's transient buffers (see `buffer_sizes`)."""
@@ -513,6 +539,8 @@ class FlatUnit:
                 self._stage_w.copy_(self.local, non_blocking=True)
         if self.world == 1 or self.S == 0:
             return None
+        if _debug.ON and self.gathers_in_place:  # messages land in `full` from now on: Note [freed memory] 4
+            self.arenas["full"].check_unread(self)
         self.arenas["gathered"].alloc()
         return C.all_gather_pieces(self._gather_pieces, self.group)
 
@@ -521,6 +549,8 @@ class FlatUnit:
         if work is not None:
             C.wait(work, timeout)
         if self._copy_dst or self._copy_dst_k:
+            if _debug.ON:
+                self.arenas["full"].check_unread(self)
             with torch.no_grad():
                 for dst, src in ((self._copy_dst, self._copy_src), (self._copy_dst_k, self._copy_src_k)):
                     if dst:
@@ -538,6 +568,18 @@ class FlatUnit:
         for name in ("full", "gathered", "stage"):
             if not self.arenas[name].shared:
                 self.arenas[name].release()
+        if _debug.ON:
+            self._poison_shared()
+
+    def _poison_shared(self) -> None:
+        """Debug mode: this freed unit's regions of the shared arenas it still owns (the next unit
+        of its slot writes them; Note [freed memory] 2 in `_debug.py`). Not the shared `gathered`,
+        where another unit's gather may be in flight, nor its reduce-scatter input, in flight too."""
+        full, stage = self.arenas["full"], self.arenas["stage"]
+        if full.shared and full.owner is self and full.allocated:
+            _debug.poison(self.full[self._rs_inp.numel() if full.reduce_input is self else 0 :])
+        if stage.shared and stage.owner is self and stage.allocated:
+            _debug.poison(self.stage)
 
     # -- gradients ----------------------------------------------------------------------------
     def norm_parts(self, replicas: int, replica_rank: int, total_world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -632,8 +674,12 @@ class FlatUnit:
                     _chunk_cat(sh, 1, out[: self.S_trained].view(1, -1))
                 else:
                     if self.reduce_in_full and in_full:
+                        # Note [freed memory] 3 in `_debug.py`: the full parameters are dead from here
+                        # on, and nothing fills the arena until the reduction is finished.
                         self.arenas["full"].claim(self)
                         self.arenas["full"].alloc()
+                        self.mark_stale()
+                        self.arenas["full"].reduce_input = self
                         inp = self._rs_in_full
                     else:
                         rs_in.alloc()
@@ -644,6 +690,7 @@ class FlatUnit:
                         _chunk_cat(sh, self.world, inp.view(self.world, -1))
                 del sh
             del grads  # the full gradients are spent: free them before the collectives allocate
+            self._rs_inp = inp
             if inp is not None:
                 works.append(C.reduce_scatter(out[: self.S_trained], inp, self.group, async_op=True, scratch=True))
             if self.R_trained and self.world > 1:
@@ -676,6 +723,12 @@ class FlatUnit:
         works, out, direct, accumulate, replicate = pending
         for w in works:
             C.wait(w, timeout)
+        if self._rs_inp is not None:  # spent: the arena it lives in may be filled again
+            if self.arenas["full"].reduce_input is self:
+                self.arenas["full"].reduce_input = None
+            if _debug.ON:
+                _debug.poison(self._rs_inp)
+            self._rs_inp = None
         if replicate is not None:
             return [[C.all_reduce(out, replicate, async_op=True)], out, direct, accumulate, None]
         if not direct:
@@ -686,6 +739,8 @@ class FlatUnit:
                     dst.add_(out.to(dst.device, non_blocking=False))
                 else:
                     dst.copy_(out)
+            if _debug.ON:
+                _debug.poison(out)  # `rs_out`, spent: the next reduction takes it
         return None
 
 

@@ -2,7 +2,9 @@
 
 The root unit is gathered for the whole call; each other unit is gathered when its forward starts
 and freed when it ends, so a rank never holds more than the root and one unit in full. The full
-tensors handed to the module are placeholders whose storage exists only while their unit runs.
+tensors handed to the module are placeholders whose storage exists only while their unit runs:
+nothing reads them after the unit's forward (Note [freed memory] 1 in `_debug.py`; in debug mode
+they are poisoned before each free).
 No gradient flows back to the DTensors (use `sf.gather` or a train step for that).
 """
 

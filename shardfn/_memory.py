@@ -9,7 +9,10 @@ than the copy that fills it, and they come back on every step. Asking the kernel
 huge pages (`madvise(MADV_HUGEPAGE)`) on such a buffer right after it is allocated, before it is
 touched, maps it 2 MB at a time, with a few hundred times fewer faults (`benchmarks/README.md` has
 the figures). Memory use is the same (the buffers are written whole), and it is still returned to
-the system when freed.
+the system when freed. The invariant (Note [freed memory] in `_debug.py`): the advice covers only
+the 2 MB-aligned inside of a storage just allocated, before anything is written to it, and
+`MADV_HUGEPAGE` keeps contents (it is not `MADV_DONTNEED`), so no tensor, a neighbour's included,
+can see it; debug mode checks the range.
 
 It applies where the kernel allows it: `/sys/kernel/mm/transparent_hugepage/enabled` set to
 `madvise` or `always` (with `always` it is the default anyway); elsewhere (`never`, other systems,
@@ -23,6 +26,8 @@ import ctypes
 import sys
 
 import torch
+
+from . import _debug
 
 __all__ = ["huge_pages", "HUGE_PAGES"]
 
@@ -60,5 +65,7 @@ def huge_pages(storage: torch.UntypedStorage) -> None:
     ptr = storage.data_ptr()
     lo = -(-ptr // _HUGE) * _HUGE
     hi = (ptr + n) // _HUGE * _HUGE
+    if _debug.ON:  # Note [freed memory] 5 in `_debug.py`: the advice stays inside this storage
+        _debug.check_advice(storage, lo, hi)
     if hi > lo and madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
         _madvise[0] = None  # not allowed here (e.g. THP disabled): stop asking

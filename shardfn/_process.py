@@ -30,6 +30,7 @@ returns inside a backward before it reads `_functorch._transforms`.
 | `_models.REGISTRY` | the live functionalized models (weakly held) | cache |
 | `_functorch._transforms` | the torch.func transforms `sf.gather` ran under, weakly held, read only in a forward to name a sharded leaf read directly | cache |
 | `_memory._madvise`, `HUGE_PAGES` | the madvise function found, huge pages on or off | cache, setting |
+| `_debug.ON` (from `SHARDFN_DEBUG`, kept in `_debug.ENV`), `_debug._UNITS` | the debug mode on or off (Note [freed memory]); every flat unit, weakly held, to name a freed one | setting, cache |
 | `_meta_init._state` | the construction being recorded under `sf.meta_device()` (thread-local: construction only, never a backward) | thread |
 | `_manual._LOCAL` | the `sf.shard_map` regions open on this thread (thread-local: read in a region's forward; its collectives' backwards hold their groups) | thread |
 | `torch.nn.functional.scaled_dot_product_attention` | torch's own: swapped for ring attention while a context-parallel step runs, put back after it (Note [context parallelism] in `_context.py`) | process |
@@ -38,20 +39,22 @@ returns inside a backward before it reads `_functorch._transforms`.
 | `_launch._BORN_ENV` | this process's environment when shardfn was imported: a rank tells from it what torch's launcher set since, and keeps that over its caller's environment (Note [warm ranks]) | process |
 | `_launch._WARM` | the process that started the warm server, and the environment it started with (Note [warm ranks]) | process |
 
-`reset()` puts back what one test may leave for the next: the counters, and models nobody holds.
-Process groups, the watch (whose failure flags pair with records in the job's store) and settings
+`reset()` puts back what one test may leave for the next: the counters, models nobody holds, and
+the debug mode as the environment set it (tests switch it with `_debug.enable`). Process groups, the watch (whose failure flags pair with records in the job's store) and settings
 stay (tests change settings only inside context managers that restore them).
 """
 
 from __future__ import annotations
 
-from . import _collectives, _functorch, _models
+from . import _collectives, _debug, _functorch, _models
 
 __all__ = ["reset"]
 
 
 def reset() -> None:
-    """Clears the collective counters and forgets models and transforms nobody holds."""
+    """Clears the collective counters, forgets models and transforms nobody holds, and puts the
+    debug mode back as the environment set it."""
     _collectives.STATS.reset()
+    _debug.enable(_debug.ENV)
     _models.REGISTRY.prune()
     _functorch._transforms[:] = [r for r in _functorch._transforms if _functorch._live(r)]

@@ -1,0 +1,161 @@
+"""Debug mode (`SHARDFN_DEBUG=1`, Note [freed memory] in shardfn/_debug.py): the same results as
+without it, and a read of a freed unit's parameters stopped with an error naming the unit."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardfn as sf
+from shardfn import _debug, _flat, _process
+from reference import OPT, global_batch, local_batch, make_loss_fn, make_model, units_of
+
+STEPS = 3
+
+CONFIGS = {
+    "full_shard": dict(strategy="full_shard"),
+    # one unit per block: the slot arenas are shared; every large leaf received in place
+    "full_shard_slots_in_place": dict(strategy="full_shard", group_bytes=0, small_segment=0),
+    "shard_grad_op": dict(strategy="shard_grad_op", group_bytes=0),
+    "no_shard": dict(strategy="no_shard"),
+    "remat": dict(strategy="full_shard", group_bytes=0, remat=True),
+    "accumulate": dict(strategy="full_shard", group_bytes=0, accumulation_steps=2),
+    "bf16_clip": dict(strategy="full_shard", group_bytes=0, mp=True, max_grad_norm=0.05),
+}
+
+
+def _train(cfg: dict, debug: bool) -> list[torch.Tensor]:
+    """This rank's parameter shards after STEPS steps of the test GPT, debug mode on or off."""
+    _debug.enable(debug)
+    cfg = dict(cfg)
+    old = _flat.SMALL_SEGMENT
+    _flat.SMALL_SEGMENT = cfg.pop("small_segment", old)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        strategy = cfg.pop("strategy")
+        mp = sf.MixedPrecision(torch.bfloat16, torch.float32) if cfg.pop("mp", False) else None
+        mesh = sf.mesh(replicate=2, shard=-1) if strategy == "hybrid_shard" else sf.mesh(dp=-1)
+        apply, params = sf.functionalize(make_model("gpt"), units=units_of("gpt"))
+        step = sf.train_step(make_loss_fn("gpt", apply), sf.optim.adamw(**OPT), mesh, strategy=strategy, mixed_precision=mp, **cfg)
+        state = step.init(params)
+        for i in range(STEPS):
+            state, _ = step(state, local_batch(global_batch("gpt", i, world, per_rank=2), rank, world))
+        return [p.to_local().clone() for p in optree.tree_leaves(state.params)]
+    finally:
+        _flat.SMALL_SEGMENT = old
+        _debug.enable(False)
+
+
+def rank_same_with_debug(names: list[str], hybrid: bool) -> dict[str, bool]:
+    """Per config: the shards after training with debug mode on equal, bit for bit, those without."""
+    out = {}
+    for name in names:
+        cfg = dict(strategy="hybrid_shard", group_bytes=0) if hybrid else CONFIGS[name]
+        off, on = _train(cfg, False), _train(cfg, True)
+        out[name] = len(off) == len(on) and all(torch.equal(a, b) for a, b in zip(off, on))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_debug_mode_changes_no_result(pools, world):
+    for result in pools(world).run(rank_same_with_debug, list(CONFIGS), False):
+        assert all(result.values()), result
+
+
+def test_debug_mode_changes_no_result_hybrid(pools):
+    for result in pools(4).run(rank_same_with_debug, ["hybrid_shard"], True):
+        assert all(result.values()), result
+
+
+# -- a planted use after free -------------------------------------------------------------------
+class Block(nn.Module):
+    """A block that keeps a reference to its own bias in its forward (a cache), and, when `other`
+    is set, adds the bias another block kept: a read of that block's freed parameters, whose add
+    saves nothing for the backward, so autograd never sees it."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.other: list = []  # [the block whose kept bias to read], outside the module tree
+        self.kept = None
+
+    def forward(self, x):
+        self.kept = self.lin.bias
+        h = torch.tanh(self.lin(x))
+        if self.other and READ_FREED[0]:
+            h = h + self.other[0].kept
+        return h
+
+
+READ_FREED = [False]
+
+
+def rank_use_after_free(debug: bool) -> tuple[str, list[bool]]:
+    """Trains a stack of blocks whose block 1 reads block 0's kept bias on the third step; returns
+    the error (or "") and whether each step's loss was finite."""
+    _debug.enable(debug)
+    READ_FREED[0] = False
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[Block(8) for _ in range(4)])
+        model[1].other.append(model[0])
+        apply, params = sf.functionalize(model, units=r"\d+")
+
+        def loss_fn(p, batch):
+            return apply(p, batch).pow(2).mean()
+
+        step = sf.train_step(loss_fn, sf.optim.sgd(0.1), sf.mesh(dp=-1), strategy="full_shard", group_bytes=0)
+        state = step.init(params)
+        finite = []
+        for i in range(4):
+            READ_FREED[0] = i == 2  # the slot arenas are planned after step 0: memory stays mapped
+            try:
+                state, m = step(state, torch.randn(4, 8, generator=torch.Generator().manual_seed(i)))
+            except _debug.UseAfterFreeError as e:
+                return str(e), finite
+            finite.append(bool(torch.isfinite(m["loss"])))
+        return "", finite
+    finally:
+        READ_FREED[0] = False
+        _debug.enable(False)
+
+
+def test_a_read_of_a_freed_unit_is_stopped_naming_it(pools):
+    for err, finite in pools(2).run(rank_use_after_free, True):
+        assert "unit '0'" in err and "freed" in err, err
+        assert finite == [True, True]  # nothing before the planted read went wrong
+
+
+def test_without_debug_mode_the_read_is_silent(pools):
+    # What debug mode is for: the same read computes on whatever the freed memory holds.
+    for err, finite in pools(2).run(rank_use_after_free, False):
+        assert err == "" and len(finite) == 4
+
+
+def test_reset_puts_back_the_environments_debug_mode():
+    _debug.enable(not _debug.ENV)
+    _process.reset()
+    assert _debug.enabled() is _debug.ENV
+
+
+def test_a_bad_environment_value_is_refused(monkeypatch):
+    monkeypatch.setenv("SHARDFN_DEBUG", "maybe")
+    with pytest.raises(ValueError, match="SHARDFN_DEBUG=1"):
+        _debug._from_env()
+    for value, on in [("1", True), ("0", False), ("", False), ("on", True)]:
+        monkeypatch.setenv("SHARDFN_DEBUG", value)
+        assert _debug._from_env() is on
+
+
+def test_poison_fills_without_moving_version_counters():
+    x = torch.arange(10, dtype=torch.float32)
+    v = x[2:5]
+    before = v._version
+    _debug.poison(v)
+    assert torch.isnan(x[2:5]).all() and not torch.isnan(x[:2]).any() and v._version == before
+    i = torch.zeros(4, dtype=torch.int32)
+    _debug.poison(i)
+    assert (i == int.from_bytes(b"\xa5" * 4, "little", signed=True)).all()
