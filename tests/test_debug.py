@@ -71,10 +71,25 @@ def test_debug_mode_changes_no_result_hybrid(pools):
 
 
 # -- a planted use after free -------------------------------------------------------------------
+class _KeptInContext(torch.autograd.Function):
+    """Doubles `x`; keeps `w` on its context (not `save_for_backward`, so autograd checks no version)
+    and reads it in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.w = w
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2 + ctx.w.sum(), None
+
+
 class Block(nn.Module):
     """A block that keeps a reference to its own bias in its forward (a cache), and, when `other`
-    is set, adds the bias another block kept: a read of that block's freed parameters, whose add
-    saves nothing for the backward, so autograd never sees it."""
+    is set, reads the bias another block kept: in its forward, an add, which saves nothing for the
+    backward, or in its backward, through a custom Function's context. Either way a read of that
+    block's freed parameters that autograd never sees."""
 
     def __init__(self, d: int):
         super().__init__()
@@ -86,22 +101,23 @@ class Block(nn.Module):
         self.kept = self.lin.bias
         h = torch.tanh(self.lin(x))
         if self.other and READ_FREED[0]:
-            h = h + self.other[0].kept
+            h = h + self.other[0].kept if READ_FREED[0] == "forward" else _KeptInContext.apply(h, self.other[0].kept)
         return h
 
 
-READ_FREED = [False]
+READ_FREED: list = [None]
 
 
-def rank_use_after_free(debug: bool) -> tuple[str, list[bool]]:
-    """Trains a stack of blocks whose block 1 reads block 0's kept bias on the third step; returns
-    the error (or "") and whether each step's loss was finite."""
+def rank_use_after_free(debug: bool, where: str = "forward") -> tuple[str, list[bool]]:
+    """Trains a stack of blocks, one of which reads block 0's kept bias on the third step (block 1 in
+    its forward, or block 3 in its backward, which comes before block 0's); returns the error (or "")
+    and whether each step's loss was finite."""
     _debug.enable(debug)
-    READ_FREED[0] = False
+    READ_FREED[0] = None
     try:
         torch.manual_seed(0)
         model = nn.Sequential(*[Block(8) for _ in range(4)])
-        model[1].other.append(model[0])
+        model[1 if where == "forward" else 3].other.append(model[0])
         apply, params = sf.functionalize(model, units=r"\d+")
 
         def loss_fn(p, batch):
@@ -111,7 +127,7 @@ def rank_use_after_free(debug: bool) -> tuple[str, list[bool]]:
         state = step.init(params)
         finite = []
         for i in range(4):
-            READ_FREED[0] = i == 2  # the slot arenas are planned after step 0: memory stays mapped
+            READ_FREED[0] = where if i == 2 else None  # slot arenas are planned after step 0: memory stays mapped
             try:
                 state, m = step(state, torch.randn(4, 8, generator=torch.Generator().manual_seed(i)))
             except _debug.UseAfterFreeError as e:
@@ -119,19 +135,21 @@ def rank_use_after_free(debug: bool) -> tuple[str, list[bool]]:
             finite.append(bool(torch.isfinite(m["loss"])))
         return "", finite
     finally:
-        READ_FREED[0] = False
+        READ_FREED[0] = None
         _debug.enable(False)
 
 
-def test_a_read_of_a_freed_unit_is_stopped_naming_it(pools):
-    for err, finite in pools(2).run(rank_use_after_free, True):
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_read_of_a_freed_unit_is_stopped_naming_it(pools, where):
+    for err, finite in pools(2).run(rank_use_after_free, True, where):
         assert "unit '0'" in err and "freed" in err, err
         assert finite == [True, True]  # nothing before the planted read went wrong
 
 
-def test_without_debug_mode_the_read_is_silent(pools):
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_without_debug_mode_the_read_is_silent(pools, where):
     # What debug mode is for: the same read computes on whatever the freed memory holds.
-    for err, finite in pools(2).run(rank_use_after_free, False):
+    for err, finite in pools(2).run(rank_use_after_free, False, where):
         assert err == "" and len(finite) == 4
 
 
