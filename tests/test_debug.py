@@ -59,9 +59,14 @@ def rank_same_with_debug(names: list[str], hybrid: bool) -> dict[str, bool]:
     return out
 
 
+# At world 3 (shards of uneven rows, p2p reduce-scatters with a scratch chunk) the configs that
+# reuse memory most; world 2 runs them all.
+AT_WORLD_3 = ["full_shard_slots_in_place", "remat", "accumulate", "bf16_clip"]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_debug_mode_changes_no_result(pools, world):
-    for result in pools(world).run(rank_same_with_debug, list(CONFIGS), False):
+    for result in pools(world).run(rank_same_with_debug, list(CONFIGS) if world == 2 else AT_WORLD_3, False):
         assert all(result.values()), result
 
 
