@@ -22,6 +22,7 @@ from ._named import all_gather, all_to_all, axis_index, axis_size, pmax, pmean, 
 from ._meta_init import meta_device
 from ._shard import gather, shard
 from ._rng import fold_rng
+from ._layouts import constrain
 from ._shard_map import shard_map
 from ._simulate import simulate
 from ._spec import P, specs
@@ -91,4 +92,5 @@ __all__ = [
     "train_step",
     "tree_paths",
     "value_and_grad",
+    "constrain",
 ]

@@ -11,6 +11,7 @@ plus clipping, the optimizer and donation; `sf.value_and_grad` is this core alon
 from __future__ import annotations
 
 import contextlib
+import weakref
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -25,6 +26,7 @@ from . import _collectives as C
 from . import _debug, _donate, _runtime, _watch
 from ._agree import Item, agree
 from ._compiled import CompiledUnits
+from ._layouts import ActivationSpecs
 from ._buffers import ModuleBuffers
 from ._engine import GROUP_BYTES, Engine, Policy, StaleParameterError, group_name, plan_groups
 from ._flat import STALE, FlatUnit, LeafSpec
@@ -160,7 +162,7 @@ class GradientCore:
                  mixed_precision: "MixedPrecision | None" = None, remat: Any = False, accumulation_steps: int = 1,
                  apply: Any = None, frozen: Any = None, offload: str | None = None, accumulation: str = "sharded",
                  group_bytes: int | None = None, keep_last_unit: bool = True, randomness: str = "per_rank",
-                 compile: dict | None = None):
+                 compile: dict | None = None, activation_specs: Any = None):
         if randomness not in RANDOMNESS:
             raise ValueError(
                 f"randomness must be one of {RANDOMNESS}, got {randomness!r}: 'per_rank' (each data-parallel rank draws its "
@@ -233,6 +235,8 @@ class GradientCore:
         self.off_schedule = False  # Note [steps off the unit schedule]
         self.compile = compile  # torch.compile options, or None (Note [compiled units] in `_compiled.py`)
         self.compiled: CompiledUnits | None = None
+        # Note [activation layouts] in `_layouts.py`: checked here, hooked at build.
+        self.layouts = ActivationSpecs(activation_specs) if activation_specs is not None else None
         self.group = mesh.get_group(self.shard_axis)
         self.replicate_group = mesh.get_group(self.replicate_axis) if self.replicate_axis else None
         self.shard_world = mesh.size(names.index(self.shard_axis))
@@ -281,6 +285,7 @@ class GradientCore:
         self.trained_index = [i for i, t in enumerate(trained) if t]  # their positions in the tree
         self.grads = optree.tree_unflatten(treespec, dt_grads)
         self._install_tp(info, paths, leaves)
+        self._install_layouts(info)
         self.engine.set_tree(treespec, paths, where)
         self._install_compiled(info)  # before remat: a compiled forward runs under remat's checkpoint
         self._install_remat(info)
@@ -576,6 +581,21 @@ class GradientCore:
                 weights.append(1.0 / copies)
         self._norm_weights = weights
         return segs, parts
+
+    def _install_layouts(self, info: Any) -> None:
+        """The hooks of `activation_specs` on the model's modules (Note [activation layouts])."""
+        if self.layouts is None:
+            return
+        if self.tp is None:
+            raise ValueError(
+                f"activation_specs lay activations out over a tensor-parallel axis, and this step's mesh has none (axes "
+                f"{tuple(self.mesh.mesh_dim_names or ())}): build a (dp, tp) mesh, e.g. sf.mesh(dp=2, tp=2), or leave "
+                "activation_specs out"
+            )
+        if info is None:
+            raise ValueError("activation_specs name modules: functionalize the model (sf.functionalize), or pass apply=")
+        ref = weakref.ref(self.tp)
+        self.layouts.install(info.module, self.mesh, self.data_axes, lambda: (t := ref()) is not None and t.active)
 
     def _install_compiled(self, info: Any) -> None:
         """The compiled forwards of the units, if `compile=` asked for them (Note [compiled units])."""

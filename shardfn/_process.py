@@ -27,6 +27,7 @@ returns inside a backward before it reads `_functorch._transforms`.
 | `_manual._GROUPS` | per mesh and axes named in `sf.shard_map` collectives: the process group over them | process groups |
 | `_checkpoint._background_group`, `_in_flight` | background saves' group, the save running | process groups, process |
 | `_watch._WATCH`, `WHERE`, `FAILED_HERE`, `TOLD`, `RETURNED`, `_STEP_FAILED`, `_LINGER`, `PG_TIMEOUT_S` | fail fast: the watch thread and the stores, where this rank is, whether it failed, was told of a failure or returned | process |
+| `_layouts._ASKING` | how many asked-for relayouts (`sf.constrain`, sequence parallelism's gathers) are moving data now: their gathers are no fallback | process |
 | `_models.REGISTRY` | the live functionalized models (weakly held) | cache |
 | `_functorch._transforms` | the torch.func transforms `sf.gather` ran under, weakly held, read only in a forward to name a sharded leaf read directly | cache |
 | `_memory._madvise`, `HUGE_PAGES` | the madvise function found, huge pages on or off | cache, setting |

@@ -106,6 +106,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _collectives as C
+from ._layouts import asked, gather_sequence
 from ._spec import P, _chunk
 
 __all__ = ["TensorParallel", "split_specs", "dp_dim", "state_spec", "local_part", "FallbackWarning"]
@@ -241,6 +242,8 @@ class TensorParallel:
         self._reported: set[tuple[str, str]] = set()
         self._handles: list[Any] = []
         self.running: list[str] = []  # the modules holding a split leaf whose forward is running, innermost last
+        self.sequence_gathers: dict = {}  # sequence parallelism's gathers, one per input (`_layouts.gather_sequence`)
+        self.active = False  # inside `context()`: the step's forward and backward, or its estimate
 
     def leaf(self, i: int, local: torch.Tensor) -> DTensor:
         """Leaf `i` as a DTensor on the tp mesh over its gathered shard `local` (a view, with autograd
@@ -279,6 +282,16 @@ class TensorParallel:
         x = C.redistribute(x, x.device_mesh, [Replicate()] * x.device_mesh.ndim, "the tensor-parallel forward")
         return x.to(dtype) if x.dtype != dtype else x
 
+    def scatter(self, g: DTensor, placements: tuple) -> DTensor:
+        """A partial gradient reduce-scattered onto `placements` (a sequence split: Note [activation
+        layouts] in `_layouts.py`), in `reduce_dtype` if set."""
+        self.stats["backward"] += 1
+        dtype = g.dtype
+        if self.reduce_dtype is not None and self.reduce_dtype != dtype:
+            g = g.to(self.reduce_dtype)
+        g = C.redistribute(g, g.device_mesh, list(placements), "sequence parallelism's reduce-scatter")
+        return g.to(dtype) if g.dtype != dtype else g
+
     @contextmanager
     def context(self, same_randomness: bool = True) -> Iterator[None]:
         """The context a forward and its backward run in: plain tensors count as replicated;
@@ -287,7 +300,11 @@ class TensorParallel:
         nothing, and `sf.estimate_memory` runs on one rank without its peers."""
         if same_randomness:
             self.same_randomness()
+        self.active, before = True, self.active
+        self.sequence_gathers.clear()
         with ExitStack() as stack:
+            stack.callback(setattr, self, "active", before)
+            stack.callback(self.sequence_gathers.clear)
             stack.enter_context(implicit_replication())
             stack.enter_context(_loss_parallel())
             stack.enter_context(_dropout_whole(self))
@@ -342,17 +359,27 @@ def _remove(handles: list) -> None:
 
 
 def _pre_hook(ref: Any, name: str):
-    def pre(mod: torch.nn.Module, args: tuple) -> None:
+    def pre(mod: torch.nn.Module, args: tuple) -> tuple | None:
         tp = ref()
-        if tp is not None:
-            tp.running.append(f"{name!r} ({type(mod).__name__})")
-        if tp is None or not torch.is_grad_enabled():
+        if tp is None:
             return None
-        for a in args:
-            if isinstance(a, DTensor) and a.requires_grad and not getattr(a, "_sf_tp_hooked", False):
-                a.register_hook(_grad_hook(ref))
-                a._sf_tp_hooked = True  # type: ignore[attr-defined]
-        return None
+        tp.running.append(f"{name!r} ({type(mod).__name__})")
+        # Sequence parallelism: an input split on its sequence is gathered whole first (Note
+        # [activation layouts] in `_layouts.py`); the gradient hook below then sits on the gather.
+        w = getattr(mod, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() == 2:  # a linear layer (nn.Linear, GPT-2's Conv1D): features last
+            gathered = tuple(gather_sequence(a, tp.sequence_gathers) for a in args)
+        else:
+            gathered = args
+        changed = any(g is not a for g, a in zip(gathered, args))
+        if torch.is_grad_enabled():
+            for a, was in zip(gathered, args):
+                if isinstance(a, DTensor) and a.requires_grad and not getattr(a, "_sf_tp_hooked", False):
+                    # A gathered sequence's partial gradient goes straight back to the sequence split:
+                    # one reduce-scatter (Megatron-SP), not an all-reduce and a slice.
+                    a.register_hook(_grad_hook(ref) if a is was else _grad_hook(ref, tuple(was.placements)))
+                    a._sf_tp_hooked = True  # type: ignore[attr-defined]
+        return gathered if changed else None
 
     return pre
 
@@ -403,10 +430,12 @@ class _WholeLocal(torch.autograd.Function):
         return DTensor(g.contiguous(), spec, requires_grad=False)
 
 
-def _grad_hook(ref: Any):
+def _grad_hook(ref: Any, split: tuple | None = None):
     def hook(g: torch.Tensor) -> torch.Tensor | None:
         tp = ref()
         if tp is not None and _partial(g):
+            if split is not None:
+                return tp.scatter(g, split)
             return tp.replicate(g, "backward")
         return None
 
@@ -1093,7 +1122,9 @@ class _GatherWatch(TorchDispatchMode):
             self.op = func
             return NotImplemented
         name = str(func)
-        if "c10d_functional" in name and "all_gather" in name:  # DTensor's; the engine's go through c10d
+        if "c10d_functional" in name and "all_gather" in name and not asked():  # DTensor's; the engine's go through c10d
             parents = [p for p in self.modules.parents if p != "Global"]
             self.tp.report(str(self.op), max(parents, key=len) if parents else "")
         return func(*args, **(kwargs or {}))
+
+

@@ -38,7 +38,7 @@ class TrainStep:
 
     def __init__(self, loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
                  apply=None, frozen=None, offload=None, accumulation="sharded", group_bytes=None, check_memory=None,
-                 keep_last_unit=True, compile=False, randomness="per_rank", batch_specs=None):
+                 keep_last_unit=True, compile=False, randomness="per_rank", batch_specs=None, activation_specs=None):
         compile = _compiled.compile_options(compile, "sf.train_step")  # Note [compiled units] in `_compiled.py`
         names = tuple(mesh.mesh_dim_names or ())
         if batch_specs is not None and "cp" not in names:
@@ -59,7 +59,7 @@ class TrainStep:
         self.core = GradientCore(
             loss_fn, mesh, specs, strategy, mixed_precision, remat, accumulation_steps,
             apply=apply, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
-            keep_last_unit=keep_last_unit, randomness=randomness, compile=compile,
+            keep_last_unit=keep_last_unit, randomness=randomness, compile=compile, activation_specs=activation_specs,
         )
         self.opt = opt
         self.max_grad_norm = max_grad_norm
@@ -311,6 +311,7 @@ def train_step(
     compile: bool | dict = False,
     randomness: str = "per_rank",
     batch_specs: Any = None,
+    activation_specs: Any = None,
 ) -> TrainStep:
     """Builds a sharded train step around `loss_fn(params, batch)`.
 
@@ -372,6 +373,11 @@ def train_step(
             tail chunk per cp rank) and runs `F.scaled_dot_product_attention` as exact ring
             attention over cp; parameters are sharded over dp and cp together. Pass global
             position ids in the batch (Note [context parallelism] in `shardfn/_context.py`).
+        activation_specs: on a (dp, tp) mesh, `[(regex, P), ...]`: the output of each module whose
+            dotted path matches (in full, the first rule winning) is laid out as its spec says
+            over tp, as `sf.constrain` would inside the model; `sf.rules.LLAMA_SP` is sequence
+            parallelism for Llama-like models (Note [activation layouts] in `shardfn/_layouts.py`).
+            A rule matching no module is a `ValueError` at `init`.
 
     Returns:
         A `TrainStep`: `state = step.init(params)`, then `state, metrics = step(state, batch)`.
@@ -385,5 +391,5 @@ def train_step(
         loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
         apply=apply, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
         check_memory=check_memory, keep_last_unit=keep_last_unit, compile=compile, randomness=randomness,
-        batch_specs=batch_specs,
+        batch_specs=batch_specs, activation_specs=activation_specs,
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ._spec import P, READY_RULES
 
-__all__ = ["LLAMA", "QWEN2", "MISTRAL", "GPT2", "GPT"]
+__all__ = ["LLAMA", "LLAMA_SP", "QWEN2", "MISTRAL", "GPT2", "GPT"]
 
 COLUMN = P("tp", None)  # an nn.Linear weight [out, in] split on its outputs
 ROW = P(None, "tp")  # ... split on its inputs: each rank computes a partial sum
@@ -33,6 +33,21 @@ LLAMA: list[tuple[str, P]] = [
     (r"lm_head\.weight", P("tp", None)),
 ]
 """Hugging Face Llama (`LlamaForCausalLM`): heads and key/value heads must divide by tp."""
+
+LLAMA_SP: list[tuple[str, P]] = [
+    *LLAMA,
+    # Activation specs: the residual stream split on the sequence over tp. The embedding's masked
+    # partial sum and the row-parallel layers' partial sums are reduce-scattered onto the sequence;
+    # the linear layers holding column-parallel leaves all-gather it back before they run.
+    (r".*embed_tokens", P(None, "tp")),
+    (r".*\.self_attn\.o_proj", P(None, "tp")),
+    (r".*\.mlp\.down_proj", P(None, "tp")),
+]
+"""Hugging Face Llama (Qwen2, Mistral) with sequence parallelism over tp: `LLAMA`'s rules for the
+parameters and the module rules for the activations, one list for both places,
+`sf.specs(params, mesh, rules=sf.rules.LLAMA_SP)` and `train_step(..., activation_specs=
+sf.rules.LLAMA_SP)` (each reads the rules of its kind: Note [activation layouts] in
+`shardfn/_layouts.py`)."""
 
 QWEN2: list[tuple[str, P]] = LLAMA
 """Hugging Face Qwen2: Llama's layout (its q/k/v biases split with their weights)."""
@@ -62,4 +77,4 @@ GPT: list[tuple[str, P]] = [
 ]
 """`shardfn.models.GPT`."""
 
-READY_RULES.update(rule for rules in (LLAMA, GPT2, GPT) for rule in rules)  # exempt in `sf.specs`' check of idle rules
+READY_RULES.update(rule for rules in (LLAMA, LLAMA_SP, GPT2, GPT) for rule in rules)  # exempt in `sf.specs`' check of idle rules

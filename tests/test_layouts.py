@@ -1,0 +1,182 @@
+"""Activation layouts (Note [activation layouts] in `shardfn/_layouts.py`): `sf.constrain` and a
+step's `activation_specs`, sequence parallelism from `sf.rules.LLAMA_SP`, against one process and
+against the same step without them; the collectives counted; refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import shardfn as sf
+from shardfn import _collectives as C
+from reference import rel_err
+
+pytest.importorskip("transformers", reason="the sequence-parallel cases train a tiny Hugging Face Llama")
+
+VOCAB, STEPS, LR = 64, 3, 0.5
+
+
+def _llama():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+                         attn_implementation="sdpa")
+    return tf.LlamaForCausalLM(cfg).float().train()
+
+
+def _ids(step: int, T: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (4, T), generator=torch.Generator().manual_seed(step))
+
+
+def rank_sequence_parallel(sp: bool, T: int) -> dict:
+    """3 SGD steps of the Llama on (dp=2, tp=2), with `LLAMA_SP` or without; the reference trains
+    the same model on the global batch in this process."""
+    mesh = sf.mesh(dp=2, tp=2)
+    dp = mesh.get_coordinate()[0]
+    model = _llama()
+    ref = copy.deepcopy(model)
+    seen: list = []
+    model.model.layers[0].register_forward_hook(lambda m, a, out: seen.append((tuple(out.to_local().shape), tuple(out.placements))))
+    apply, params = sf.functionalize(model, units=r"model\.layers\.\d+")
+    specs = sf.specs(params, mesh, rules=sf.rules.LLAMA_SP if sp else sf.rules.LLAMA, default=sf.P("dp"))
+
+    def loss_fn(p, ids):
+        return apply(p, input_ids=ids, labels=ids, use_cache=False).loss
+
+    # SGD with momentum: the gradients' own scale (AdamW would blow fp32 rounding of near-zero
+    # gradients up to a step of lr, in tp and without it alike).
+    step = sf.train_step(loss_fn, sf.optim.sgd(LR, momentum=0.9), mesh, specs=specs,
+                         activation_specs=sf.rules.LLAMA_SP if sp else None)
+    state = step.init(params)
+    ropt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    C.STATS.reset()
+    losses = []
+    for i in range(STEPS):
+        ids = _ids(i, T)
+        state, metrics = step(state, ids.chunk(2)[dp])
+        ropt.zero_grad()
+        rloss = ref(input_ids=ids, labels=ids, use_cache=False).loss
+        rloss.backward()
+        ropt.step()
+        losses.append(abs(metrics["loss"].item() - rloss.item()) / rloss.item())
+    calls, sent = dict(C.STATS.calls), dict(C.STATS.bytes_sent)
+    full = sf.to_state_dict(sf.gather(state.params), apply)
+    err = max(rel_err(full[k], v) for k, v in ref.state_dict().items())
+    ids = _ids(0, T).chunk(2)[dp]
+    est = sf.estimate_memory(step, params, batch=ids).peak
+    return dict(params=err, loss=max(losses), calls=calls, sent=sent, layer_out=seen[0], estimate=est)
+
+
+@pytest.mark.parametrize("T", [12, 11])
+def test_sequence_parallelism_is_exact_and_moves_as_megatron(pools, T):
+    """LLAMA_SP: equal to one process (and to tp without it); the decoder layers' outputs split on
+    the sequence (T/tp rows per rank, uneven for T=11); per step, the five partial sums of the
+    forward (embedding, o_proj and down_proj of two layers) reduce-scattered instead of
+    all-reduced, five all-gathers before the column-parallel layers (q/k/v read one), and in the
+    backward five all-gathers (of those reduce-scatters' gradients) and five reduce-scatters of
+    the gathered inputs' gradients instead of five all-reduces; the estimate smaller."""
+    plain = pools(4).run(rank_sequence_parallel, False, T)
+    sp = pools(4).run(rank_sequence_parallel, True, T)
+    for a, b in zip(plain, sp):
+        for r in (a, b):
+            assert r["params"] < 1e-5 and r["loss"] < 1e-5, r
+        assert b["layer_out"][1] == (torch.distributed.tensor.Shard(1),) and b["layer_out"][0][1] in (T // 2, (T + 1) // 2), b
+        assert a["layer_out"][0][1] == T, a
+        pa, ps = a["calls"], b["calls"]
+        assert ps.get("reduce_scatter", 0) - pa.get("reduce_scatter", 0) == 10 * STEPS, (pa, ps)
+        assert pa["all_reduce"] - ps["all_reduce"] == 10 * STEPS, (pa, ps)
+        assert ps.get("redistribute", 0) == 10 * STEPS, ps  # the gathers: five forward, five backward
+        assert b["estimate"] < a["estimate"], (a["estimate"], b["estimate"])
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(6, 16)
+        self.down = torch.nn.Linear(16, 6)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def rank_constrain() -> dict:
+    """`sf.constrain` inside `loss_fn` of a tp step: the activation's layout is the asked one, the
+    result equals the step without it; refusals."""
+    mesh = sf.mesh(dp=2, tp=2)
+    dp = mesh.get_coordinate()[0]
+    out: dict = {}
+    results = []
+    for constrained in (False, True):
+        torch.manual_seed(0)
+        net = _Net()
+        apply, params = sf.functionalize(net)
+        specs = sf.specs(params, mesh, rules=[(r"up\.weight", sf.P("tp", None)), (r"up\.bias", sf.P("tp")),
+                                              (r"down\.weight", sf.P(None, "tp"))], default=sf.P("dp"))
+        layouts: list = []
+
+        def loss_fn(p, x):
+            h = apply(p, x)
+            if constrained:
+                h = sf.constrain(h, sf.P("dp", "tp"))  # rows this rank's block over dp, the sequence over tp
+                layouts.append(tuple(h.placements))
+            return h.pow(2).mean()
+
+        step = sf.train_step(loss_fn, sf.optim.sgd(0.1), mesh, specs=specs)
+        state = step.init(params)
+        for i in range(2):
+            x = torch.randn(4, 8, 6, generator=torch.Generator().manual_seed(i))
+            state, _ = step(state, x.chunk(2)[dp])
+        results.append(sf.to_state_dict(sf.gather(state.params), apply))
+        if constrained:
+            out["layout"] = layouts[0]
+    out["same"] = max(rel_err(results[1][k], v) for k, v in results[0].items())
+
+    def refused(fn, kind=ValueError):
+        try:
+            fn()
+        except kind as e:
+            return str(e)
+        return "not refused"
+
+    x = torch.ones(2, 3)
+    out["outside"] = refused(lambda: sf.constrain(x, sf.P()))
+    flat = sf.mesh(dp=-1)
+    out["shard_map"] = refused(lambda: sf.shard_map(lambda b: sf.constrain(b, sf.P()), mesh=flat, in_specs=sf.P("dp"),
+                                                    out_specs=sf.P("dp"))(torch.ones(4, 2)))
+    seen: dict = {}
+
+    def probe(p, b):
+        seen["identity"] = sf.constrain(b, sf.P("dp")) is b
+        seen["axis"] = refused(lambda: sf.constrain(b, sf.P(None, "sp")))
+        seen["data_dim1"] = refused(lambda: sf.constrain(b, sf.P(None, "dp")), NotImplementedError)
+        return (b @ p["w"]).pow(2).mean()
+
+    probe_step = sf.train_step(probe, sf.optim.sgd(0.1), flat)
+    probe_step(probe_step.init({"w": torch.ones(3, 2)}), torch.ones(2, 3))
+    out.update(seen)
+    apply, params = sf.functionalize(_Net())
+    out["no_tp"] = refused(lambda: sf.train_step(lambda p, b: apply(p, b).sum(), sf.optim.sgd(0.1), flat,
+                                                 activation_specs=[(r"up", sf.P(None, "tp"))]).init(params))
+    apply, params = sf.functionalize(_Net())
+    specs = sf.specs(params, mesh, rules=[(r"up\.weight", sf.P("tp", None))], default=sf.P("dp"))
+    out["unmatched"] = refused(lambda: sf.train_step(lambda p, b: apply(p, b).sum(), sf.optim.sgd(0.1), mesh, specs=specs,
+                                                     activation_specs=[(r"mlp\.up", sf.P(None, "tp"))]).init(params))
+    out["not_pairs"] = refused(lambda: sf.train_step(lambda p, b: apply(p, b).sum(), sf.optim.sgd(0.1), mesh,
+                                                     activation_specs=sf.P(None, "tp")))
+    return out
+
+
+def test_constrain_lays_out_the_activation_and_changes_no_value(pools):
+    for r in pools(4).run(rank_constrain):
+        assert r["layout"] == (torch.distributed.tensor.Shard(1),), r["layout"]
+        assert r["same"] < 1e-6 and r["identity"] is True, r
+        assert "sf.shard" in r["outside"], r["outside"]
+        assert "inside sf.shard_map" in r["shard_map"], r["shard_map"]
+        assert r["axis"].startswith("sf.constrain: spec") and "'sp'" in r["axis"], r["axis"]
+        assert "sf.shard_map" in r["data_dim1"], r["data_dim1"]
+        assert "tensor-parallel axis" in r["no_tp"], r["no_tp"]
+        assert "['mlp\\\\.up'] match no module" in r["unmatched"], r["unmatched"]
+        assert "list of (regex, sf.P) pairs" in r["not_pairs"], r["not_pairs"]
