@@ -19,6 +19,11 @@ A unit's forward is wrapped once, innermost (under remat's checkpoint, Note [rem
 (`ModelInfo.compiling`, set for the step's forward and backward) and the module's own forward
 otherwise, so `apply` outside a step, and other steps of the same model, run eager.
 
+The units run eager where dynamo cannot follow: a step off the unit schedule (a backward inside
+`loss_fn`: the retry on the gathered tree), a `torch.func` transform called eagerly in `loss_fn`,
+and a unit holding another unit (only the innermost compile). Units that read a constant of their
+own are a graph each; dynamo's recompile limit is raised for the step's units.
+
 Not compiled yet: the step as one graph (collectives inside, bucketed by the compiler), tensor
 parallel and context parallel meshes (refused with `NotImplementedError`).
 
@@ -100,9 +105,32 @@ class CompiledUnits:
         self.first_call_s: list[float] = []  # wall time of each unit's first compiled call (its compile)
         self._logged = False
         names = info.unit_names or [""]
-        self.modules = [(name, info.module.get_submodule(name)) for name in names]
+        # A unit holding another runs that one's hooks (its gathers) inside: only the innermost compile.
+        inner = [n for n in names if not any(m != n and (n == "" or m.startswith(n + ".")) for m in names)]
+        self.modules = [(name, info.module.get_submodule(name)) for name in inner]
+        # Units differing in a constant their code reads (a layer index) are one graph each, under one
+        # code object: dynamo's recompile limit (8) must not stop a deep model at its ninth unit.
+        self.recompile_limit = max(8, 2 * len(self.modules) + 8)
+        self.paused = False
         for name, module in self.modules:
             _install(info, name, module)
+
+    def runs_compiled(self) -> bool:
+        """Whether the units run compiled now: not off the unit schedule (the step retried on the
+        gathered tree, Note [steps off the unit schedule] in `_core.py`), and not under a torch.func
+        transform called eagerly (a vmap or grad over the model's inputs), which dynamo does not trace."""
+        import torch
+
+        return not self.paused and not torch._C._are_functorch_transforms_active()
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """The units run eager in the block."""
+        before, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = before
 
     def forward_of(self, name: str, module: nn.Module, original: Any) -> Any:
         """The compiled forward of `module` (compiled on first use)."""
@@ -145,17 +173,25 @@ def _first_call_named(fn: Any, name: str, owner: CompiledUnits) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter() if first[0] else 0.0
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _dynamo_config().patch(recompile_limit=owner.recompile_limit):
                 # dynamo reads `.grad` of each graph input as it wraps it; the unit's parameters
                 # are views of its gathered buffer, not leaves, and torch warns of that read.
                 warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD, category=UserWarning)
                 out = fn(*args, **kwargs)
         except Exception as e:
+            if "is a view and is being modified inplace" in str(e):
+                raise ValueError(
+                    f"unit {name or '<root>'!r} modifies one of its inputs in place (e.g. x.add_(...) or an inplace "
+                    "activation on its input): shardfn detects the end of a unit's backward on its inputs, as FSDP2 "
+                    "does, so a unit must not modify them; use the out-of-place op (x = x + ...)"
+                ) from e
+            breaks = type(e).__name__ in ("Unsupported", "UserError") and owner.options.get("fullgraph", True)
             e.add_note(
                 f"shardfn: in unit {name or '<root>'!r}, compiled by the step's compile= option as "
                 f"torch.compile(forward, {', '.join(f'{k}={v!r}' for k, v in owner.options.items())}) "
-                "(Note [compiled units] in shardfn/_compiled.py). fullgraph=True refuses graph breaks: "
-                "compile={'fullgraph': False} allows them, compile=False runs eager"
+                "(Note [compiled units] in shardfn/_compiled.py)"
+                + (". fullgraph=True refuses graph breaks: compile={'fullgraph': False} allows them" if breaks else "")
+                + "; compile=False runs eager"
             )
             raise
         if first[0]:
@@ -164,6 +200,13 @@ def _first_call_named(fn: Any, name: str, owner: CompiledUnits) -> Any:
         return out
 
     return call
+
+
+def _dynamo_config() -> Any:
+    """torch._dynamo's config module (its recompile limit: docs/private-torch-apis.md)."""
+    import torch._dynamo
+
+    return torch._dynamo.config
 
 
 def _install(info: Any, name: str, module: nn.Module) -> None:
@@ -180,7 +223,7 @@ def _install(info: Any, name: str, module: nn.Module) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         model = ref()
         units = model.compiling if model is not None else None
-        if units is None:
+        if units is None or not units.runs_compiled():
             return current(*args, **kwargs)
         return units.forward_of(name, module, current)(*args, **kwargs)
 

@@ -784,7 +784,8 @@ class GradientCore:
         scale = 1.0 / k  # the gather's backward averages over the ranks
         loss_sum = None
         aux = None
-        with torch.enable_grad():
+        paused = self.compiled.pause() if self.compiled is not None else contextlib.nullcontext()
+        with torch.enable_grad(), paused:  # eager: a backward inside loss_fn (Note [compiled units])
             leaves = [x.detach().requires_grad_(t) for x, t in zip(self.dt_params, self.trained)]
             full = optree.tree_unflatten(self.treespec, [gather(x) for x in leaves])
             trained = [x for x, t in zip(leaves, self.trained) if t]

@@ -323,3 +323,78 @@ def test_compile_on_tensor_and_context_parallel_meshes_is_refused(pools):
     for r in pools(4).run(rank_compile_refusals):
         assert "tensor parallel" in r["tp"] and "leave compile=False" in r["tp"], r
         assert "cp axis" in r["cp"] and "compile=False" in r["cp"], r
+
+
+class _Res(torch.nn.Module):
+    def __init__(self, i: int = 0, inplace: bool = False):
+        super().__init__()
+        self.l1, self.i, self.inplace = torch.nn.Linear(8, 8), i, inplace
+
+    def forward(self, x):
+        if self.inplace:
+            return torch.relu_(x) + self.l1(x)
+        return x + torch.tanh(self.l1(x)) * (1.0 + 0.1 * self.i)  # reads a constant of its own
+
+
+def _run_small(loss_kind: str, compile, units=r"[1-9]\d*", blocks=2, constants=False, inplace=False, steps=3):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), *[_Res(i if constants else 0, inplace) for i in range(blocks)],
+                                torch.nn.Linear(8, 2))
+    if units == "nested":
+        model[1].sub = _Res()  # a unit inside a unit
+        model[1].forward = lambda x, m=model[1]: m.sub(x) + m.l1(x)
+        units = [r"1", r"1\.sub", r"[2-9]\d*"]
+    apply, params = sf.functionalize(model, units=units)
+
+    def loss_fn(p, b):
+        x, y = b
+        if loss_kind == "penalty":  # a gradient penalty: a backward inside loss_fn
+            x = x.clone().requires_grad_(True)
+            out = apply(p, x)
+            (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            return torch.nn.functional.mse_loss(out, y) + 0.1 * gx.pow(2).mean()
+        if loss_kind == "vmap":  # a vmap over the inputs, eager around the model
+            return torch.func.vmap(lambda r: apply(p, r[None]).pow(2).mean())(x).mean()
+        return torch.nn.functional.mse_loss(apply(p, x), y)
+
+    step = sf.train_step(loss_fn, sf.optim.adamw(1e-2), sf.mesh(dp=-1), compile=compile)
+    state = step.init(params)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        state, _ = step(state, (torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)))
+    return sf.gather(state.params)
+
+
+@pytest.mark.parametrize("case", ["penalty", "vmap", "nested", "constants"])
+def test_compiled_units_where_the_step_leaves_the_schedule_or_units_differ(case):
+    """A backward inside loss_fn (the step retries on the gathered tree, eager) and a vmap over
+    the inputs run the units eager; with units nested in units only the innermost compile; twelve
+    blocks that read a constant of their own compile as twelve graphs, past dynamo's recompile
+    limit of 8; every one equal to the eager step."""
+    import warnings
+
+    kw = dict(nested=dict(units="nested"), constants=dict(blocks=12, constants=True)).get(case, {})
+    loss_kind = case if case in ("penalty", "vmap") else "mse"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning)
+        counters = _fresh_dynamo()
+        eager = _run_small(loss_kind, False, **kw)
+        compiled = _run_small(loss_kind, {"backend": "aot_eager"}, **kw)
+        graphs, breaks = _graphs(counters)
+    from reference import rel_err
+
+    assert max(rel_err(a, b) for a, b in zip(optree.tree_leaves(compiled), optree.tree_leaves(eager))) < 1e-6
+    assert breaks == 0
+    if case == "constants":
+        assert graphs == 13, graphs  # the 12 blocks and the last Linear (unit "13")
+
+
+def test_a_unit_writing_its_input_in_place_is_refused_compiled_as_eager():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning)
+        _fresh_dynamo()
+        for compile in (False, {"backend": "aot_eager"}):
+            with pytest.raises(ValueError, match="modifies one of its inputs in place"):
+                _run_small("mse", compile, inplace=True, steps=1)
