@@ -11,7 +11,6 @@ plus clipping, the optimizer and donation; `sf.value_and_grad` is this core alon
 from __future__ import annotations
 
 import contextlib
-import weakref
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -594,8 +593,8 @@ class GradientCore:
             )
         if info is None:
             raise ValueError("activation_specs name modules: functionalize the model (sf.functionalize), or pass apply=")
-        ref = weakref.ref(self.tp)
-        self.layouts.install(info.module, self.mesh, self.data_axes, lambda: (t := ref()) is not None and t.active)
+        self.layouts.install(info.module, self.mesh, self.data_axes)
+        self.tp.layouts = self.layouts
 
     def _install_compiled(self, info: Any) -> None:
         """The compiled forwards of the units, if `compile=` asked for them (Note [compiled units])."""

@@ -587,7 +587,11 @@ def _tensor_parallel(core, info, paths, leaves):
     `step.init` would (taken off after the run); and whether it is the estimate's own."""
     if core.tp is not None or core.tp_axis is None:
         return core.tp, False
-    return core.make_tp(info, paths, leaves), True
+    tp = core.make_tp(info, paths, leaves)
+    if core.layouts is not None and info is not None:  # the step's activation layouts (Note [activation layouts])
+        core.layouts.install(info.module, core.mesh, core.data_axes)
+        tp.layouts = core.layouts
+    return tp, True
 
 
 # -- the plan of one step ---------------------------------------------------------------------------

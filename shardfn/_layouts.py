@@ -222,11 +222,15 @@ class ActivationSpecs:
             except re.error as e:
                 raise ValueError(f"activation_specs: {pattern!r} is not a regular expression: {e}") from None
         self._handles: list = []
+        self._on: set[int] = set()  # ids of the modules hooked
+        self.running = 0  # inside a tensor-parallel context of the step (`_tp.TensorParallel.context`)
 
-    def install(self, module: torch.nn.Module, mesh: DeviceMesh, data_axes: Sequence[str], active: Any) -> None:
-        """Hooks every module whose path a rule matches (refusing rules that match none, and specs
-        that do not fit the mesh); `active()` says whether the step is running (its forward, its
-        backward's recomputes, or its memory estimate), outside which the hooks do nothing."""
+    def install(self, module: torch.nn.Module, mesh: DeviceMesh, data_axes: Sequence[str]) -> None:
+        """Hooks every module whose path a rule matches, once (refusing rules that match none, and
+        specs that do not fit the mesh). The hooks act while `running`: the step's forward, its
+        backward's recomputes, and its memory estimate's meta run; elsewhere they do nothing."""
+        if id(module) in self._on:
+            return
         tp = _tp_axis(mesh, data_axes)
         used: set[str] = set()
         for name, mod in module.named_modules():
@@ -234,7 +238,7 @@ class ActivationSpecs:
                 if rx.fullmatch(name):
                     used.add(pattern)
                     _check(spec, 64, data_axes, tp, f"activation_specs rule {pattern!r}")
-                    self._handles.append(mod.register_forward_hook(_layout_hook(name, spec, active), prepend=True))
+                    self._handles.append(mod.register_forward_hook(_layout_hook(name, spec, weakref.ref(self)), prepend=True))
                     break
         # A ready list (`sf.rules.LLAMA_SP`) holds the parameters' rules too: those are `sf.specs`' to check.
         unused = [p for _, p, spec in self.rules if p not in used and (p, spec) not in READY_RULES]
@@ -244,6 +248,7 @@ class ActivationSpecs:
                 f"activation_specs: {unused} match no module of the model (patterns match dotted module paths in full, "
                 f"e.g. 'model.layers.0.mlp.down_proj'); fix the pattern (a '.*' prefix?) or drop the rule"
             )
+        self._on.add(id(module))
         weakref.finalize(self, _remove, list(self._handles))
 
     def remove(self) -> None:
@@ -257,9 +262,10 @@ def _remove(handles: list) -> None:
         h.remove()
 
 
-def _layout_hook(name: str, spec: P, active: Any):
+def _layout_hook(name: str, spec: P, ref: Any):
     def hook(mod: torch.nn.Module, args: tuple, out: Any) -> Any:
-        if not active():
+        owner = ref()
+        if owner is None or not owner.running:
             return None  # outside the step (apply on its own, another step): as the module computes
         if isinstance(out, torch.Tensor):
             return constrain(out, spec)

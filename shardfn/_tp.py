@@ -243,7 +243,7 @@ class TensorParallel:
         self._handles: list[Any] = []
         self.running: list[str] = []  # the modules holding a split leaf whose forward is running, innermost last
         self.sequence_gathers: dict = {}  # sequence parallelism's gathers, one per input (`_layouts.gather_sequence`)
-        self.active = False  # inside `context()`: the step's forward and backward, or its estimate
+        self.layouts: Any = None  # the step's `activation_specs` (`_layouts.ActivationSpecs`), acting inside `context()`
 
     def leaf(self, i: int, local: torch.Tensor) -> DTensor:
         """Leaf `i` as a DTensor on the tp mesh over its gathered shard `local` (a view, with autograd
@@ -300,10 +300,11 @@ class TensorParallel:
         nothing, and `sf.estimate_memory` runs on one rank without its peers."""
         if same_randomness:
             self.same_randomness()
-        self.active, before = True, self.active
         self.sequence_gathers.clear()
         with ExitStack() as stack:
-            stack.callback(setattr, self, "active", before)
+            if self.layouts is not None:
+                self.layouts.running += 1
+                stack.callback(setattr, self.layouts, "running", self.layouts.running - 1)
             stack.callback(self.sequence_gathers.clear)
             stack.enter_context(implicit_replication())
             stack.enter_context(_loss_parallel())
