@@ -205,6 +205,13 @@ class _Leave(torch.autograd.Function):
     def jvp(ctx, tangent: torch.Tensor, *_: None) -> DTensor:  # type: ignore[override]
         return _Leave.apply(tangent, ctx.spec, ctx.mesh, ctx.shape)
 
+    @staticmethod
+    def vmap(info, in_dims, block, spec, mesh, shape):  # type: ignore[override]
+        if in_dims[0] is None:
+            return _Leave.apply(block, spec, mesh, shape), None
+        b = block.movedim(in_dims[0], 0)
+        return _Leave.apply(b, P(None, *spec), mesh, (b.shape[0], *shape)), 0
+
 
 class _Block(torch.autograd.Function):
     """A DTensor (or a full tensor, the same on every rank) -> this rank's block under `spec`
@@ -231,6 +238,13 @@ class _Block(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, tangent: Any, *_: None) -> torch.Tensor:  # type: ignore[override]
         return _Block.apply(tangent, ctx.spec, ctx.mesh, ctx.shape)
+
+    @staticmethod
+    def vmap(info, in_dims, grad, spec, mesh, shape):  # type: ignore[override]
+        if in_dims[0] is None:
+            return _Block.apply(grad, spec, mesh, shape), None
+        g = grad.movedim(in_dims[0], 0)
+        return _Block.apply(g, P(None, *spec), mesh, (g.shape[0], *shape)), 0
 
 
 def _enter(x: Any, spec: Any, mesh: DeviceMesh, path: str, reg: Region, outer: "Region | None") -> Any:

@@ -546,6 +546,18 @@ def rank_refusals_and_vmap() -> dict:
         res["nested"] = "not refused"
     except ValueError as e:
         res["nested"] = str(e)
+    # vmap around the shard_map (the batch a dim of its own in every block), and jacrev (a vmap
+    # over the cotangents), against the global function
+    g3 = sf.shard_map(lambda b: sf.psum(b.sin(), "dp") * b, mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P("dp"))
+    xs = torch.randn(3, W * 2, 4, generator=torch.Generator().manual_seed(8))
+
+    def glob(r):  # the global function: every row block times the sum over blocks of sin
+        return r.reshape(W, 2, 4).sin().sum(0).repeat(W, 1) * r
+
+    ys = torch.func.vmap(g3)(xs)
+    res["vmap_outside"] = (tuple(ys.placements), rel_err(ys.full_tensor(), torch.stack([glob(r) for r in xs])))
+    jac = torch.func.jacrev(lambda r: sf.gather(g3(r)).sum(0))(xs[0])
+    res["jacrev"] = rel_err(jac, torch.func.jacrev(lambda r: glob(r).sum(0))(xs[0]))
     mine = torch.zeros(3)
     sf.shard_map(lambda b: b.add_(1), mesh=mesh, in_specs=sf.P(), out_specs=sf.P())(mine)
     res["caller_kept"] = mine.tolist()
@@ -596,5 +608,7 @@ def test_refusals_vmap_and_second_derivatives(pools, world):
         assert r["view_write_ok"] == (2 * world, 2), r["view_write_ok"]
         assert "already varies over ['dp']" in r["nested"], r["nested"]
         assert r["caller_kept"] == [0.0, 0.0, 0.0], r["caller_kept"]  # the block was a copy
+        assert r["vmap_outside"][0] == (torch.distributed.tensor.Shard(1),) and r["vmap_outside"][1] < 1e-6, r["vmap_outside"]
+        assert r["jacrev"] < 1e-6, r["jacrev"]
         assert r["vmap"] < 1e-5, r["vmap"]
         assert r["hvp"] < 1e-5, r["hvp"]
