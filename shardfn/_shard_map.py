@@ -143,10 +143,15 @@ class _Assemble(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, block, spec, mesh, shape):  # type: ignore[override]
-        if in_dims[0] is None:
-            return _Assemble.apply(block, spec, mesh, shape), None
-        b = block.movedim(in_dims[0], 0)
-        return _Assemble.apply(b, P(None, *spec), mesh, (b.shape[0], *shape)), 0
+        return _vmapped(_Assemble, in_dims, block, spec, mesh, shape)
+
+
+def _vmapped(f: Any, in_dims: tuple, x: torch.Tensor, spec: P, mesh: DeviceMesh, shape: tuple) -> tuple:
+    """`f` (a block <-> tensor move) under vmap: the batch as a dim of its own, first, unsplit."""
+    if in_dims[0] is None:
+        return f.apply(x, spec, mesh, shape), None
+    b = x.movedim(in_dims[0], 0)
+    return f.apply(b, P(None, *spec), mesh, (b.shape[0], *shape)), 0
 
 
 def _grad_placements(placements: tuple) -> tuple:
@@ -207,10 +212,7 @@ class _Leave(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, block, spec, mesh, shape):  # type: ignore[override]
-        if in_dims[0] is None:
-            return _Leave.apply(block, spec, mesh, shape), None
-        b = block.movedim(in_dims[0], 0)
-        return _Leave.apply(b, P(None, *spec), mesh, (b.shape[0], *shape)), 0
+        return _vmapped(_Leave, in_dims, block, spec, mesh, shape)
 
 
 class _Block(torch.autograd.Function):
@@ -241,10 +243,7 @@ class _Block(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, grad, spec, mesh, shape):  # type: ignore[override]
-        if in_dims[0] is None:
-            return _Block.apply(grad, spec, mesh, shape), None
-        g = grad.movedim(in_dims[0], 0)
-        return _Block.apply(g, P(None, *spec), mesh, (g.shape[0], *shape)), 0
+        return _vmapped(_Block, in_dims, grad, spec, mesh, shape)
 
 
 def _enter(x: Any, spec: Any, mesh: DeviceMesh, path: str, reg: Region, outer: "Region | None") -> Any:
