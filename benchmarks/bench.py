@@ -91,7 +91,11 @@ NAMES = {
     "shardfn_no_shard": "shardfn no_shard",
     "fsdp2": "FSDP2",
     "ddp": "DDP",
+    "shardfn_compile": "shardfn full_shard compile=True",
+    "fsdp2_compile": "FSDP2 + per-block torch.compile",
+    "ddp_compile": "DDP + torch.compile",
 }
+COMPILED = ("shardfn_compile", "fsdp2_compile", "ddp_compile")  # Inductor (C++ on CPU); the first step compiles
 STRATEGY = {"shardfn": "full_shard", "shardfn_no_shard": "no_shard"}
 
 
@@ -167,14 +171,14 @@ def _functional(model: str, cfg: dict):
 
 
 class _Shardfn(_Impl):
-    def __init__(self, model: str, cfg: dict, strategy: str):
+    def __init__(self, model: str, cfg: dict, strategy: str, compile: bool = False):
         import shardfn as sf
 
         self.kind = "shardfn"
         apply, params, loss_fn = _functional(model, cfg)
         mesh = sf.mesh(dp=-1)
         opt = sf.optim.adamw(cfg["lr"], weight_decay=cfg["weight_decay"])
-        self.ts = sf.train_step(loss_fn, opt, mesh, strategy=strategy, remat=cfg["remat"], apply=apply)
+        self.ts = sf.train_step(loss_fn, opt, mesh, strategy=strategy, remat=cfg["remat"], apply=apply, compile=compile)
         self.state = self.ts.init(params)
         del params
 
@@ -184,7 +188,7 @@ class _Shardfn(_Impl):
 
 
 class _Torch(_Impl):
-    def __init__(self, model: str, cfg: dict, kind: str, comm_hook=None):
+    def __init__(self, model: str, cfg: dict, kind: str, comm_hook=None, compile: bool = False):
         import torch
         import torch.distributed as dist
 
@@ -196,6 +200,9 @@ class _Torch(_Impl):
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            if compile:  # torchtitan's recipe: each block compiled whole, then sharded (FSDP2's hooks stay eager)
+                for i, block in enumerate(net.blocks):
+                    net.blocks[i] = torch.compile(block, fullgraph=True)
             for block in net.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(net, mesh=mesh)
@@ -211,6 +218,8 @@ class _Torch(_Impl):
             if comm_hook is not None:
                 self.net.register_comm_hook(*comm_hook)
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"], fused=True)
+        if compile and kind == "ddp":  # DDP + torch.compile: dynamo splits the graph at DDP's buckets
+            self.net = torch.compile(self.net)
 
     def step(self, batch):
         x, y = batch
@@ -247,6 +256,10 @@ def _make(impl: str, model: str, cfg: dict, **kw) -> _Impl:
         return _ShardfnByHand(model, cfg)
     if impl in STRATEGY:
         return _Shardfn(model, cfg, STRATEGY[impl])
+    if impl == "shardfn_compile":
+        return _Shardfn(model, cfg, "full_shard", compile=True)
+    if impl in COMPILED:
+        return _Torch(model, cfg, impl.removesuffix("_compile"), compile=True, **kw)
     return _Torch(model, cfg, impl, **kw)
 
 
@@ -394,7 +407,7 @@ def profile(model: str, impl: str, cfg: dict) -> dict:
         out["shard_numels"] = [t.numel() for t in local if t.numel()]
     del it, batches
     gc.collect()
-    if impl == "ddp":
+    if impl in ("ddp", "ddp_compile"):
         # DDP's reducer all-reduces its buckets from C++; a comm hook sees every bucket it sends.
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -408,7 +421,7 @@ def profile(model: str, impl: str, cfg: dict) -> dict:
                 state["buckets"] += 1
             return default_hooks.allreduce_hook(None, bucket)
 
-        d = _make("ddp", model, cfg, comm_hook=(seen, hook))
+        d = _make(impl, model, cfg, comm_hook=(seen, hook))
         d.step(_batch(model, cfg, 0, rank))  # the first step rebuilds the buckets
         seen["count"] = True
         d.step(_batch(model, cfg, 1, rank))
@@ -443,18 +456,21 @@ def run_round(model: str, impl: str, warmup: int, steps: int, cfg: dict) -> dict
 
     rank = dist.get_rank()
     it = _IMPLS[impl]
-    times, losses = [], []
+    times, losses, first = [], [], None
     for i in range(warmup + steps):
         b = _batch(model, cfg, _STEP[impl], rank)
+        is_first = _STEP[impl] == 0
         _STEP[impl] += 1
         dist.barrier()
         t0 = time.perf_counter()
         loss = it.step(b)
         t1 = time.perf_counter()
         losses.append(float(loss))
+        if is_first:
+            first = t1 - t0  # a compiled implementation's compile is in it
         if i >= warmup:
             times.append(t1 - t0)
-    return dict(times=times, losses=losses)
+    return dict(times=times, losses=losses, first=first)
 
 
 def teardown() -> None:
@@ -640,7 +656,8 @@ def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=MODELS, help="comma-separated: mlp,gpt,deep")
     p.add_argument("--world", type=int, default=WORLD)
-    p.add_argument("--impls", default=IMPLS, help="comma-separated: shardfn,shardfn_vg,shardfn_no_shard,fsdp2,ddp")
+    p.add_argument("--impls", default=IMPLS, help="comma-separated: shardfn,shardfn_vg,shardfn_no_shard,fsdp2,ddp, "
+                   "and compiled: shardfn_compile,fsdp2_compile,ddp_compile")
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--warmup", type=int, default=WARMUP)
@@ -727,10 +744,10 @@ def main() -> None:
             r["profile"] = out
             r["growth_mb"] = max(o["growth_mb"] for o in out)
             r["hwm_mb"] = max(o["hwm_mb"] for o in out)
-            if impl in STRATEGY or impl == "shardfn_vg":
+            if impl in STRATEGY or impl in ("shardfn_vg", "shardfn_compile"):
                 r["sent_mb"] = max(o["sf_bytes_per_step"] for o in out) / 1e6
                 r["sent_how"] = "shardfn STATS"
-            elif impl == "ddp":
+            elif impl in ("ddp", "ddp_compile"):
                 r["sent_mb"] = max(o["ddp_hook_bytes_per_step"] + o["py_bytes_per_step"] for o in out) / 1e6
                 r["sent_how"] = (f"comm hook: {out[0]['ddp_buckets_per_step']} bucket(s) all-reduced "
                                  f"(+ Python-visible: {out[0]['py_names'] or 'none'})")
@@ -755,6 +772,8 @@ def main() -> None:
                     r.setdefault("round_medians", []).append(_median(step_max))
                     mean_loss = [sum(ls) / W for ls in zip(*(o["losses"] for o in out))]
                     r.setdefault("losses", []).extend(mean_loss)
+                    if out[0]["first"] is not None:
+                        r["first_ms"] = 1000 * max(o["first"] for o in out)
                     bar.update(args.warmup + args.steps, f"{model}: round {rnd + 1}/{args.rounds} {impl}")
                 # 3. The floor of each shardfn strategy, in the same rounds (so the same noise hits it).
                 for impl in sf_impls:
@@ -802,6 +821,20 @@ def _report(args, res, floors, notes, profiles, wall) -> None:
             print(f"| {model.upper()} | {NAMES[impl]} | {_fmt(r['median_ms'])} | {_fmt(r['growth_mb'])} | "
                   f"{_fmt(r['hwm_mb'])} | {_fmt(r['sent_mb'], 1)} | {ratio('median_ms', f)} | {ratio('median_ms', d)} | "
                   f"{mem(f)} | {mem(d)} |")
+    compiled = [(m, i) for m, rows in res.items() for i in rows if i in COMPILED]
+    if compiled:
+        print()
+        print("Compiled against eager (Inductor): the first step (compiling, max over ranks), and the "
+              "eager step / compiled step speed-up of each pair.")
+        print()
+        print("| model | implementation | first step s | median step ms | eager / compiled |")
+        print("|---|---|---:|---:|---:|")
+        for model, impl in compiled:
+            rows = res[model]
+            eager = rows.get(impl.removesuffix("_compile") if impl != "shardfn_compile" else "shardfn")
+            speed = _fmt(eager["median_ms"] / rows[impl]["median_ms"], 2) if eager is not None else "-"
+            print(f"| {model.upper()} | {NAMES[impl]} | {_fmt(rows[impl].get('first_ms', float('nan')) / 1000, 1)} | "
+                  f"{_fmt(rows[impl]['median_ms'])} | {speed} |")
     print()
     print("Per-round median step ms (noise check):")
     print()
