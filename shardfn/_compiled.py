@@ -159,7 +159,12 @@ class CompiledUnits:
         before = self.info.compiling
         self.info.compiling = self
         try:
-            yield
+            # Once per step, not per unit call: dynamo reads `.grad` of each graph input as it
+            # wraps it, and the unit's parameters are views of its gathered buffer, not leaves
+            # (torch warns of that read); and the recompile limit raised for the step's units.
+            with warnings.catch_warnings(), _dynamo_config().patch(recompile_limit=self.recompile_limit):
+                warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD, category=UserWarning)
+                yield
         finally:
             self.info.compiling = before
         self.log_compile_time()
@@ -173,11 +178,7 @@ def _first_call_named(fn: Any, name: str, owner: CompiledUnits) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter() if first[0] else 0.0
         try:
-            with warnings.catch_warnings(), _dynamo_config().patch(recompile_limit=owner.recompile_limit):
-                # dynamo reads `.grad` of each graph input as it wraps it; the unit's parameters
-                # are views of its gathered buffer, not leaves, and torch warns of that read.
-                warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD, category=UserWarning)
-                out = fn(*args, **kwargs)
+            out = fn(*args, **kwargs)  # under `active()`: its warning filter and recompile limit
         except Exception as e:
             if "is a view and is being modified inplace" in str(e):
                 raise ValueError(
