@@ -194,9 +194,12 @@ def test_compiled_units_equal_the_eager_step(pools, strategy, case):
 
 
 def test_compiled_units_with_inductor_equal_the_eager_step(pools):
-    """The same with Inductor's C++ code (its kernels fuse and reorder: fp32 rounding only)."""
+    """The same with Inductor's C++ code. Its kernels fuse and reorder fp32 sums, by the vector width
+    of the machine's CPU, and AdamW's normalized update carries that rounding into the parameters:
+    1.27e-5 on one machine, under 1e-5 on another; a wrong gradient or a stale parameter is 1e-3 or
+    more. The loss stays within 1e-5."""
     for r in pools(2).run(rank_compiled_against_eager, "full_shard", "plain", "inductor"):
-        assert r["params"] < 1e-5 and r["loss"] < 1e-5, r
+        assert r["params"] < 3e-5 and r["loss"] < 1e-5, r
         assert r["breaks"] == 0 and r["graphs"] == 1, r
 
 
