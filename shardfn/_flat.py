@@ -569,17 +569,7 @@ class FlatUnit:
             if not self.arenas[name].shared:
                 self.arenas[name].release()
         if _debug.ON:
-            self._poison_shared()
-
-    def _poison_shared(self) -> None:
-        """Debug mode: this freed unit's regions of the shared arenas it still owns (the next unit
-        of its slot writes them; Note [freed memory] 2 in `_debug.py`). Not the shared `gathered`,
-        where another unit's gather may be in flight, nor its reduce-scatter input, in flight too."""
-        full, stage = self.arenas["full"], self.arenas["stage"]
-        if full.shared and full.owner is self and full.allocated:
-            _debug.poison(self.full[self._rs_inp.numel() if full.reduce_input is self else 0 :])
-        if stage.shared and stage.owner is self and stage.allocated:
-            _debug.poison(self.stage)
+            _poison_shared(self)
 
     # -- gradients ----------------------------------------------------------------------------
     def norm_parts(self, replicas: int, replica_rank: int, total_world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -685,7 +675,7 @@ class FlatUnit:
                         rs_in.alloc()
                         inp = rs_in.base[: self.world * self.S_trained]
                     if self._sh_trained_k:
-                        self._chunks_k(grads, sh, inp.view(self.world, -1))
+                        _chunks_k(self, grads, sh, inp.view(self.world, -1))
                     else:
                         _chunk_cat(sh, self.world, inp.view(self.world, -1))
                 del sh
@@ -696,27 +686,6 @@ class FlatUnit:
             if self.R_trained and self.world > 1:
                 works.append(C.all_reduce(rep, self.group, async_op=True))
         return [works, out, direct, accumulate, self.replicate_group]
-
-    def _chunks_k(self, grads: dict, sh: list, inp: torch.Tensor) -> None:
-        """The rank-major reduce-scatter input (W, S_t) of a unit with leaves split on another dim
-        than 0: `_chunk_cat` lays out the dim-0 leaves and zeros the others' segments, then one copy
-        per rank's chunk fills those (Note [leaves split on another dim])."""
-        W, base = self.world, self.S_frozen
-        segs = self.segments
-        # A stand-in of one row of seg_numel zeros takes a leaf's place: chunked in W it is one row
-        # for rank 0 and padding (zeros) for the others. Contiguous, in the gradients' dtype, so
-        # `_chunk_cat` keeps its fast path.
-        zeros = torch.zeros(max(segs[i].seg_numel for i in self._sh_trained_k), dtype=sh[0].dtype, device=inp.device)
-        stand_in = {i: zeros[: segs[i].seg_numel].view(1, segs[i].seg_numel) for i in self._sh_trained_k}
-        _chunk_cat([stand_in.get(i, g) for i, g in zip(self._sh_trained, sh)], W, inp)
-        dst, src = [], []
-        for i in self._sh_trained_k:
-            s, g = segs[i], grads[i].contiguous()
-            for r, first, width in s.rank_chunks(W):
-                dst.append(s.as_3d(inp[r, s.offset - base : s.offset - base + width * s.row_numel], width))
-                src.append(s.as_3d(g)[:, first : first + width])
-        if dst:
-            torch._foreach_copy_(dst, src)
 
     def finish_reduce(self, pending, timeout: float | None = None) -> list | None:
         """Waits for a reduction. Returns a new pending state if a hybrid all-reduce was started."""
@@ -742,6 +711,39 @@ class FlatUnit:
             if _debug.ON:
                 _debug.poison(out)  # `rs_out`, spent: the next reduction takes it
         return None
+
+
+def _chunks_k(unit: FlatUnit, grads: dict, sh: list, inp: torch.Tensor) -> None:
+    """The rank-major reduce-scatter input (W, S_t) of a unit with leaves split on another dim
+    than 0: `_chunk_cat` lays out the dim-0 leaves and zeros the others' segments, then one copy
+    per rank's chunk fills those (Note [leaves split on another dim])."""
+    W, base = unit.world, unit.S_frozen
+    segs = unit.segments
+    # A stand-in of one row of seg_numel zeros takes a leaf's place: chunked in W it is one row
+    # for rank 0 and padding (zeros) for the others. Contiguous, in the gradients' dtype, so
+    # `_chunk_cat` keeps its fast path.
+    zeros = torch.zeros(max(segs[i].seg_numel for i in unit._sh_trained_k), dtype=sh[0].dtype, device=inp.device)
+    stand_in = {i: zeros[: segs[i].seg_numel].view(1, segs[i].seg_numel) for i in unit._sh_trained_k}
+    _chunk_cat([stand_in.get(i, g) for i, g in zip(unit._sh_trained, sh)], W, inp)
+    dst, src = [], []
+    for i in unit._sh_trained_k:
+        s, g = segs[i], grads[i].contiguous()
+        for r, first, width in s.rank_chunks(W):
+            dst.append(s.as_3d(inp[r, s.offset - base : s.offset - base + width * s.row_numel], width))
+            src.append(s.as_3d(g)[:, first : first + width])
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+def _poison_shared(unit: FlatUnit) -> None:
+    """Debug mode: this freed unit's regions of the shared arenas it still owns (the next unit
+    of its slot writes them; Note [freed memory] 2 in `_debug.py`). Not the shared `gathered`,
+    where another unit's gather may be in flight, nor its reduce-scatter input, in flight too."""
+    full, stage = unit.arenas["full"], unit.arenas["stage"]
+    if full.shared and full.owner is unit and full.allocated:
+        _debug.poison(unit.full[unit._rs_inp.numel() if full.reduce_input is unit else 0 :])
+    if stage.shared and stage.owner is unit and stage.allocated:
+        _debug.poison(unit.stage)
 
 
 def _chunk_cat(tensors: list[torch.Tensor], chunks: int, out: torch.Tensor) -> None:
