@@ -87,9 +87,8 @@ do not, and is not detected before it blocks.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -99,29 +98,22 @@ from torch.utils import _pytree as pytree
 import optree
 
 from . import _collectives as C
-from ._flat import Arena, FlatUnit
+from ._flat import FlatUnit
 from ._functorch import under_grad_transform, unwrap
-from ._models import unit_of_module
-from ._param import Detour, OffSchedule, Param
-from ._recompute import UnitViews
+from ._param import OffSchedule
+from ._param_view import ParamView
 from . import _schedule as schedule
+from ._schedule import ROOT, Phase, Schedule, ScheduleStats as EngineStats
+from ._unit_buffers import UnitBuffers
+from ._unit_check import UnitCheck
 
-__all__ = ["Engine", "EngineStats", "Phase", "Policy", "StaleParameterError", "GROUP_BYTES", "plan_groups", "group_name"]
+__all__ = ["Engine", "EngineStats", "Phase", "Policy", "ROOT", "StaleParameterError", "GROUP_BYTES", "plan_groups", "group_name"]
 
-ROOT = -1
 GROUP_BYTES = 2 << 20
 """The default cap on a unit group's full parameters, in bytes (Note [unit groups]); 0: no groups."""
 ABORT_WAIT_S = 10.0
 """How long a failed step waits for each collective still in flight (see `Engine.abort`)."""
 _PRIMITIVE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
-
-
-class Phase(str, enum.Enum):
-    """Where an engine is in its step; equal to its name in lower case ("forward")."""
-
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
 
 
 # Note [unit groups]
@@ -209,21 +201,9 @@ class Policy:
     max_live: int = 2
 
 
-@dataclass
-class EngineStats:
-    """What the runtime did in the last step; for tests and benchmarks."""
-
-    events: list[tuple[str, int, str]] = field(default_factory=list)  # (what, unit, phase); ROOT is -1
-    max_live_units: int = 0  # most non-root units gathered (or gathering) at once
-    record_events: bool = False
-
-    def reset(self) -> None:
-        self.events.clear()
-        self.max_live_units = 0
-
-
 class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward marks the end of that use of the unit.
+    """Identity on a unit's inputs; its backward marks the end of that use of the unit
+    (`sink.use_over(u)`: the engine's, or the estimate's probe).
 
     Written for torch.func too (setup_context, a generated vmap rule): a `loss_fn` may vmap over
     its inputs (an ensemble, per-example losses); the backward then runs once, on batched grads.
@@ -232,16 +212,16 @@ class _PostBackward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(engine: "Engine", u: int, *tensors: torch.Tensor):  # type: ignore[override]
+    def forward(sink: Any, u: int, *tensors: torch.Tensor):  # type: ignore[override]
         return tensors
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        ctx.engine, ctx.u = inputs[0], inputs[1]
+        ctx.sink, ctx.u = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        ctx.engine._post_backward(ctx.u)
+        ctx.sink.use_over(ctx.u)
         return (None, None, *grads)
 
 
@@ -250,8 +230,8 @@ class _PostBackwardEager(torch.autograd.Function):
     does not bind its arguments through `inspect.signature`, a cost per unit and step."""
 
     @staticmethod
-    def forward(ctx, engine: "Engine", u: int, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.engine, ctx.u = engine, u
+    def forward(ctx, sink: Any, u: int, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.sink, ctx.u = sink, u
         return tensors
 
     backward = staticmethod(_PostBackward.backward)
@@ -297,6 +277,11 @@ def _hook_targets(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 class Engine:
     """Runs one model's units through a train step (see Note [unit schedule] and Note [unit plan]).
 
+    The parts, each owning its state: the schedule's moves (`Schedule`, `_schedule.py`), the units'
+    buffers they act on (`UnitBuffers`), the tree `loss_fn` sees (`ParamView`), the cross-rank
+    check of which units ran (`UnitCheck`); the engine itself holds the hooks that turn the model's
+    forward and autograd's backward into the schedule's events.
+
     Args:
         info: the functionalized model whose unit hooks report to this engine (None: root only).
         units: the non-root units, indexed as `info.unit_names`.
@@ -312,275 +297,94 @@ class Engine:
     def __init__(self, info, units: list[FlatUnit], root: FlatUnit, policy: Policy, nested: set[int] = frozenset(), group=None,
                  groups: list[list[int]] | None = None):
         self.info = info
-        self._set_groups(groups if groups is not None else [[u] for u in range(len(units))])
-        nested = {self._group_of[m] for m in nested}
-        self.group = group
-        self._world = torch.distributed.get_world_size(group) if group is not None else 1
+        self.groups = [list(g) for g in (groups if groups is not None else [[u] for u in range(len(units))])]
+        self._group_of = {m: g for g, ms in enumerate(self.groups) for m in ms}
+        names = info.unit_names if info is not None else []
+        n_members = len(self._group_of)
+        self._member_names = list(names) if len(names) == n_members else [str(m) for m in range(n_members)]
+        self._nested = {self._group_of[m] for m in nested}
         self.units = units
         self.root = root
         self.policy = policy
-        self.reshard_after_forward = policy.reshard_after_forward
-        self.max_live = policy.max_live
         self.cast_dtype = policy.cast_dtype
-        self._nested = set(nested)
         self.remat_units: set[int] = set()  # read by the remat wrappers (shardfn/_remat.py)
-        self.tp: Any = None  # the tensor-parallel forward (`_tp.TensorParallel`), set by the core
-        n = len(units)
-        self.order: list[int] = list(range(n))  # forward order (guess until the first step)
-        self._order_known = False
-        self._last_ran: int | None = None  # the last unit of the first forward (`_kept_for_backward`)
-        self.planned = False
         self.stats = EngineStats()
-        self._where: list[tuple[int, int]] = []
-        self._needs_plan = False
         self.broken: str | None = None
-        self._reset_step_state()
+        self.check = UnitCheck(group, self._member_names, bool(units), root.local.device) if group is not None else None
+        self.buffers = UnitBuffers(units, root, self.check)
+        trained = {u: self.buffers.unit(u).num_trained for u in [*range(len(units)), ROOT]}
+        grouped = {g for g, ms in enumerate(self.groups) if len(ms) > 1}
+        self.schedule = Schedule(policy, [u.name for u in units], trained, grouped, self.buffers, catch_up=group is not None,
+                                 stats=self.stats)
+        self.view = ParamView(info, self.buffers, self.groups, self._member_names, self.schedule)
+        self._reset()
         self._bind({})
 
-    # -- unit groups (Note [unit groups]) ---------------------------------------------------------
-    def _set_groups(self, groups: list[list[int]]) -> None:
-        """Maps the model's units (as its hooks number them) to the engine's units."""
-        self.groups = [list(g) for g in groups]
-        self._group_of = {m: g for g, ms in enumerate(self.groups) for m in ms}
-        self._n_members = len(self._group_of)
-        self._grouped = {g for g, ms in enumerate(self.groups) if len(ms) > 1}
-        names = self.info.unit_names if self.info is not None else []
-        self._member_names = list(names) if len(names) == self._n_members else [str(m) for m in range(self._n_members)]
+    # -- what the parts hold, read by tests and benchmarks ----------------------------------------
+    phase = property(lambda self: self.schedule.phase)
+    order = property(lambda self: self.schedule.order)
+    slot_of = property(lambda self: self.schedule.slot_of)
+    planned = property(lambda self: self.schedule.planned)
+    arenas = property(lambda self: self.buffers.arenas)
+    user_tree = property(lambda self: self.view.user_tree)
 
-    def _member(self, m: int) -> int:
-        """The engine's unit that holds the model's unit `m`."""
-        return self._group_of[m]
+    @property
+    def tp(self) -> Any:
+        """The tensor-parallel forward (`_tp.TensorParallel`), set by the core; None without."""
+        return self.view.tp
 
-    def _free_kept(self, but: int | None = None) -> None:
-        """Frees the groups kept gathered after their members' forwards, once another group's
-        forward starts (`but`) or the forward is over: a group is gathered once per forward in
-        whatever order its members run (Note [unit groups])."""
-        if self.reshard_after_forward and self._grouped:
-            for u in [u for u in self._live if u in self._grouped and u != but and u in self._ran and not self._busy(u)]:
-                if but is None and self._kept_for_backward(u):
-                    continue
-                self._free(u)
-            if but is None:
-                self._release_idle_slots()
+    @tp.setter
+    def tp(self, tp: Any) -> None:
+        self.view.tp = tp
 
-    def _kept_for_backward(self, u: int) -> bool:
-        """The last unit to run in the first step's forward stays gathered after its forward: its
-        backward comes first, and would gather it again at once (Note [unit schedule])."""
-        return schedule.keeps_for_backward(self.policy, self._order_known, u, self._last_ran)
-
-    def _release_idle_slots(self) -> None:
-        """After the last unit's forward, nothing else is gathered until the first unit's backward,
-        while the loss and its gradient take their largest activations: give back the slots that
-        no gathered unit holds (the backward allocates them again)."""
-        if not (self.slot_of and self._order_known) or any(w in self.slot_of for w in self._works):
-            return
-        held = {id(a) for v in self._live for name, a in self.units[v].arenas.items() if name != "gathered"}
-        for a in self._slot_arenas:
-            if id(a) not in held:
-                a.release()
+    def _reset(self) -> None:
+        self._ran_members: set[int] = set()  # the model's units (hook numbering) that ran
+        self._wrapped: list[tuple[bool, Any]] = []  # per running unit use: were its inputs hooked; its view
+        self.view.reset()
 
     # -- the plan (Note [unit plan]) ------------------------------------------------------------
     def _bind(self, slot_of: dict[int, int]) -> None:
         """Gives every unit its arenas: the shared slot `slot_of[u]`, or arenas of its own."""
-        units = {u: self._unit(u) for u in [*range(len(self.units)), ROOT]}
-        sizes = {u: unit.sizes() for u, unit in units.items()}
-        compute = {u: unit.compute_dtype for u, unit in units.items()}
-        device = self.root.device
-        plan = schedule.arena_plan(sizes, compute, slot_of)  # Note [one schedule] in `_schedule.py`
-        made = {key: Arena(plan.numel[key], plan.dtype[key], device, shared=key in plan.shared) for key in plan.numel}
-        arenas = {u: {name: made[key] for name, key in plan.key_of[u].items()} for u in units}
-        for u, unit in units.items():
-            # A unit's reduce-scatter input goes in its own slot (its parameters are dead by then);
-            # the root's goes in its own arena, as it is reduced after the backward.
-            unit.bind(arenas[u], reduce_in_full=u == ROOT or u in slot_of)
-        rdt = {unit.reduce_dtype for unit in units.values()}
-        if len(rdt) > 1:
-            raise NotImplementedError(f"units reduce in different dtypes {sorted(map(str, rdt))}; give every unit one dtype")
-        rdt_one = rdt.pop()
-        self.slot_of = dict(slot_of)
-        self.max_reductions = schedule.reductions_in_flight(self.policy, len(self.units), self.slot_of)
-        # Scratch for reduce-scatter inputs that are not built in a slot: allocated only when used.
-        n_in = max(s["rs_in"] for s in sizes.values())
-        n_out = max(s["rs_out"] for s in sizes.values())
-        self.reduce_arenas = [(Arena(n_in, rdt_one, device, shared=True), Arena(n_out, rdt_one, device, shared=True)) for _ in range(self.max_reductions)]
-        self.arenas = _unique([*(a for d in arenas.values() for a in d.values()), *(a for p in self.reduce_arenas for a in p)])
-        self._slot_arenas = _unique([a for v in slot_of for a in self.units[v].arenas.values()])
-        self._slot_done_after = schedule.last_of_slot(self.order, self.slot_of)
-        for u, unit in units.items():
-            self._hook_grads(unit, u)
-        if self._where:
-            self._make_trees()
+        self.schedule.set_plan(slot_of)
+        self.buffers.bind(slot_of, self.schedule.max_reductions)
+        for u in [*range(len(self.units)), ROOT]:
+            self._hook_grads(self.buffers.unit(u), u)  # bind makes new full parameters
+        self.view.make_trees()
 
     def _plan(self, busy: dict[int, list[tuple[int, int]]]) -> None:
         """After the first step: slot arenas in forward order, busy units kept apart."""
-        self.planned = True
+        self.schedule.planned = True
         if not (self.policy.share_slots and self.units):
             return
-        compute = {u: self._unit(u).compute_dtype for u in self.order}
+        compute = {u: self.units[u].compute_dtype for u in self.order}
         self._bind(schedule.plan_slots(self.order, self._nested, compute, self.policy, busy))
 
     def replan(self) -> None:
         """Forgets the plan: the next step runs with an arena per unit and plans again."""
-        self._order_known = False
-        self.planned = False
+        self.schedule.forget_plan()
         self._bind({})
 
-    # -- what loss_fn sees (Note [parameters outside apply] in `_param.py`) ------------------------
+    # -- what loss_fn sees (`_param_view.py`) ----------------------------------------------------------
     def set_tree(self, treespec: Any, paths: list[str], where: list[tuple[int, int]]) -> None:
         """The parameter tree's structure, its leaves' paths, and (unit, index) of each leaf."""
-        self._treespec, self._paths, self._where = treespec, list(paths), list(where)
-        self._make_trees()
-
-    def _make_trees(self) -> None:
-        self._leaf_of = {w: i for i, w in enumerate(self._where)}
-        proxies = [self._unit(u).proxies[j] for u, j in self._where]
-        params = [Param.make(self._stand_in(p, w), self._read_param, w) for p, w in zip(proxies, self._where)]
-        self.user_tree = optree.tree_unflatten(self._treespec, params)
-        # What the module computes on: root leaves in place (gathered for the whole step), unit
-        # leaves as Params until their unit's forward swaps its full parameters in.
-        self._in_apply = optree.tree_unflatten(self._treespec, [p if u == ROOT else q for p, q, (u, _) in zip(proxies, params, self._where)])
-        self._params_of: dict[int, list[Param]] = {}
-        for q, (u, j) in zip(params, self._where):
-            self._params_of.setdefault(u, {})[j] = q
-        self._flat = None  # {every parameter name: tensor}, built on the first `apply`
-        # What each unit's recompute computes on (Note [the model's own checkpointing] in `_recompute.py`).
-        self._views = UnitViews(self.info) if self.info is not None else None
-        # (unit, the model's unit whose module holds the attribute, or None) -> (submodule, attribute, leaf)
-        self._swaps: dict[tuple[int, int | None], list[tuple[Any, str, int]]] = {}
-        if self.info is not None:
-            module = self.info.module
-            for path, (u, j) in zip(self._paths, self._where):
-                if u == ROOT:
-                    continue
-                for name in self.info.aliases[path]:
-                    owner, _, attr = name.rpartition(".")
-                    self._swaps.setdefault((u, self._member_of_module(u, owner)), []).append((module.get_submodule(owner), attr, j))
-
-    def _member_of_module(self, u: int, owner: str) -> int | None:
-        """Which of group `u`'s units holds submodule `owner` (None: none of them, or one unit alone)."""
-        if u not in self._grouped:
-            return None
-        members = self.groups[u]
-        i = unit_of_module(owner, [self._member_names[m] for m in members])
-        return members[i] if i >= 0 else None
-
-    def _swap_in(self, u: int, full: bool, m: int | None = None) -> None:
-        """Unit `u`'s module attributes (of its member `m` only, in a group): its full parameters
-        (its forward runs), or its Params (Note [parameters outside apply] in `_param.py`)."""
-        swaps = self._swaps.get((u, None), [])
-        if m is not None and u in self._grouped:
-            swaps = swaps + self._swaps.get((u, m), [])
-        if not swaps:
-            return  # the root, or a unit without parameters
-        proxies, params = self._full_of(u), self._params_of[u]
-        new, old = (proxies, params) if full else (params, proxies)
-        for mod, attr, j in swaps:
-            # Only where `apply` was given this step's own parameter: a tensor the user derived
-            # from it (scaled, noised, a delta added) is what the module must compute on.
-            if mod._parameters.get(attr) is old[j]:
-                mod._parameters[attr] = new[j]
-
-    def _full_of(self, u: int) -> list[torch.Tensor]:
-        """What unit `u`'s modules compute on: its full parameters, or with tensor parallel DTensors
-        over them on the tp mesh (made once per step; Note [tensor parallel forward] in `_tp.py`)."""
-        proxies = self._unit(u).proxies
-        if self.tp is None:
-            return proxies
-        out = self._tp_views.get(u)
-        if out is None:
-            out = self._tp_views[u] = [self.tp.leaf(self._leaf_of[(u, j)], p) for j, p in enumerate(proxies)]
-        return out
-
-    def _stand_in(self, proxy: torch.Tensor, where: tuple[int, int]) -> torch.Tensor:
-        """What a `Param` looks like: its full parameter, or with tensor parallel a tensor of the
-        leaf's global shape (no memory: an expanded scalar), as `loss_fn` expects."""
-        if self.tp is None:
-            return proxy
-        shape = self.tp.shapes[self._leaf_of[where]]
-        return proxy.new_zeros(()).expand(shape).requires_grad_(proxy.requires_grad) if shape != proxy.shape else proxy
-
-    def _tp_trees(self) -> None:
-        """Tensor parallel: the root's leaves as DTensors over its gathered shards, for this step."""
-        if self.tp is None:
-            return
-        root = self._full_of(ROOT)
-        leaves = optree.tree_leaves(self._in_apply)
-        self._in_apply = optree.tree_unflatten(
-            self._treespec, [root[j] if u == ROOT else x for x, (u, j) in zip(leaves, self._where)]
-        )
-        self._flat = None
-
-    def _read_param(self, p: Param) -> torch.Tensor:
-        return self.read(*p.where)
-
-    def _owns(self, x: Any) -> bool:
-        return isinstance(x, Param) and x.reader() == self._read_param
+        self.view.set_tree(treespec, paths, where)
 
     def flat_params(self, apply, params: Any) -> dict[str, torch.Tensor] | None:
         """What `apply(params, ...)` computes on, when `params` holds this step's parameters."""
-        if params is self.user_tree:
-            mapped = self._in_apply
-        else:
-            leaves, spec = optree.tree_flatten(params)
-            if not any(self._owns(x) for x in leaves):
-                if self._views is not None:
-                    self._views.record_root(None)  # `apply` on a tree of its own: the root's view is unknown
-                return None
-            mapped = optree.tree_unflatten(
-                spec, [self._full_of(ROOT)[x.where[1]] if self._owns(x) and x.where[0] == ROOT else x for x in leaves]
-            )
-        if apply.info is not self.info:
-            theirs = type(apply.info.module).__name__
-            ours = type(self.info.module).__name__ if self.info is not None else "a plain function"
-            raise ValueError(
-                f"loss_fn applied a model ({theirs}) to the train step's parameters, but the step was built for "
-                f"{ours}: pass the apply that loss_fn calls, sf.train_step(..., apply=apply). If the step's "
-                "tree holds the parameters of several models (a student and a teacher), train one model's tree "
-                "and shard the other's on its own (sf.shard), reading it inside loss_fn"
-            )
-        if mapped is self._in_apply:
-            if self._flat is None:
-                self._flat = apply.flat_params(mapped)
-            flat = self._flat
-        else:
-            flat = apply.flat_params(mapped)
-        if self._views is not None:
-            self._views.record_root(flat)
-        return flat
+        return self.view.flat_params(apply, params)
 
-    # -- bookkeeping --------------------------------------------------------------------------
-    def _reset_step_state(self) -> None:
-        self._works: dict[int, Any] = {}  # unit -> pending all-gather work
-        self._live: set[int] = set()  # non-root units allocated (gathered or gathering)
-        self._running: set[int] = set()  # units inside their forward
-        self._active: dict[int, int] = {}  # unit -> uses whose backward has begun and not ended
-        self._deferred: list[int] = []
-        self._pending: list[int] = [0] * len(self.units)
-        self._reduced: set[int] = set()
-        self._in_flight: list[tuple[int, Any, int, bool]] = []  # (unit, pending, arena pair, input in slot)
-        self._reads: dict[tuple[int, int], torch.Tensor] = {}
-        self._seen: list[int] = []
-        self._ran: set[int] = set()  # units whose forward ran in this step
-        self._ran_members: set[int] = set()  # the model's units (hook numbering) that ran
-        self._check: tuple | None = None  # the exchange of which units ran, until acted on
-        self._fwd_gathered: set[int] = set()  # units gathered in this forward
-        self._fwd_ptr = 0  # units before this position in forward order were gathered or caught up
-        self._pos: dict[int, int] = {u: i for i, u in enumerate(self.order)}
-        self._wrapped: list[tuple[bool, Any]] = []  # per running unit use: were its inputs hooked; its view
-        self._accumulate = False
-        self._reduce_now = True
-        self._clock = 0
-        self._busy_since: dict[int, int] = {}
-        self._busy_log: dict[int, list[tuple[int, int]]] = {}
-        self._tp_views: dict[int, list[torch.Tensor]] = {}
-        self.phase = Phase.IDLE
+    def read(self, u: int, j: int) -> torch.Tensor:
+        """The full value of leaf `j` of unit `u`, for a read outside `apply`."""
+        return self.view.read(u, j)
 
-    def _unit(self, u: int) -> FlatUnit:
-        return self.root if u == ROOT else self.units[u]
+    def cast_inputs(self, info, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Mixed precision: floating-point inputs of the model's forward in the compute dtype."""
+        if self.cast_dtype is None or info is not self.info:
+            return args, kwargs
+        return self._cast(args), self._cast(kwargs)
 
-    def _event(self, what: str, u: int) -> None:
-        if self.stats.record_events:
-            self.stats.events.append((what, u, self.phase))
+    def _cast(self, tree: Any) -> Any:
+        return schedule.cast_floating(tree, self.cast_dtype)
 
     def _hook_grads(self, unit: FlatUnit, u: int) -> None:
         if u == ROOT:
@@ -591,124 +395,11 @@ class Engine:
         def hook(_: torch.Tensor) -> None:
             engine = ref()
             if engine is not None:
-                engine._grad_ready(u)
+                engine.schedule.grad_ready(u)
 
         for p in unit.proxies:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(hook)
-
-    def _busy(self, u: int) -> bool:
-        return u in self._running or self._active.get(u, 0) > 0
-
-    def _busy_start(self, u: int) -> None:
-        if self.planned:
-            return  # the log feeds only the first step's plan
-        self._clock += 1
-        self._busy_since.setdefault(u, self._clock)
-
-    def _busy_end(self, u: int) -> None:
-        if self.planned:
-            return
-        self._clock += 1
-        since = self._busy_since.pop(u, None)
-        if since is not None:
-            self._busy_log.setdefault(u, []).append((since, self._clock))
-
-    def _next_of(self, u: int) -> int | None:
-        i = self._pos.get(u)
-        return self.order[i + 1] if i is not None and i + 1 < len(self.order) else None
-
-    def _prev_of(self, u: int) -> int | None:
-        """The unit before `u` in forward order that ran in this step (the backward's next)."""
-        i = self._pos.get(u)
-        while i is not None and i > 0:
-            i -= 1
-            v = self.order[i]
-            if v in self._ran:
-                return v
-        return None
-
-    # -- gather / free ------------------------------------------------------------------------
-    def _slot_holder(self, u: int) -> int | None:
-        """The live unit other than `u` that holds `u`'s slot arena, if any."""
-        return schedule.slot_holder(u, self._live, self.slot_of)
-
-    def _start(self, u: int) -> None:
-        self._settle_check()
-        unit = self._unit(u)
-        if u in self._works or (u != ROOT and u in self._live):
-            return
-        v = self._slot_holder(u)
-        if v is not None:  # see Note [unit plan]
-            if self._busy(v):
-                self._needs_plan = True
-                raise RuntimeError(
-                    f"unit {self.units[u].name!r} is needed while unit {self.units[v].name!r}, which shares its "
-                    "buffers under this step's plan, is still in use: the units ran differently than in the "
-                    "first step (Note [unit plan]). Nothing was computed wrong; the next step plans again. "
-                    "If this repeats, the order of units changes from step to step: use strategy='shard_grad_op'."
-                )
-            self._free(v, prefetch=False)
-        if u != ROOT:
-            # A unit runs that nobody prefetched: drop prefetches nobody uses yet rather than
-            # exceed the bound (Note [one schedule]).
-            for w in schedule.evictions(self.policy, self._live, [w for w in self._live if not self._busy(w)]):
-                self._free(w, prefetch=False)
-        if u in self.slot_of:  # one shared all-gather output: one unit gather in flight
-            for w in [w for w in self._works if w in self.slot_of]:
-                self._drain_slot(w)
-                self._unit(w).finish_gather(self._works.pop(w))
-        if u != ROOT:
-            self._live.add(u)
-            self.stats.max_live_units = max(self.stats.max_live_units, len(self._live))
-            if self.phase == Phase.FORWARD:
-                self._fwd_gathered.add(u)
-        if unit.gathers_in_place:  # its gather writes the slot at once (Note [slot arenas])
-            self._drain_slot(u)
-        self._event("gather", u)
-        self._works[u] = unit.start_gather()
-        # Deferred prefetches run once `u` holds its slot: started while `u` made room, one of
-        # them could take that slot (or be `u` itself, gathered twice).
-        self._run_deferred()
-
-    def _ensure(self, u: int) -> None:
-        if u != ROOT and u not in self._live and u not in self._works:
-            self._start(u)
-        if u in self._works:
-            self._drain_slot(u)
-            self._unit(u).finish_gather(self._works.pop(u))
-
-    def _drain_slot(self, u: int) -> None:
-        """Finishes reductions whose input lives in the arena that `u` is about to fill."""
-        full = self._unit(u).arenas["full"]
-        while any(in_slot and self._unit(w).arenas["full"] is full for w, _, _, in_slot in self._in_flight):
-            self._finish_oldest()
-
-    def _free(self, u: int, prefetch: bool = True) -> None:
-        """Frees `u`'s full parameters; then, if `prefetch`, starts the prefetches that waited for room."""
-        if u in self._works:  # a prefetch nobody used: finish it before dropping the buffers
-            self._drain_slot(u)
-            self._unit(u).finish_gather(self._works.pop(u))
-        if u == ROOT or u in self._live:
-            self._event("free", u)
-            self._unit(u).free()
-            self._live.discard(u)
-        if prefetch:
-            self._run_deferred()
-
-    def _run_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, []
-        for w in deferred:
-            self._prefetch(w)
-
-    def _prefetch(self, u: int | None) -> None:
-        if u is None or u in self._live or u in self._reduced:
-            return
-        if schedule.prefetch_waits(self.policy, len(self._live), self._slot_holder(u) is not None):
-            if u not in self._deferred:
-                self._deferred.append(u)
-            return
-        self._start(u)
 
     # -- the step -----------------------------------------------------------------------------
     def begin(self, accumulate: bool, reduce: bool = True) -> None:
@@ -721,80 +412,34 @@ class Engine:
         """
         if self.broken:
             raise RuntimeError(self.broken)
-        if self._needs_plan:
-            self._needs_plan = False
+        if self.schedule.needs_plan:
+            self.schedule.needs_plan = False
             self.replan()
-        self._reset_step_state()
-        self.phase = Phase.FORWARD
-        self._accumulate = accumulate
-        self._reduce_now = reduce
-        self._pending = [u.num_trained for u in self.units]
-        self._start(ROOT)
-        if self.units:
-            self._prefetch(self.order[0])
-        self._ensure(ROOT)
-        self._tp_trees()
-
-    def cast_inputs(self, info, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Mixed precision: floating-point inputs of the model's forward in the compute dtype."""
-        if self.cast_dtype is None or info is not self.info:
-            return args, kwargs
-        return self._cast(args), self._cast(kwargs)
-
-    def _cast(self, tree: Any) -> Any:
-        return schedule.cast_floating(tree, self.cast_dtype)
-
-    def read(self, u: int, j: int) -> torch.Tensor:
-        """The full value of leaf `j` of unit `u`, for a read outside `apply` (Note [parameters
-        outside apply] in `_param.py`)."""
-        if self.phase == Phase.IDLE:
-            raise RuntimeError(
-                "a parameter handed to loss_fn was used after its step (or outside a step): it is valid "
-                "only inside loss_fn; return values computed from it instead"
-            )
-        unit = self._unit(u)
-        proxy = unit.proxies[j]
-        if u == ROOT:
-            return self._full_of(ROOT)[j]  # gathered for the whole step
-        out = self._reads.get((u, j))
-        # A copy made under no_grad carries no gradient: never hand it to a use that needs one.
-        if out is None or (torch.is_grad_enabled() and proxy.requires_grad and not out.requires_grad):
-            out = Detour.apply(proxy, lambda: unit.gather_leaf(j))
-            if self.tp is not None:
-                out = self.tp.leaf(self._leaf_of[(u, j)], out)
-            self._reads[(u, j)] = out
-        return out
+        self._reset()
+        self.schedule.begin(accumulate, reduce)
+        self.view.tp_trees()
 
     def pre_forward(self, info, u: int, args: tuple, kwargs: dict) -> tuple | None:
-        if info is not self.info or self.phase == Phase.IDLE:
+        s = self.schedule
+        if info is not self.info or s.phase == Phase.IDLE:
             return None
-        m, u = u, self._member(u)
+        m, u = u, self._group_of[u]
         transforms = torch._C._are_functorch_transforms_active()
-        if self.phase == Phase.FORWARD and transforms and under_grad_transform((args, kwargs)):
+        if s.phase == Phase.FORWARD and transforms and under_grad_transform((args, kwargs)):
             raise OffSchedule(
                 f"unit {self._member_names[m]!r} ran inside a torch.func gradient transform (grad, vjp, jacrev, ...) in "
                 "loss_fn (a gradient penalty)"
             )
-        if self.phase == Phase.BACKWARD:  # a recompute, by the model's own checkpoint around the unit's call
-            self._ensure(u)
-            if self._active.get(u, 0) == 0:  # no pre-backward came first (a reentrant checkpoint): it prefetches
-                self._prefetch(self._prev_of(u))
-            if self._views is not None:  # Note [the model's own checkpointing] in `_recompute.py`
-                self._views.for_recompute(m, self._member_names[m])
+        views = self.view.views
+        if s.phase == Phase.BACKWARD:  # a recompute, by the model's own checkpoint around the unit's call
+            s.recompute_starts(u)
+            if views is not None:  # Note [the model's own checkpointing] in `_recompute.py`
+                views.for_recompute(m, self._member_names[m])
             return (self._cast(args), self._cast(kwargs)) if self.cast_dtype is not None else None
         self._ran_members.add(m)
-        self._free_kept(but=u)
-        if u not in self._ran:
-            self._ran.add(u)
-            self._seen.append(u)
-            if self._order_known and self.group is not None:
-                self._catch_up(self._pos[u])
-        self._ensure(u)
-        self._running.add(u)
-        self._swap_in(u, True, m)
-        view = self._views.record(m) if self._views is not None else None
-        self._busy_start(u)
-        self._prefetch(self._next_of(u))
+        s.forward_starts(u)
+        self.view.swap_in(u, True, m)
+        view = views.record(m) if views is not None else None
         if self.cast_dtype is not None:
             args, kwargs = self._cast(args), self._cast(kwargs)
         wrapped = False
@@ -810,19 +455,16 @@ class Engine:
                 for i, o in zip(idx, outs):
                     flat[i] = o
                 args, kwargs = (tuple(flat), kwargs) if plain else pytree.tree_unflatten(flat, spec)
-                self._pending[u] += 1
+                s.inputs_hooked(u)
                 wrapped = True
         self._wrapped.append((wrapped, view))
         return args, kwargs
 
     def post_forward(self, info, u: int, output: Any) -> None:
-        if info is not self.info or self.phase != Phase.FORWARD:
+        if info is not self.info or self.schedule.phase != Phase.FORWARD:
             return None
-        m, u = u, self._member(u)
-        self._running.discard(u)
-        if u not in self._running or u in self._grouped:
-            self._swap_in(u, False, m)
-        self._busy_end(u)
+        m, u = u, self._group_of[u]
+        self.view.swap_in(u, False, m)
         wrapped, view = self._wrapped.pop() if self._wrapped else (False, None)
         tensors, opaque = _output_tensors(output)
         output, tensors = self._own_memory(u, output, tensors)
@@ -839,11 +481,7 @@ class Engine:
                     "begins. Return tensors, or tuples, lists, dicts, dataclasses of them, or register the type "
                     "with torch.utils._pytree.register_pytree_node"
                 )
-        if self.reshard_after_forward and u not in self._grouped:
-            if not self._kept_for_backward(u):
-                self._free(u)
-            if u == self._last_ran:
-                self._release_idle_slots()
+        self.schedule.forward_ends(u)
         return output
 
     def _own_memory(self, u: int, output: Any, tensors: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
@@ -873,225 +511,45 @@ class Engine:
 
     def end_forward(self) -> None:
         """`loss_fn` has returned: the backward comes next."""
-        if self.phase != Phase.FORWARD:
+        if not self.schedule.forward_over():
             return
-        if not self._order_known and self._seen:
-            self.order = schedule.forward_order(self._seen, len(self.units))
-            self._last_ran = self._seen[-1]
-            self._pos = {u: i for i, u in enumerate(self.order)}
-            self._slot_done_after = schedule.last_of_slot(self.order, self.slot_of)
-            self._order_known = True
-        self._free_kept()
-        if self._views is not None:
-            self._views.put_back_root()  # a recompute outside every unit reads the root's attributes
-        # Prefetches issued during the forward for units that never ran are dropped.
-        self._deferred = []
-        if self.group is not None:
-            self._catch_up(len(self.order))
-            self._check_same_units()
-        self.phase = Phase.BACKWARD
+        if self.view.views is not None:
+            self.view.views.put_back_root()  # a recompute outside every unit reads the root's attributes
+        if self.check is not None:
+            self.check.start(self._ran_members)
+        self.schedule.backward()
 
     def leave_schedule(self) -> None:
         """This rank's `loss_fn` went beyond the unit schedule in the forward (Note [steps off the
         unit schedule] in `_core.py`): issue the rest of the forward's gathers, as the other ranks
         do, and say so in the exchange that ends every forward, so that every rank leaves with it."""
-        if self.group is None or self.phase != Phase.FORWARD:
+        if self.check is None or self.schedule.phase != Phase.FORWARD:
             return
-        self._catch_up(len(self.order))
-        self._check_same_units(leaving=True)
-
-    def _catch_up(self, upto: int) -> None:
-        """Gathers (and frees) the units before position `upto` in forward order that this rank
-        did not gather in this forward, so that every rank gathers the same units in the same order
-        (Note [units on every rank])."""
-        if not self._order_known:
-            return
-        for v in self.order[self._fwd_ptr : upto]:
-            if v not in self._fwd_gathered:
-                self._start(v)
-                self._free(v)
-        self._fwd_ptr = max(self._fwd_ptr, upto)
-
-    def _check_same_units(self, leaving: bool = False) -> None:
-        """Starts the exchange that stops every rank, before any gradient is reduced, if the ranks
-        ran different units, and takes every rank off the unit schedule if one is `leaving` it (a
-        row of 2s). Leaving, it is waited for at once; else it overlaps the backward until the
-        engine's next collective or reduction (`_settle_check`)."""
-        n = max(self._n_members, 1)
-        mine = torch.zeros(n, dtype=torch.int32, device=self.root.local.device)
-        if leaving:
-            mine.fill_(2)
-        elif self._ran_members:
-            mine[list(self._ran_members)] = 1
-        everyone = torch.empty(self._world * n, dtype=torch.int32, device=mine.device)
-        work = C.all_gather(everyone, mine, self.group, async_op=True)
-        self._check = (work, everyone, mine, leaving)
-        if leaving:
-            self._settle_check()
-
-    def _settle_check(self, timeout: float | None = None) -> None:
-        """Waits for the exchange of which units ran, if one is pending, and acts on it."""
-        if self._check is None:
-            return
-        work, everyone, mine, leaving = self._check
-        if work is not None:
-            C.wait(work, timeout)
-        self._check = None
-        n = mine.numel()
-        table = everyone.view(self._world, n)
-        left = (table == 2).all(dim=1).nonzero().flatten().tolist()
-        if leaving:
-            return
-        if left:
-            e = OffSchedule(f"rank(s) {left} left the unit schedule on this step (a backward inside loss_fn)")
-            e.agreed = True  # every rank saw it in this exchange
-            raise e
-        if not self.units:
-            return
-        differ = (table != table[0]).any(dim=0).nonzero().flatten().tolist()
-        if differ:
-            lines = "; ".join(
-                f"{self._member_names[u]!r} ran on ranks {table[:, u].nonzero().flatten().tolist()} only" for u in differ[:4]
-            )
-            raise NotImplementedError(
-                f"the ranks ran different units in this step ({lines}). Every rank must run every unit in a "
-                "step, as with FSDP: send zero tokens through an idle expert rather than skipping it, and run "
-                "skipped blocks on a zero-size batch (Note [units on every rank]). Nothing was reduced or applied."
-            )
+        self.schedule.catch_up(len(self.order))
+        self.check.start(set(), leaving=True)
 
     def _pre_backward(self, u: int, m: int | None = None, view: Any = None) -> None:
         """A use of `u` begins its backward (its member `m`'s forward recorded `view`)."""
-        if self.phase != Phase.BACKWARD:
-            raise OffSchedule(
-                "a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model)"
-            )
+        if self.schedule.phase != Phase.BACKWARD:
+            raise OffSchedule("a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model)")
         if view is not None:  # what a recompute of this use reads (Note [the model's own checkpointing])
-            self._views.put_back(m, view)
-        self._settle_check()
-        if u in self._reduced:
-            raise RuntimeError(
-                f"unit {self.units[u].name!r} got a gradient after its reduction; please report this with the model"
-            )
-        if self._active.get(u, 0) == 0:
-            self._busy_start(u)
-        self._active[u] = self._active.get(u, 0) + 1
-        self._ensure(u)
-        prev = self._prev_of(u)
-        self._prefetch(prev)
-        if prev is None and self.slot_of and not any(w in self.slot_of for w in self._works):
-            self.units[u].arenas["gathered"].release()  # the last unit gather of the step is done
-        # A reduction in flight whose input fills a slot that nothing needs afterwards: finish it
-        # now, so that the slot is given back before this unit's backward allocates its gradients.
-        # Near the end of the backward, where the sharded gradients pile up, this is the step's peak.
-        while any(w in self._slot_done_after for w, _, _, _ in self._in_flight):
-            self._finish_oldest()
+            self.view.views.put_back(m, view)
+        self.schedule.backward_starts(u)
 
-    def _post_backward(self, u: int) -> None:
-        if self.phase != Phase.BACKWARD:
-            raise OffSchedule(
-                "a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model)"
-            )
-        if self._active.get(u, 0) > 0:
-            self._active[u] -= 1
-            if self._active[u] == 0:
-                self._busy_end(u)
-        self._pending[u] -= 1
-        if self._pending[u] == 0:
-            self._reduce(u)
-        elif self.reshard_after_forward and not self._busy(u) and u in self._live and u not in self._grouped:
-            self._free(u)  # another use comes later: gathered again then
-
-    def _grad_ready(self, u: int) -> None:
-        if self.phase == Phase.IDLE:
-            return
-        if u in self._reduced and self._reduce_now:
-            raise RuntimeError(
-                f"unit {self.units[u].name!r} got a gradient after its reduction; please report this with the model"
-            )
-        self._pending[u] -= 1
-        if self._pending[u] == 0:
-            self._reduce(u)
-
-    def _reduce(self, u: int) -> None:
-        self._settle_check()
-        unit = self._unit(u)
-        if u in self._reduced:
-            return
-        self._reduced.add(u)
-        if self._active.pop(u, 0):
-            self._busy_end(u)
-        if unit.num_trained and not self._reduce_now:
-            unit.stash_grads()
-        if unit.num_trained and self._reduce_now:
-            self._event("reduce", u)
-            # At most `max_reductions` in flight (their full-size inputs are memory too): wait for
-            # the oldest before this one takes a free arena pair.
-            while len(self._in_flight) >= self.max_reductions:
-                self._finish_oldest()
-            busy = {pair for _, _, pair, _ in self._in_flight}
-            pair = min(set(range(self.max_reductions)) - busy)
-            owner = unit.arenas["full"].owner
-            in_slot = unit.reduce_in_full and (owner is None or owner is unit or not self._holds(owner))
-            if in_slot:
-                self._drain_slot(u)
-            pending = unit.start_reduce(self._accumulate, *self.reduce_arenas[pair], in_full=in_slot)
-            self._in_flight.append((u, pending, pair, in_slot and unit.reduce_in_full))
-        if u != ROOT:
-            self._free(u)
-            self._release_spent_slot(u)
-
-    def _holds(self, unit: FlatUnit) -> bool:
-        """Whether `unit` is gathered (or gathering) now."""
-        if unit is self.root:
-            return self.phase != Phase.IDLE
-        return any(self.units[v] is unit for v in self._live)
-
-    def _finish_oldest(self) -> None:
-        u, pending, pair, in_slot = self._in_flight.pop(0)
-        again = self._unit(u).finish_reduce(pending)
-        if again is not None:  # hybrid: the replicate-axis all-reduce is now in flight
-            self._in_flight.append((u, again, pair, in_slot))
-        else:
-            self._release_spent_slot(u)
-
-    def _release_spent_slot(self, u: int) -> None:
-        """In the backward, once the last unit of a slot is freed and its reduction (whose input may
-        live in the slot) is done, nothing needs the slot until the next forward: give it back, so
-        that the sharded gradients, which grow as the backward goes on, do not stack on it."""
-        if self.phase != Phase.BACKWARD or u not in self._slot_done_after or u in self._live:
-            return
-        full = self.units[u].arenas["full"]
-        if any(self._unit(w).arenas["full"] is full for w, _, _, _ in self._in_flight):
-            return
-        if any(v in self._live for v in self.slot_of if self.slot_of[v] == self.slot_of[u]):
-            return
-        self._event("release_slot", u)
-        for name in ("full", "stage"):
-            self.units[u].arenas[name].release()
+    def use_over(self, u: int) -> None:
+        """A use of `u` is over in the backward (`_PostBackward` on its inputs)."""
+        if self.schedule.phase != Phase.BACKWARD:
+            raise OffSchedule("a backward ran inside loss_fn (torch.autograd.grad or a torch.func transform over the model)")
+        self.schedule.use_over(u)
 
     def end(self) -> None:
         """Ends one forward/backward: reduces what did not finish, waits, frees everything."""
         self.end_forward()
-        self._settle_check()
-        for u in list(self._live):  # the backward is over: nothing reads a full parameter now
-            self._free(u)
-        for u in reversed(self.order):
-            if u not in self._reduced:
-                self._reduce(u)
-        self._reduce(ROOT)
-        while self._in_flight:
-            self._finish_oldest()
-        self._free(ROOT)
-        for u in list(self._live):
-            self._free(u)
-        for a in self.arenas:
-            a.release()
-        planning = not self.planned and self._reduce_now
-        busy = self._busy_log
-        if self._views is not None:
-            self._views.restore()
-        self._reset_step_state()
-        if planning:
+        busy = self.schedule.end()
+        if self.view.views is not None:
+            self.view.views.restore()
+        self._reset()
+        if busy is not None:
             self._plan(busy)
 
     def abort(self) -> None:
@@ -1102,21 +560,12 @@ class Engine:
         or stopped elsewhere), its buffers are kept as they are, since a message may still land in
         them, and the engine refuses every later step with an error that says to restart.
         """
-        if self._views is not None:
-            self._views.restore()  # the module's attributes as they were before the step
+        if self.view.views is not None:
+            self.view.views.restore()  # the module's attributes as they were before the step
         try:
-            if self._check is not None:  # what it says no longer matters: the step failed
-                work, self._check = self._check[0], None
-                C.wait(work, ABORT_WAIT_S)
-            for u, w in list(self._works.items()):
-                self._unit(u).finish_gather(w, timeout=ABORT_WAIT_S)
-                del self._works[u]
-            while self._in_flight:
-                u, pending, pair, in_slot = self._in_flight[0]
-                again = self._unit(u).finish_reduce(pending, timeout=ABORT_WAIT_S)
-                self._in_flight.pop(0)
-                if again is not None:
-                    self._in_flight.append((u, again, pair, in_slot))
+            if self.check is not None:
+                self.check.abandon(ABORT_WAIT_S)
+            self.schedule.abort(ABORT_WAIT_S)
         except (TimeoutError, RuntimeError) as e:
             self.broken = (
                 f"an earlier step failed while a collective was in flight on this rank, and it did not complete "
@@ -1127,16 +576,7 @@ class Engine:
         for unit in [*self.units, self.root]:
             unit.take_grads()
             unit.free()
-        for a in self.arenas:
-            a.release()
+        self.buffers.release_all()
         C.new_epoch()
-        self._reset_step_state()
-
-
-def _unique(items: list) -> list:
-    out, seen = [], set()
-    for x in items:
-        if id(x) not in seen:
-            seen.add(id(x))
-            out.append(x)
-    return out
+        self.schedule.reset()
+        self._reset()

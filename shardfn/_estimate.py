@@ -16,14 +16,15 @@ The estimate replays one step of the engine's plan on paper, in the order the en
   tensors, gradients of activations, temporaries inside the backward) and marks each unit's
   forward, the start of its backward and each parameter's gradient. A unit chosen for `remat`
   runs under the same checkpoint as in the step, so its recompute is counted where it happens.
-- The two are merged on the meta run's clock: at each unit's forward and backward the engine's
-  schedule (prefetch, free, slot release, reductions in flight, when the sharded gradient is
-  allocated) changes the bytes held in buffers. The schedule's decisions (the slot plan and its
-  arenas, the unit kept for its backward, the last unit of each slot, how many reductions are in
-  flight, the forward order, input casts) are read from `_schedule.py`, where the engine reads
-  them too (Note [one schedule]), and each parameter's full gradient is held from
-  its arrival until its unit is reduced (the root's until the end of the backward). The peak is
-  the largest sum of the state (param shards, gradient shards, optimizer state, module buffers),
+- The two are merged on the meta run's clock: the meta run marks the events the engine's hooks
+  see (each unit's forward and its end, inputs that need a gradient and the end of that use's
+  backward, the start of each use's backward, a recompute, each parameter's gradient), and the
+  estimate replays them through the engine's own `Schedule` (Note [the schedule's moves] in
+  `_schedule.py`), acting on byte counts instead of buffers (`_Sim`, a `Buffers`): every gather,
+  free, deferred prefetch, slot release and reduction in flight happens where the engine does it,
+  with the arenas of the same slot plan (`arena_plan`), and each parameter's full gradient is held
+  from its arrival until its unit is reduced (the root's until the end of the backward). The peak
+  is the largest sum of the state (param shards, gradient shards, optimizer state, module buffers),
   the buffers live at that moment and the meta run's live bytes; where it happens is reported as
   the phase and the unit running.
 - The optimizer's state is what its `init` makes for meta shards of the trained leaves; the
@@ -42,12 +43,12 @@ The estimate replays one step of the engine's plan on paper, in the order the en
   `NotImplementedError` naming it) rather than give a wrong figure: fused attention over DTensors
   off the CPU, where the meta shards beneath would take the math path.
 
-Two runs are replayed: the first step, which runs with an arena per unit and plans the slots at
-the end of its first reducing micro-batch (Note [unit plan]), and a planned step; the peak is the
-larger. Assumed: units run once per forward in module order, as in a sequential model; a unit
-that the real plan keeps apart because it is busy alongside others (T5's first block) is
-estimated as sharing a slot, and a step whose units run off the schedule (Note [steps off the
-unit schedule]) is estimated as if on it. The model's own checks on its data cannot run on meta
+Two steps are replayed, as the engine runs them: the first, with an arena per unit and the order
+unknown until its first forward ends, which plans the slots from its units' busy spans at the end of
+its first reducing micro-batch (Note [unit plan]; a unit busy alongside others, as T5's first
+block, keeps an arena of its own there too), and a planned step; the peak is the larger. Assumed:
+every micro-batch runs as the one the meta run ran, and a step whose units run off the schedule
+(Note [steps off the unit schedule]) is estimated as if on it. The model's own checks on its data cannot run on meta
 tensors: a truth test reads true, a number read from a tensor is refused.
 
 What it cannot see: memory outside the tensors of this process. A collective library's own
@@ -74,10 +75,12 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from . import _collectives as C
-from ._engine import Phase
+from ._engine import _PostBackward, _PostBackwardEager
 from ._flat import _split_dim, _together, buffer_sizes, place
+from ._functorch import unwrap
 from ._recompute import UnitViews
 from . import _schedule as schedule
+from ._schedule import ROOT, Phase
 
 __all__ = ["MemoryEstimate", "estimate_memory", "RESERVE", "device_budget", "MemoryCheckError"]
 
@@ -345,7 +348,6 @@ class _Probe:
         self.phase = Phase.FORWARD
         self.views = UnitViews(info) if info is not None else None
         self._running: list = []  # per running unit use: the view its forward recorded
-        self._began: set = set()  # units whose backward has begun
 
     def _cast(self, tree):
         return schedule.cast_floating(tree, self.cast_dtype)
@@ -369,17 +371,27 @@ class _Probe:
         if info is not self.info:
             return None
         if self.phase != Phase.FORWARD:  # a recompute by the model's own checkpoint around the unit
-            if u not in self._began:  # a reentrant one, whose forward no hook saw: the engine gathers here
-                self._began.add(u)
-                self.counter.mark("bwd", u)
+            self.counter.mark("recompute", u)
             self.views.for_recompute(u, info.unit_names[u])
             return (self._cast(args), self._cast(kwargs)) if self.cast_dtype is not None else None
         self.counter.mark("fwd", u)
         self._fresh_views(u)
         self._running.append(self.views.record(u))
         if self.cast_dtype is not None:
-            return self._cast(args), self._cast(kwargs)
-        return None
+            args, kwargs = self._cast(args), self._cast(kwargs)
+        if torch.is_grad_enabled():  # the end of this use's backward, as `Engine.pre_forward` hooks it
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and unwrap(x).requires_grad]
+            if idx:
+                fn = _PostBackward if torch._C._are_functorch_transforms_active() else _PostBackwardEager
+                for i, o in zip(idx, fn.apply(self, u, *(flat[i] for i in idx))):
+                    flat[i] = o
+                args, kwargs = pytree.tree_unflatten(flat, spec)
+                self.counter.mark("hooked", u)
+        return args, kwargs
+
+    def use_over(self, u) -> None:
+        self.counter.mark("bwd_end", u)
 
     swaps: dict = {}  # tensor parallel: unit -> [(module, attribute, leaf)]
     view: Any = None  # leaf -> a new DTensor over its meta shard
@@ -400,11 +412,10 @@ class _Probe:
         if torch.is_grad_enabled():
             tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                counter, views, began = self.counter, self.views, self._began
+                counter, views = self.counter, self.views
 
                 def begin(_g, u=u, v=view):
                     views.put_back(u, v)
-                    began.add(u)
                     counter.mark("bwd", u)
 
                 torch.autograd.graph.register_multi_grad_hook(tensors, begin, mode="any")
@@ -622,49 +633,53 @@ def _itemsize(dt: torch.dtype) -> int:
 
 
 class _Sim:
-    """The engine's buffers through one step, on the meta run's clock (Note [memory estimate])."""
+    """The engine's buffers through a train step, in bytes: the `Buffers` on which the estimate runs
+    the engine's own `Schedule` at the meta run's marks (Note [the schedule's moves] in `_schedule.py`,
+    Note [memory estimate])."""
 
-    def __init__(self, groups: dict, policy, slot_of: dict, world: int, p2p: bool, persistent: dict, accumulate: bool, reduce_now: bool,
-                 leaf_group: list, order: list):
+    def __init__(self, groups: dict, policy, world: int, p2p: bool, persistent: dict, leaf_group: list, offload: bool,
+                 transient_grads: set):
         self.g = groups
-        self.policy = policy
-        self.slot_of = slot_of
         self.world = world
         self.p2p = p2p
         self.persistent = persistent  # category -> bytes, constant through the step
-        self.accumulate = accumulate
-        self.reduce_now = reduce_now
         self.leaf_group = leaf_group
-        self.order = order
+        self.offload = offload
+        self.transient_grads = transient_grads  # units whose gradient shard is allocated by their reduction
         self.alloc: dict = {}  # buffer key -> (category, bytes)
-        self.first_step = False
-        self.order_known = True  # False in the first step's first micro-batch (`_keeps`)
-        self.last_ran: int | None = None  # the last unit of the first forward (`_keeps`)
+        self.owner: dict = {}  # arena key -> the unit whose data it holds (`Arena.owner`)
         self.kept: dict = {}  # leaf -> bytes of full gradients kept from earlier micro-batches (local accumulation)
-        self.transient_grads: set = set()  # units whose gradient shard is allocated by their reduction
         self.full_grads: dict = {}  # leaf -> bytes
-        self.live: set = set()
-        self.works: set = set()  # gathers started and not waited for
-        self.in_flight: list = []
-        self.reduced: set = set()
-        self.arrived: dict = {u: set() for u in groups}
         self.act = 0
         self.peak = -1
         self.at_peak: dict = {}
-        self.where = ("forward", "")
+        self.where = ("forward", "", True)  # phase, unit, in the first step
         self.largest: dict = {}
-        self.phase = "forward"
         self.current = ""
-        # The arenas `Engine._bind` makes, from the one plan (Note [one schedule] in `_schedule.py`).
-        units = [u for u in groups if u != -1]
-        order_all = [*units, -1]
-        self.plan = schedule.arena_plan({u: groups[u].sizes for u in order_all}, {u: groups[u].compute for u in order_all}, slot_of)
+        self.first_step = True
+        units = sorted(u for u in groups if u != ROOT)
+        self.units = units
+        self.schedule = schedule.Schedule(policy, [groups[u].name for u in units], {u: len(g.trained_leaves) for u, g in groups.items()},
+                                          {u for u in units if len(groups[u].members) > 1}, self)
+        self.plan_arenas({})
+
+    def plan_arenas(self, slot_of: dict) -> None:
+        """The schedule's slot plan, and the arenas `UnitBuffers.bind` makes for a slot plan, from the one plan (`arena_plan`)."""
+        s, gs = self.schedule, self.g
+        s.set_plan(slot_of)
+        self.slot_of = s.slot_of
+        every = [*self.units, ROOT]
+        self.plan = schedule.arena_plan({u: gs[u].sizes for u in every}, {u: gs[u].compute for u in every}, slot_of)
         self.arena: dict = {key: self.plan.nbytes(key) for key in self.plan.numel}
-        rdt = groups[-1].reduce
-        self.n_red = schedule.reductions_in_flight(policy, len(units), slot_of)
-        self.rs_in = max(g.sizes["rs_in"] for g in groups.values()) * _itemsize(rdt)
-        self.rs_out = max(g.sizes["rs_out"] for g in groups.values()) * _itemsize(rdt)
-        self.done_after = schedule.last_of_slot(order, slot_of)
+        rdt = gs[ROOT].reduce
+        self.rs_in = max(g.sizes["rs_in"] for g in gs.values()) * _itemsize(rdt)
+        self.rs_out = max(g.sizes["rs_out"] for g in gs.values()) * _itemsize(rdt)
+
+    def new_step(self, first: bool) -> None:
+        """A new step: the gradient shards are given back until their reductions (`release_grad`)."""
+        self.first_step = first
+        self.alloc = {k: v for k, v in self.alloc.items() if k[0] != "gradshard"}
+        self.kept.clear()
 
     # -- arenas ----------------------------------------------------------------------------------
     def _key(self, u: int, name: str):
@@ -680,6 +695,7 @@ class _Sim:
 
     def _release(self, key) -> None:
         self.alloc.pop(key, None)
+        self.owner.pop(key, None)
 
     # -- totals ------------------------------------------------------------------------------------
     def total(self, extra: dict | None = None) -> dict:
@@ -698,244 +714,153 @@ class _Sim:
         for k, v in cats.items():
             self.largest[k] = max(self.largest.get(k, 0), v)
         if tot > self.peak:
-            self.peak, self.at_peak, self.where = tot, cats, (self.phase, self.current)
+            self.peak, self.at_peak, self.where = tot, cats, (self.schedule.phase.value, self.current, self.first_step)
 
-    # -- the engine's moves (Note [unit schedule]) -----------------------------------------------
-    def start(self, u: int) -> None:
-        if u != -1 and (u in self.live):
-            return
+    # -- Buffers: what the engine's moves do to the bytes ----------------------------------------
+    def before_collective(self) -> None:
+        pass
+
+    def start_gather(self, u: int) -> None:
         gr = self.g[u]
-        if u != -1:
-            holder = schedule.slot_holder(u, self.live, self.slot_of)
-            if holder is not None:
-                self.free(holder)
-            for w in schedule.evictions(self.policy, self.live, [w for w in self.live if w != self.running_unit]):
-                self.free(w)
-            self.live.add(u)
-        self._alloc(self._key(u, "full"))
+        full = self._key(u, "full")
+        self._alloc(full)
+        self.owner[full] = u
         if gr.staged:
             self._alloc(self._key(u, "stage"))
         if self.world > 1 and gr.S:
             self._alloc(self._key(u, "gathered"))
-        self.works.add(u)
         self.see()
 
-    def finish(self, u: int) -> None:
-        """The gather is waited for: a private gathered arena (and a stage without replicated
-        leaves) is spent."""
-        if u not in self.works:
-            return
-        self.works.discard(u)
-        gr = self.g[u]
+    def finish_gather(self, u: int, work: Any, timeout: float | None = None) -> None:
+        """A private gathered arena (and a stage without replicated leaves) is spent."""
         if u not in self.slot_of:
             self._release(self._key(u, "gathered"))
-            if gr.staged and not gr.R:
+            if self.g[u].staged and not self.g[u].R:
                 self._release(self._key(u, "stage"))
 
-    def ensure(self, u: int) -> None:
-        if u != -1 and u not in self.live and u not in self.works:
-            self.start(u)
-        self.finish(u)
-
-    running_unit = None
-
     def free(self, u: int) -> None:
-        self.finish(u)
-        if u == -1 or u in self.live:
-            self.live.discard(u)
-            if u not in self.slot_of:
-                for name in ("full", "gathered", "stage"):
-                    self._release(self._key(u, name))
+        if u not in self.slot_of:
+            for name in ("full", "gathered", "stage"):
+                self._release(self._key(u, name))
 
-    def _keeps(self, u: int | None) -> bool:
-        """The engine's `_kept_for_backward`: the last unit of the first forward, once the order
-        is known (after the first step's first forward)."""
-        return schedule.keeps_for_backward(self.policy, self.order_known, u, self.last_ran)
+    def gathers_in_place(self, u: int) -> bool:
+        return self.g[u].gathers_in_place
 
-    def release_slots(self) -> None:
-        """The engine's `_release_idle_slots`: the slots no gathered unit holds."""
-        held = {self._key(v, name) for v in self.live for name in ("full", "stage")}
-        for key in list(self.alloc):
-            if (key == ("gathered", "shared") or (len(key) == 3 and key[1] == "slot")) and key not in held:
-                self._release(key)
-
-    def release_spent_slot(self, u: int) -> None:
-        if self.phase != "backward" or u not in self.done_after or u in self.live:
-            return
-        k = self.slot_of[u]
-        if any(self.slot_of.get(w) == k for w, _ in self.in_flight if w in self.slot_of):
-            return
-        if any(self.slot_of.get(v) == k for v in self.live):
-            return
-        self._release(("full", "slot", k))
-        self._release(("stage", "slot", k))
-
-    def reduce(self, u: int) -> None:
-        if u in self.reduced:
-            return
-        self.reduced.add(u)
+    def reduces_in_slot(self, u: int, live: set[int]) -> bool:
         gr = self.g[u]
-        if gr.n_trained and self.reduce_now:
-            while len(self.in_flight) >= self.n_red:
-                self.finish_oldest()
-            busy = {pair for _, pair in self.in_flight}
-            pair = min(set(range(self.n_red)) - busy)
-            direct = gr.reduce == gr.master and not self.policy_offload and not self.accumulate
-            if direct:
-                self._grad_alloc(u)
-            else:
-                self._set(("rs_out", pair), "comm", self.rs_out)
-            spike = {"comm": 0}
-            if gr.S_trained and gr.compute != (gr.reduce if (self.world > 1 or not direct) else gr.master):
-                # `_chunk_cat` into a buffer of another dtype copies the gradients in their own dtype first,
-                # one leaf at a time (measured), the largest one's padded gradient at most
-                spike["comm"] += self.world * gr.largest_trained * _itemsize(gr.compute)
-            if self.world > 1:
-                # ... and it pads every gradient whose rows do not split evenly, all at once (measured)
-                spike["comm"] += self.world * gr.padded_trained * _itemsize(gr.compute)
-            if self.world > 1 and gr.S_trained:
-                in_full = (u in self.slot_of or u == -1) and gr.reduce == gr.compute
-                if in_full:
-                    self._alloc(self._key(u, "full"))
-                else:
-                    self._set(("rs_in", pair), "comm", self.rs_in)
-                if self.p2p and self.world == 3:  # shard-sized scratch until the reduction is waited for
-                    self._set(("scratch", u), "comm", gr.S_trained * _itemsize(gr.reduce if not direct else gr.master))
-            self.see(spike)
-            for i in gr.trained_leaves:  # the full gradients are spent
-                self.full_grads.pop(i, None)
-                self.kept.pop(i, None)
-            self.in_flight.append((u, pair))
-        if u != -1:
-            self.free(u)
-            self.release_spent_slot(u)
+        if not ((u in self.slot_of or u == ROOT) and gr.reduce == gr.compute and self.world > 1):
+            return False
+        owner = self.owner.get(self._key(u, "full"))
+        return owner is None or owner == u or not (owner == ROOT or owner in live)
 
-    policy_offload = False
+    def start_reduce(self, u: int, pair: int, in_slot: bool, accumulate: bool) -> None:
+        gr = self.g[u]
+        direct = gr.reduce == gr.master and not self.offload and not accumulate
+        if direct:
+            self._grad_alloc(u)
+        else:
+            self._set(("rs_out", pair), "comm", self.rs_out)
+        spike = {"comm": 0}
+        if gr.S_trained and gr.compute != (gr.reduce if (self.world > 1 or not direct) else gr.master):
+            # `_chunk_cat` into a buffer of another dtype copies the gradients in their own dtype first,
+            # one leaf at a time (measured), the largest one's padded gradient at most
+            spike["comm"] += self.world * gr.largest_trained * _itemsize(gr.compute)
+        if self.world > 1:
+            # ... and it pads every gradient whose rows do not split evenly, all at once (measured)
+            spike["comm"] += self.world * gr.padded_trained * _itemsize(gr.compute)
+        if self.world > 1 and gr.S_trained:
+            if in_slot:
+                full = self._key(u, "full")
+                self._alloc(full)
+                self.owner[full] = u
+            else:
+                self._set(("rs_in", pair), "comm", self.rs_in)
+            if self.p2p and self.world == 3:  # shard-sized scratch until the reduction is waited for
+                self._set(("scratch", u), "comm", gr.S_trained * _itemsize(gr.reduce if not direct else gr.master))
+        self.see(spike)
+        for i in gr.trained_leaves:  # the full gradients are spent
+            self.full_grads.pop(i, None)
+            self.kept.pop(i, None)
+
+    def finish_reduce(self, u: int, pending: Any, timeout: float | None = None) -> None:
+        self._grad_alloc(u)
+        self.see()
+        self._release(("scratch", u))
 
     def _grad_alloc(self, u: int) -> None:
         gr = self.g[u]
         if ("gradshard", u) not in self.alloc and u in self.transient_grads:
             self.alloc[("gradshard", u)] = ("grads", (gr.S + gr.R) * _itemsize(gr.master))
 
-    def finish_oldest(self) -> None:
-        u, pair = self.in_flight.pop(0)
-        self._grad_alloc(u)
-        self.see()
-        self._release(("scratch", u))
-        self.release_spent_slot(u)
+    def keep_grads(self, u: int) -> None:
+        """Local accumulation: the full gradients wait for the last micro-batch, in reduce_dtype
+        where it is wider (`FlatUnit.stash_grads`)."""
+        gr = self.g[u]
+        wider = _itemsize(gr.reduce) > _itemsize(gr.compute)
+        for i in gr.trained_leaves:
+            n = self.full_grads.pop(i, None)
+            if n is not None:
+                self.kept[i] = n * _itemsize(gr.reduce) // _itemsize(gr.compute) if wider else n
+
+    def release_idle_slots(self, live: set[int]) -> None:
+        held = {self._key(v, name) for v in live for name in ("full", "stage")}
+        for key in list(self.alloc):
+            if (key == ("gathered", "shared") or (len(key) == 3 and key[1] == "slot")) and key not in held:
+                self._release(key)
+
+    def release_slot(self, u: int) -> None:
+        for name in ("full", "stage"):
+            self._release(self._key(u, name))
+
+    def release_gathered(self, u: int) -> None:
+        self._release(self._key(u, "gathered"))
+
+    def release_all(self) -> None:
+        for key in list(self.alloc):
+            if key[0] != "gradshard":
+                self._release(key)
 
     # -- the meta run's timeline -------------------------------------------------------------------
-    def run(self, events: list, member_group: dict, names: list[str]) -> None:
-        """Replays the meta run's timeline with the engine's moves at its marks."""
-        order = self.order
-        pos = {u: i for i, u in enumerate(order)}
-        self.phase = "forward"
-        self.start(-1)
-        if order:
-            self.prefetch(order[0])
-        self.finish(-1)
-        cur_fwd = None
-        last_ran = []
-        active_bwd = set()
+    def run(self, events: list, member_group: dict, names: list[str], accumulate: bool, reduce_now: bool) -> dict | None:
+        """Replays one micro-batch of the meta run's timeline through the schedule; returns what
+        `Schedule.end` returns (the busy spans when this step makes the slot plan)."""
+        s = self.schedule
+        self.current = ""
+        s.begin(accumulate, reduce_now)
+        busy = None
         for kind, arg, live in events:
             self.act = live
-            if kind == "mem":
-                self.see()
-            elif kind == "fwd":
-                u = member_group[arg]
+            if kind == "fwd":
                 self.current = names[arg]
-                if u != cur_fwd:
-                    if cur_fwd is not None and self.policy.reshard_after_forward:
-                        self.free(cur_fwd)
-                    cur_fwd = u
-                    self.running_unit = u
-                    self.ensure(u)
-                    if u not in last_ran:
-                        last_ran.append(u)
-                    i = pos.get(u)
-                    if i is not None and i + 1 < len(order):
-                        self.prefetch(order[i + 1])
-                self.see()
+                s.forward_starts(member_group[arg])
+            elif kind == "hooked":
+                s.inputs_hooked(member_group[arg])
             elif kind == "fwd_end":
-                u = member_group[arg]
-                grouped = len(self.g[u].members) > 1
-                if self.policy.reshard_after_forward and not grouped:
-                    if not self._keeps(u):  # else kept for its backward, the first
-                        self.free(u)
-                    cur_fwd = None
-                    self.running_unit = None
-                    if u == self.last_ran and self.slot_of:
-                        self.release_slots()
-                self.see()
+                s.forward_ends(member_group[arg])
             elif kind == "end_forward":
-                if cur_fwd is not None and self.policy.reshard_after_forward:
-                    if not self._keeps(cur_fwd):
-                        self.free(cur_fwd)
-                    cur_fwd = None
-                    self.running_unit = None
-                if self.slot_of and not self.works:
-                    self.release_slots()
-                self.phase = "backward"
+                s.forward_over() and s.backward()
                 self.current = ""
-                self.see()
             elif kind == "bwd":
-                u = member_group[arg]
                 self.current = names[arg]
-                if u in active_bwd:
-                    continue
-                active_bwd.add(u)
-                self.running_unit = u
-                self.ensure(u)
-                i = pos.get(u)
-                prev = order[i - 1] if i else None
-                self.prefetch(prev, backward=True)
-                if prev is None and self.slot_of:
-                    self._release(("gathered", "shared"))
-                while any(w in self.done_after for w, _ in self.in_flight):
-                    self.finish_oldest()
-                self.see()
+                s.backward_starts(member_group[arg])
+            elif kind == "recompute":
+                s.recompute_starts(member_group[arg])
+            elif kind == "bwd_end":
+                s.use_over(member_group[arg])
             elif kind == "grad":
                 i, n = arg
                 if i in self.kept:
                     self.see({"unit_grads": n})  # added into the gradient kept from the last micro-batch
                 else:
                     self.full_grads[i] = n
-                    self.see()
                 u = self.leaf_group[i]
-                if u != -1:
-                    self.arrived[u].add(i)
-                    if len(self.arrived[u]) == len(self.g[u].trained_leaves):
-                        self.reduce(u)
+                if u != ROOT and s.phase != Phase.IDLE:
+                    self.see()
+                    s.grad_ready(u)
             elif kind == "end":
-                self.end()
-
-    def prefetch(self, u, backward: bool = False) -> None:
-        if u is None or u in self.live or u in self.reduced:
-            return
-        if schedule.prefetch_waits(self.policy, len(self.live), schedule.slot_holder(u, self.live, self.slot_of) is not None):
-            return
-        self.start(u)
-
-    def end(self) -> None:
-        for u in list(self.live):
-            self.free(u)
-        for u in reversed(self.order):
-            if u not in self.reduced:
-                self.reduce(u)
-        self.reduce(-1)
-        while self.in_flight:
-            self.finish_oldest()
-        if not self.reduce_now:  # local accumulation: the full gradients wait for the last micro-batch,
-            for i, n in self.full_grads.items():  # in reduce_dtype where it is wider (`FlatUnit.stash_grads`)
-                gr = self.g.get(self.leaf_group[i])
-                wider = gr is not None and _itemsize(gr.reduce) > _itemsize(gr.compute)
-                self.kept[i] = n * _itemsize(gr.reduce) // _itemsize(gr.compute) if wider else n
-            self.full_grads.clear()
-        self.free(-1)
-        for key in list(self.alloc):
-            if key[0] not in ("gradshard",):
-                self._release(key)
-        self.see()
+                busy = s.end()
+            self.see()
+        return busy
 
 
 def estimate_memory(step: Any, params: Any, batch: Any = None, *, world: int | None = None, rank: int = 0,
@@ -1056,19 +981,8 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
         events.append(("end", None, 0))
     member_group = {m: g for g, ms in enumerate(groups) for m in ms}
     n = len(gs) - 1
-    # Forward order, as the engine learns it in the first step: the order units first ran in, then
-    # those that did not run (the module's order without a batch).
-    order = []
-    for kind, arg, _ in events:
-        if kind == "end_forward":
-            break
-        if kind == "fwd" and member_group[arg] not in order:
-            order.append(member_group[arg])
-    last_ran = order[-1] if order else None  # the unit kept for the backward (`keep_last_unit`)
-    order = schedule.forward_order(order, n)
     nested_units = _nested(names)
     nested = {g for g, ms in enumerate(groups) for m in ms if m in nested_units}
-    slot_of = schedule.plan_slots(order, nested, {u: gs[u].compute for u in order}, policy)  # no busy clash known here
 
     # The state: shards, optimizer, buffers.
     persistent = {"params": sum((g.S + g.R) * _itemsize(g.master) for g in gs.values())}
@@ -1088,37 +1002,28 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
         update_bytes = 0
 
     local = core.accumulation == "local"
-    largest: dict = {}
-    peak_sim = None
     n_micro = min(k, 2)  # later micro-batches repeat the second
-    # The first step runs with an arena per unit (the slot plan is made from it: Note [unit plan]).
-    # It plans at the end of the first backward that reduces: the first micro-batch, or under local
-    # accumulation the last.
-    for first in ([True, False] if slot_of else [False]):
-        sim_state: dict = {}
+    # Two steps, as the engine runs them: the first with an arena per unit and the order unknown
+    # until its first forward; it plans the slots from its busy spans at the end of its first
+    # backward that reduces (Note [unit plan]); then a planned step.
+    sim = _Sim(gs, policy, W, p2p, persistent, leaf_group, offload, transient)
+    for first in (True, False):
+        sim.new_step(first)
         for m in range(n_micro):
             last = m == n_micro - 1
-            plan = {} if first and (m == 0 or local) else slot_of
-            sim = _Sim(gs, policy, plan, W, p2p, persistent, accumulate=m > 0 and not local, reduce_now=last or not local,
-                       leaf_group=leaf_group, order=order)
-            sim.first_step = first
-            sim.order_known = not (first and m == 0)
-            sim.last_ran = last_ran
-            sim.policy_offload = offload
-            sim.transient_grads = transient
-            sim.alloc.update(sim_state.get("alloc", {}))
-            sim.kept = dict(sim_state.get("kept", {}))
-            sim.run(events, member_group, names)
-            sim_state = {"alloc": {kk: v for kk, v in sim.alloc.items() if kk[0] == "gradshard"}, "kept": sim.kept}
-            if peak_sim is None or sim.peak > peak_sim.peak:
-                peak_sim = sim
-            for kk, v in sim.largest.items():
-                largest[kk] = max(largest.get(kk, 0), v)
+            busy = sim.run(events, member_group, names, accumulate=m > 0 and not local, reduce_now=last or not local)
+            if busy is not None:  # `Engine._plan`
+                sim.schedule.planned = True
+                if policy.share_slots and n:
+                    order = sim.schedule.order
+                    sim.plan_arenas(schedule.plan_slots(order, nested, {u: gs[u].compute for u in order}, policy, busy))
+    largest = dict(sim.largest)
     # The optimizer: every gradient shard, the state and the update's temporaries.
     opt_cats = dict(persistent)
     opt_cats["grads"] = 0 if offload else sum((g.S + g.R) * _itemsize(g.master) for g in gs.values())
     opt_cats["update"] = update_bytes
-    peak, at_peak, where, first = peak_sim.peak, peak_sim.at_peak, peak_sim.where, peak_sim.first_step
+    peak, at_peak, (phase, unit, first) = sim.peak, sim.at_peak, sim.where
+    where = (phase, unit)
     if sum(opt_cats.values()) > peak:
         peak, at_peak, where, first = sum(opt_cats.values()), opt_cats, ("optimizer", ""), False
     for kk, v in opt_cats.items():

@@ -354,9 +354,11 @@ def test_the_kept_unit_is_estimated_from_the_second_step_on(pools):
     assert freed_first
 
 
-def rank_one_decision_moves_both(keep: bool) -> dict:
-    """The step's gathers, its measured peak and its estimate, with the schedule's decision of which
-    unit stays gathered for its backward as it is (`keep`), or changed to keep none."""
+def rank_one_decision_moves_both(change: str) -> dict:
+    """The step's gathers, its measured peak and its estimate, with the schedule as it is
+    (`change="none"`), with the decision of which unit stays gathered for its backward changed to
+    keep none ("keep_none"), or with one of its moves changed: the slots no gathered unit holds are
+    not given back after the last unit's forward ("keep_idle_slots")."""
     import shardfn as sf
     from shardfn import _schedule
     from shardfn.models import GPT, GPTConfig
@@ -369,9 +371,11 @@ def rank_one_decision_moves_both(keep: bool) -> dict:
     def loss_fn(p, b):
         return torch.nn.functional.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten())
 
-    decided = _schedule.keeps_for_backward
-    if not keep:
+    decided, moved = _schedule.keeps_for_backward, _schedule.Schedule._release_idle_slots
+    if change == "keep_none":
         _schedule.keeps_for_backward = lambda *args: False
+    elif change == "keep_idle_slots":
+        _schedule.Schedule._release_idle_slots = lambda self: None
     try:
         step = sf.train_step(loss_fn, sf.optim.adamw(1e-3), sf.mesh(dp=-1), group_bytes=0)
         est = sf.estimate_memory(step, params, batch=batch)
@@ -382,17 +386,42 @@ def rank_one_decision_moves_both(keep: bool) -> dict:
         gathers = sum(1 for what, _, _ in step.engine.stats.events if what == "gather")
         measured = sorted(step_peak(step, params, batch, steps=3).peak for _ in range(3))[1]
     finally:
-        _schedule.keeps_for_backward = decided
+        _schedule.keeps_for_backward, _schedule.Schedule._release_idle_slots = decided, moved
     return dict(gathers=gathers, estimate=est.peak, measured=measured)
 
 
 def test_one_schedule_decision_moves_the_engine_and_the_estimate(pools):
-    """Note [one schedule]: the decision which unit stays gathered from its forward to its
-    backward is read by the engine and by the estimate from `_schedule`; changed there (keep
-    none), the engine gathers one unit more per step, its measured peak (the loss's) drops by
-    about that unit, and the estimate follows it, within 10% of the measured peak both times."""
-    kept, freed = (pools(2).run(rank_one_decision_moves_both, keep)[0] for keep in (True, False))
-    assert freed["gathers"] == kept["gathers"] + 1, (kept, freed)
-    assert freed["measured"] < kept["measured"] and freed["estimate"] < kept["estimate"], (kept, freed)
-    for r in (kept, freed):
+    """Note [one schedule], Note [the schedule's moves]: the engine and the estimate run one
+    schedule. Its decision which unit stays gathered from its forward to its backward, changed to
+    keep none: the engine gathers one unit more per step, its measured peak (the loss's) drops by
+    about that unit, and the estimate follows it. One of its moves changed (the idle slots are not
+    given back before the loss): the measured peak rises, and the estimate with it. Within 10% of
+    the measured peak every time."""
+    runs = {change: pools(2).run(rank_one_decision_moves_both, change)[0] for change in ("none", "keep_none", "keep_idle_slots")}
+    kept, freed, held = runs["none"], runs["keep_none"], runs["keep_idle_slots"]
+    assert freed["gathers"] == kept["gathers"] + 1, runs
+    assert freed["measured"] < kept["measured"] and freed["estimate"] < kept["estimate"], runs
+    assert held["measured"] > kept["measured"] and held["estimate"] > kept["estimate"], runs
+    for r in runs.values():
         assert 0.9 <= r["estimate"] / r["measured"] <= 1.1, r
+
+
+def test_the_estimate_runs_the_engines_schedule():
+    """Note [the schedule's moves]: the estimate's buffers are a `Buffers` the engine's own
+    `Schedule` acts on, and `_estimate.py` makes none of the schedule's decisions or moves itself:
+    it calls no decision of `_schedule` other than the arena plan and the slot plan, and its `_Sim`
+    defines no method of `Schedule`'s besides the `Buffers` it implements."""
+    import ast
+    import inspect
+
+    from shardfn import _estimate, _schedule
+
+    protocol = {n for n, v in vars(_schedule.Buffers).items() if callable(v) and not n.startswith("_")}
+    assert protocol <= set(dir(_estimate._Sim)), protocol - set(dir(_estimate._Sim))
+    tree = ast.parse(inspect.getsource(_estimate))
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "schedule"}
+    assert used <= {"Schedule", "arena_plan", "plan_slots", "cast_floating"}, used
+    moves = {n for n, v in vars(_schedule.Schedule).items() if callable(v)} - protocol - {"__init__"}
+    sim = next(c for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == "_Sim")
+    defined = {f.name for f in sim.body if isinstance(f, ast.FunctionDef)}
+    assert not (defined & moves), defined & moves
