@@ -24,7 +24,10 @@ so a column-parallel layer computes on the whole sequence and never gathers its 
 `sf.rules.LLAMA_SP` constrains the embedding's and the row-parallel layers' outputs to the
 sequence: norms, dropout and residual adds then run on sequence shards, each pair of layers
 reduce-scatters once and all-gathers once each way instead of one all-reduce, and the activations
-between blocks are 1/tp the size.
+between blocks are 1/tp the size. `sf.rules.GPT_SP` / `GPT2_SP` do it for models whose attention
+is whole on tp (its packed q|k|v stays whole): the attention's input is constrained whole (an
+all-gather of the normalized sequence) and its output back to the sequence (a slice; its gradient
+all-gathered for the attention's backward), so no gather is left for DTensor to fall back to.
 """
 
 from __future__ import annotations

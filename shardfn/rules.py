@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ._spec import P, READY_RULES
 
-__all__ = ["LLAMA", "LLAMA_SP", "QWEN2", "MISTRAL", "GPT2", "GPT"]
+__all__ = ["LLAMA", "LLAMA_SP", "QWEN2", "MISTRAL", "GPT2", "GPT2_SP", "GPT", "GPT_SP"]
 
 COLUMN = P("tp", None)  # an nn.Linear weight [out, in] split on its outputs
 ROW = P(None, "tp")  # ... split on its inputs: each rank computes a partial sum
@@ -77,4 +77,28 @@ GPT: list[tuple[str, P]] = [
 ]
 """`shardfn.models.GPT`."""
 
-READY_RULES.update(rule for rules in (LLAMA, LLAMA_SP, GPT2, GPT) for rule in rules)  # exempt in `sf.specs`' check of idle rules
+GPT_SP: list[tuple[str, P]] = [
+    *GPT,
+    # Sequence parallelism over tp: the residual stream split on the sequence. The embedding's and the
+    # MLP's row-parallel partial sums are reduce-scattered onto it and `fc` (column-parallel) gathers it
+    # back, as in `LLAMA_SP`; the attention, whole on tp, computes on the whole sequence: its input
+    # (`ln1`'s output) is all-gathered, its output sliced back onto the sequence (in the backward:
+    # the gradient all-gathered for the attention's backward, that of its input sliced).
+    (r"wte", P(None, "tp")),
+    (r"blocks\.\d+\.ln1", P()),
+    (r"blocks\.\d+\.attn", P(None, "tp")),
+    (r"blocks\.\d+\.out", P(None, "tp")),
+]
+"""`shardfn.models.GPT` with sequence parallelism over tp (for `sf.specs` and `activation_specs`)."""
+
+GPT2_SP: list[tuple[str, P]] = [
+    *GPT2,
+    # As `GPT_SP`: GPT-2's attention (c_attn, c_proj) is whole on tp, its MLP split.
+    (r".*\.wte", P(None, "tp")),
+    (r".*\.h\.\d+\.ln_1", P()),
+    (r".*\.h\.\d+\.attn", P(None, "tp")),
+    (r".*\.h\.\d+\.mlp\.c_proj", P(None, "tp")),
+]
+"""Hugging Face GPT-2 with sequence parallelism over tp (for `sf.specs` and `activation_specs`)."""
+
+READY_RULES.update(rule for rules in (LLAMA, LLAMA_SP, GPT2, GPT2_SP, GPT, GPT_SP) for rule in rules)  # exempt in `sf.specs`' check of idle rules

@@ -5,6 +5,7 @@ against the same step without them; the collectives counted; refusals."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import shardfn as sf
 from shardfn import _collectives as C
 from reference import rel_err
 from shardfn._peak import step_peak
+from shardfn._tp import FallbackWarning
 
 pytest.importorskip("transformers", reason="the sequence-parallel cases train a tiny Hugging Face Llama")
 
@@ -75,6 +77,89 @@ def rank_sequence_parallel(sp: bool, T: int, measure: bool) -> dict:
 def _llama_params(apply):
     """A fresh copy of the Llama's parameters, as a tree of `apply`'s model."""
     return sf.from_state_dict(apply, _llama().state_dict())
+
+
+def _gpt():
+    from shardfn.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=VOCAB, block_size=32, n_layer=2, n_head=4, d=32))
+
+
+def _gpt2():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, attn_implementation="sdpa")
+    return tf.GPT2LMHeadModel(cfg).float().train()
+
+
+_GPTS = {"gpt": (_gpt, r"blocks\.\d+", sf.rules.GPT, sf.rules.GPT_SP),
+         "gpt2": (_gpt2, r"transformer\.h\.\d+", sf.rules.GPT2, sf.rules.GPT2_SP)}
+
+
+def rank_gpt_sequence_parallel(name: str, sp: bool, T: int) -> dict:
+    """3 SGD steps of the project's GPT or GPT-2 on (dp=2, tp=2), with its `_SP` rules or without,
+    against the same model trained on the global batch in this process."""
+    make, units, rules, rules_sp = _GPTS[name]
+    mesh = sf.mesh(dp=2, tp=2)
+    dp = mesh.get_coordinate()[0]
+    model = make()
+    ref = copy.deepcopy(model)
+    seen: list = []
+    block = model.blocks[0] if name == "gpt" else model.transformer.h[0]
+    block.register_forward_hook(lambda m, a, out: seen.append(tuple((out[0] if isinstance(out, tuple) else out).placements)))
+    apply, params = sf.functionalize(model, units=units)
+    specs = sf.specs(params, mesh, rules=rules_sp if sp else rules, default=sf.P("dp"))
+
+    def loss(m, p, ids):
+        if name == "gpt":
+            logits = m(ids) if p is None else apply(p, ids)
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        return (m(input_ids=ids, labels=ids) if p is None else apply(p, input_ids=ids, labels=ids)).loss
+
+    step = sf.train_step(lambda p, ids: loss(None, p, ids), sf.optim.sgd(LR, momentum=0.9), mesh, specs=specs,
+                         activation_specs=rules_sp if sp else None)
+    state = step.init(params)
+    ropt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    C.STATS.reset()
+    losses = []
+    for i in range(STEPS):
+        ids = _ids(i, T)
+        with warnings.catch_warnings(record=True) as caught:  # the gathers DTensor falls back to, reported
+            warnings.simplefilter("always", FallbackWarning)
+            state, metrics = step(state, ids.chunk(2)[dp])
+        fallbacks = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+        ropt.zero_grad()
+        rloss = loss(ref, None, ids)
+        rloss.backward()
+        ropt.step()
+        losses.append(abs(metrics["loss"].item() - rloss.item()) / rloss.item())
+    full = sf.to_state_dict(sf.gather(state.params), apply)
+    err = max(rel_err(full[k], v) for k, v in ref.state_dict().items() if k in full)
+    return dict(params=err, loss=max(losses), calls=dict(C.STATS.calls), block_out=seen[0], fallbacks=fallbacks)
+
+
+@pytest.mark.parametrize("name,T", [("gpt", 32), ("gpt", 31), ("gpt2", 32)])
+def test_sequence_parallelism_of_the_gpts_is_exact(pools, name, T):
+    """`sf.rules.GPT_SP` and `GPT2_SP` (attention whole on tp, the MLP split): equal to one process
+    at an even and an uneven sequence; the blocks' outputs split on the sequence; per step and
+    layer, the MLP's all-reduce each way replaced by a reduce-scatter, and the sequence gathered
+    before the attention and before the MLP, forward and backward."""
+    plain = pools(4).run(rank_gpt_sequence_parallel, name, False, T)
+    sp = pools(4).run(rank_gpt_sequence_parallel, name, True, T)
+    for a, b in zip(plain, sp):
+        for r in (a, b):
+            assert r["params"] < 1e-5 and r["loss"] < 1e-5, r
+            assert not r["fallbacks"], r  # every move asked for: no gather DTensor falls back to
+        assert b["block_out"] == (torch.distributed.tensor.Shard(1),), b
+        assert a["block_out"] == (torch.distributed.tensor.Replicate(),), a
+        pa, ps = a["calls"], b["calls"]
+        # Per step: the embedding's and each layer's row-parallel partial sums, reduce-scattered instead
+        # of all-reduced, and their gradients' all-reduces likewise: 2 * (1 + layers) per step.
+        assert ps.get("reduce_scatter", 0) - pa.get("reduce_scatter", 0) == 6 * STEPS, (pa, ps)
+        assert pa["all_reduce"] - ps["all_reduce"] == 6 * STEPS, (pa, ps)
 
 
 @pytest.mark.parametrize("T", [32, 31])  # the memory measured at 32 (at a few tokens SP's own buffers weigh more)
