@@ -24,8 +24,14 @@ What the model must be told: positions. A model that derives positions from the 
 it is given (`arange(T)`) would see local lengths; pass the global position ids in the batch
 (split with it: the project's GPT takes `pos=`, Hugging Face models `position_ids=`) and labels
 aligned with the tokens (shift them before the cut: a model that shifts labels itself shifts within
-each chunk). Attention with an explicit mask, or with dropout, is refused, as is context
-parallelism with tensor parallelism (not yet).
+each chunk). Attention with an explicit mask, or with dropout, is refused.
+
+With tensor parallelism (`sf.mesh(dp=..., tp=..., cp=...)`) the step runs on a (dp x cp, tp) mesh:
+parameters split over tp as their specs say and sharded over dp and cp together, the forward on
+DTensors over tp (Note [tensor parallel forward] in `_tp.py`). Attention's q, k and v are then
+DTensors over tp, split on their heads (Llama's rules) or whole (the GPTs' packed q|k|v); heads
+attend independently, so the ring runs on each tp rank's own heads and the output keeps their
+layout.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import optree
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
 from ._manual import axis_group
@@ -52,10 +59,10 @@ class ContextParallel:
 
     def __init__(self, mesh: DeviceMesh, batch_specs: Any):
         names = tuple(mesh.mesh_dim_names or ())
-        if names not in (("dp", "cp"), ("cp",)):
+        if not (set(names) <= {"dp", "tp", "cp"} and "cp" in names and len(set(names)) == len(names)):
             raise NotImplementedError(
-                f"context parallelism runs on sf.mesh(dp=..., cp=...) or sf.mesh(cp=...); this mesh has axes {names}. "
-                "With tensor parallelism (a tp axis) it is not supported yet"
+                f"context parallelism runs on sf.mesh(dp=..., cp=...), sf.mesh(cp=...) or with tensor parallelism "
+                f"sf.mesh(dp=..., tp=..., cp=...); this mesh has axes {names}"
             )
         if batch_specs is None:
             raise ValueError(
@@ -68,7 +75,11 @@ class ContextParallel:
         self.mesh, self.batch_specs = mesh, batch_specs
         self.size = int(mesh.size(names.index("cp")))
         self.group = axis_group(mesh, ("cp",))
-        self.flat = init_device_mesh(mesh.device_type, (mesh.size(),), mesh_dim_names=("dp",))
+        if "tp" in names:  # the step's mesh: (dp x cp, tp), dp and cp as one data axis
+            t = mesh.mesh.permute(*(names.index(a) for a in ("dp", "cp", "tp") if a in names))
+            self.flat = DeviceMesh(mesh.device_type, t.reshape(-1, mesh.size(names.index("tp"))), mesh_dim_names=("dp", "tp"))
+        else:
+            self.flat = init_device_mesh(mesh.device_type, (mesh.size(),), mesh_dim_names=("dp",))
 
     # -- the batch ------------------------------------------------------------------------------
     def cut(self, batch: Any) -> Any:
@@ -136,8 +147,8 @@ class ContextParallel:
                 "supported yet (its mask would be of the local chunks); use is_causal=True without a mask, and attention "
                 "dropout 0"
             )
-        if isinstance(q, torch.distributed.tensor.DTensor):
-            raise NotImplementedError("context parallelism with tensor parallelism (DTensor q/k/v) is not supported yet")
+        if isinstance(q, DTensor):
+            return self._attend_on_tp(q, k, v, is_causal, scale, enable_gqa)
         t = q.shape[-2]
         if k.shape[-2] != t or t % 2:
             raise NotImplementedError(
@@ -151,6 +162,22 @@ class ContextParallel:
         if q.device.type in ("cpu", "meta"):
             return _RingFlash.apply(q, k, v, bool(is_causal), float(scale), self)
         return self._ring_math(q, k, v, is_causal, scale)
+
+    def _attend_on_tp(self, q: DTensor, k: DTensor, v: DTensor, is_causal: bool, scale: float | None, enable_gqa: bool) -> DTensor:
+        """With tensor parallelism: q, k and v are DTensors over tp, whole there or split on their
+        heads (or batch); every head attends on its own, so the ring runs on the local heads."""
+        pl = tuple(q.placements)
+        same = all(isinstance(x, DTensor) and tuple(x.placements) == pl for x in (k, v))
+        if not same or any(p.is_partial() or (p.is_shard() and p.dim % q.dim() >= q.dim() - 2) for p in pl):
+            raise NotImplementedError(
+                f"context parallelism with tensor parallelism: attention of q, k, v laid out as {pl}, "
+                f"{getattr(k, 'placements', None)}, {getattr(v, 'placements', None)} over tp; split them on their heads (as "
+                "sf.rules.LLAMA does) or keep them whole on tp, the same for all three"
+            )
+        out = self.attend(q.to_local(), k.to_local(), v.to_local(), is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        shape = (*q.shape[:-1], v.shape[-1])
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        return DTensor.from_local(out, q.device_mesh, pl, run_check=False, shape=torch.Size(shape), stride=stride)
 
     def chunk_pairs(self, src: int, causal: bool) -> list[tuple[int, int, bool]]:
         """(query chunk, key chunk, diagonal) for this rank's queries against `src`'s keys, the

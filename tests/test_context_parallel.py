@@ -47,6 +47,7 @@ def _shifted(ids: torch.Tensor) -> torch.Tensor:
 
 
 def rank_context_parallel(dims: dict, kind: str, options: dict) -> dict:
+    options = dict(options)
     mesh = sf.mesh(**dims)
     dp = dims.get("dp", 1)
     coord = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
@@ -75,6 +76,9 @@ def rank_context_parallel(dims: dict, kind: str, options: dict) -> dict:
             nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
             return sf.psum(nll, "dp") / sf.psum((labels != -100).sum(), "dp")
 
+    tp = options.pop("tp_rules", None)
+    if tp is not None:  # tensor parallel too: the leaves split over tp by the model's ready rules
+        options["specs"] = sf.specs(params, mesh, rules=getattr(sf.rules, tp), default=sf.P("dp"))
     step = sf.train_step(loss_fn, sf.optim.adamw(**OPT), mesh, batch_specs=sf.P(None, "cp"), **options)
     state = step.init(params)
     ropt = torch.optim.AdamW(ref.parameters(), **OPT)
@@ -100,7 +104,10 @@ def rank_context_parallel(dims: dict, kind: str, options: dict) -> dict:
         losses.append(abs(metrics["loss"].item() - rl.item()) / rl.item())
     full = sf.to_state_dict(sf.gather(state.params), apply)
     err = max(rel_err(full[n], v) for n, v in ref.state_dict().items() if n in full)
-    return dict(err=err, loss=max(losses), calls=calls)
+    leaves = [x for x in torch.utils._pytree.tree_leaves(state.params) if isinstance(x, torch.distributed.tensor.DTensor)]
+    names = leaves[0].device_mesh.mesh_dim_names
+    tp_split = sum(1 for x in leaves if "tp" in names and x.placements[names.index("tp")].is_shard())
+    return dict(err=err, loss=max(losses), calls=calls, tp_split=tp_split)
 
 
 CASES = [
@@ -111,6 +118,9 @@ CASES = [
     (4, dict(dp=2, cp=2), "gpt", dict(accumulation_steps=2, strategy="shard_grad_op")),
     (4, dict(dp=2, cp=2), "llama", {}),
     (2, dict(cp=2), "llama", dict(remat=True, strategy="no_shard")),
+    # with tensor parallelism: (dp x cp, tp), the ring on each tp rank's heads (whole on tp for the GPT)
+    (4, dict(dp=1, tp=2, cp=2), "gpt", dict(tp_rules="GPT")),
+    (4, dict(dp=1, tp=2, cp=2), "llama", dict(tp_rules="LLAMA", remat=True)),
 ]
 
 
@@ -118,6 +128,7 @@ CASES = [
 def test_context_parallel_matches_one_process_on_the_global_batch(pools, world, dims, kind, options):
     for r in pools(world).run(rank_context_parallel, dims, kind, options):
         assert r["err"] < 1e-5 and r["loss"] < 1e-5, r
+        assert (r["tp_split"] > 0) == ("tp" in dims), r  # with tp, the ready rules' leaves split over it
         cp = dims["cp"]
         # per attention layer: cp - 1 K/V exchanges forward (again under remat), cp - 1 of K/V with
         # their gradients backward and one handing the gradients home
