@@ -369,10 +369,18 @@ def all_gather_object(obj, what: str, group=None) -> list:
     if world == 1:
         return [obj]
     STATS.add("all_gather_object", _pickled(obj) * (world - 1))
+    if _simulated(group):  # Note [simulated rank] in `_simulate.py`: every rank as this one
+        return [obj] * world
     out: list = [None] * world
     with watching(what):
         dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def _simulated(group) -> bool:
+    """Whether `group` is `sf.simulate`'s fake process group, whose collectives move nothing (an
+    object exchanged there would come back as uninitialized bytes)."""
+    return dist.get_backend(group) == "fake"
 
 
 def broadcast_object(obj, what: str, src: int = 0, group=None):
@@ -383,6 +391,8 @@ def broadcast_object(obj, what: str, src: int = 0, group=None):
         return obj
     if dist.get_rank() == src:
         STATS.add("broadcast_object", _pickled(obj) * (world - 1))
+    if _simulated(group):  # Note [simulated rank] in `_simulate.py`: this rank's object stands for src's
+        return obj
     box = [obj]
     with watching(what):
         dist.broadcast_object_list(box, src=src, group=group)

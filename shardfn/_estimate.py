@@ -509,9 +509,11 @@ def _swap_buffers(module: torch.nn.Module, dtype) -> list:
     return saved
 
 
-def _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, micro) -> _Counter:
+def _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, micro, attention=None) -> _Counter:
     """Runs `loss_fn` forward and backward on meta tensors; returns the counter (its timeline).
-    With tensor parallel, on meta DTensors over the step's tp mesh, steered as the step steers them."""
+    With tensor parallel, on meta DTensors over the step's tp mesh, steered as the step steers them.
+    `attention`: context parallelism's ring (a context manager factory), which the model's attention
+    calls run as, over the device's own kernel (`_AttentionAsOn`)."""
     counter = _Counter()
     cast = core.mp.param_dtype
     metas = []
@@ -562,6 +564,8 @@ def _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, micro) -
                 tp.watch = False  # the step's first step reports what gathers
                 stack.enter_context(tp.context(same_randomness=False))  # no collective: one rank may estimate alone
             stack.enter_context(_AttentionAsOn(core.mesh.device_type))
+            if attention is not None:  # inside: the ring is what the model calls (its blocks on the fused kernel)
+                stack.enter_context(attention())
             stack.enter_context(counter)
             stack.enter_context(_runtime.activate(probe, info))
             stack.enter_context(torch.enable_grad())
@@ -969,8 +973,8 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
         if context is not None:
             meta_batch = context.cut(meta_batch)
         mb = _split_batch(meta_batch, k)[0]
-        with context.attention() if context is not None else contextlib.nullcontext():
-            counter = _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, mb)
+        counter = _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, mb,
+                            attention=context.attention if context is not None else None)
         events = counter.events
     else:
         events = [("end_forward", None, 0)]

@@ -7,7 +7,9 @@ never on what the other ranks hold. PyTorch's fake process group (`FakeStore` an
 backend) accepts every collective and moves nothing, so one process can run rank r's code for
 real, train step included, with its shards, arenas, activations and optimizer state at their true
 sizes; built under `sf.meta_device()`, nothing full is ever allocated beyond one unit at a time.
-What it measures is memory (and the schedule); the numbers it computes are meaningless.
+What it measures is memory (and the schedule); the numbers it computes are meaningless. Objects
+the ranks exchange (the meta-device init's random state, an agreement check's digests) are this
+rank's own on every rank: a fake collective would hand back uninitialized bytes.
 
 What it does not see: a real communication library's own memory (NCCL's buffers and channels,
 gloo's internal copies in an all-reduce), since no message is sent; and point-to-point gloo
