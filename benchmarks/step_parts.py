@@ -60,7 +60,8 @@ def _parts(table: dict, impl: str, it) -> None:
         _timed(table, _engine.Engine, "pre_forward", "engine: unit pre-forward hook")
         _timed(table, _engine.Engine, "post_forward", "engine: unit post-forward hook")
         _timed(table, _engine.Engine, "_pre_backward", "engine: unit pre-backward hook")
-        _timed(table, _engine.Engine, "_post_backward", "engine: unit post-backward")
+        post = "use_over" if hasattr(_engine.Engine, "use_over") else "_post_backward"  # its name before 3670cdd
+        _timed(table, _engine.Engine, post, "engine: unit post-backward")
         if isinstance(it, bench._Shardfn):
             _timed(table, _train.TrainStep, "_optimize", "optimizer update")
             _timed(table, _train.TrainStep, "_donate", "donation of the state")

@@ -95,8 +95,6 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-import optree
-
 from . import _collectives as C
 from ._flat import FlatUnit
 from ._functorch import under_grad_transform, unwrap

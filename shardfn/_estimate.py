@@ -518,7 +518,7 @@ def _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, micro, a
     cast = core.mp.param_dtype
     metas = []
     for i, leaf in enumerate(leaves):
-        t = torch.empty(core._shapes[i] if core.tp_axis is not None else leaf.shape, dtype=unit_dtype[i], device="meta")
+        t = torch.empty(core.layout.shapes[i] if core.layout.tp_axis is not None else leaf.shape, dtype=unit_dtype[i], device="meta")
         if trained[i]:
             t.requires_grad_(True)
 
@@ -600,11 +600,11 @@ def _tensor_parallel(core, info, paths, leaves):
     """The tensor-parallel side the meta run computes with (None without tensor parallel): the
     step's own once it is built (its hooks are on the module), else one made and hooked as
     `step.init` would (taken off after the run); and whether it is the estimate's own."""
-    if core.tp is not None or core.tp_axis is None:
+    if core.tp is not None or core.layout.tp_axis is None:
         return core.tp, False
     tp = core.make_tp(info, paths, leaves)
     if core.layouts is not None and info is not None:  # the step's activation layouts (Note [activation layouts])
-        core.layouts.install(info.module, core.mesh, core.data_axes)
+        core.layouts.install(info.module, core.mesh, core.layout.data_axes)
         tp.layouts = core.layouts
     return tp, True
 
@@ -891,7 +891,7 @@ def estimate_memory(step: Any, params: Any, batch: Any = None, *, world: int | N
     if not (hasattr(step, "core") and hasattr(step, "opt")):
         raise ValueError(f"sf.estimate_memory takes a train step (sf.train_step(...)), got {type(step).__name__}")
     core = step.core
-    W = core.shard_world if world is None else int(world)
+    W = core.layout.shard_world if world is None else int(world)
     if W < 1:
         raise ValueError(f"world must be a positive shard world size, got {world!r}")
     if not 0 <= rank < W:
@@ -925,16 +925,17 @@ def _batch_size(batch: Any) -> int | None:
 
 
 def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> MemoryEstimate:
-    from ._core import _nested, _split_batch, model_info, trained_leaves
+    from ._core import _split_batch, model_info, trained_leaves
+    from ._step_layout import nested_units
 
     core = step.core
-    paths, leaves, spec_list, treespec = core._leaf_specs(params)
+    paths, leaves, spec_list, treespec = core.layout.leaf_specs(params)
     info = model_info(core.apply, paths, leaves)
     trained = trained_leaves(info, paths, core.frozen)
-    members, specs_of, dtype_of, groups, names = core.unit_layout(info, paths, leaves, spec_list, trained)
+    members, specs_of, dtype_of, groups, names = core.layout.unit_layout(info, paths, leaves, spec_list, trained)
     device = core.mesh.device_type
-    p2p = W > 1 and (C.point_to_point(core.group, device) if core.shard_world > 1 else (C.GLOO_COLLECTIVES == "p2p" and device == "cpu"
-                                                                                        and torch.distributed.get_backend(core.group) == "gloo"))
+    p2p = W > 1 and (C.point_to_point(core.layout.group, device) if core.layout.shard_world > 1 else (C.GLOO_COLLECTIVES == "p2p" and device == "cpu"
+                                                                                        and torch.distributed.get_backend(core.layout.group) == "gloo"))
     offload = core.offload == "cpu" and device != "cpu"
     gs: dict = {}
     leaf_group = [None] * len(leaves)
@@ -964,7 +965,7 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
         gs[u] = gr
         for i in idx:
             leaf_group[i] = u
-    policy = core._policy(gs, dtype_of, p2p)
+    policy = core.layout.policy(gs, dtype_of, p2p)
     unit_dtype = [gs[leaf_group[i]].compute for i in range(len(leaves))]
     k = core.accumulation_steps
     if batch is not None:
@@ -980,13 +981,13 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
         events = [("end_forward", None, 0)]
         for i in range(len(leaves)):
             if trained[i]:
-                shape = core._shapes[i] if core.tp_axis is not None else leaves[i].shape  # this rank's tp shard
+                shape = core.layout.shapes[i] if core.layout.tp_axis is not None else leaves[i].shape  # this rank's tp shard
                 events.append(("grad", (i, math.prod(shape) * _itemsize(unit_dtype[i])), 0))
         events.append(("end", None, 0))
     member_group = {m: g for g, ms in enumerate(groups) for m in ms}
     n = len(gs) - 1
-    nested_units = _nested(names)
-    nested = {g for g, ms in enumerate(groups) for m in ms if m in nested_units}
+    inner = nested_units(names)
+    nested = {g for g, ms in enumerate(groups) for m in ms if m in inner}
 
     # The state: shards, optimizer, buffers.
     persistent = {"params": sum((g.S + g.R) * _itemsize(g.master) for g in gs.values())}
@@ -1105,7 +1106,7 @@ def check_memory(step: Any, params: Any, batch: Any, setting: Any) -> None:
     else:  # a budget the user gave: as given
         budget = int(setting)
     try:
-        est = _estimate(step, params, batch, step.core.shard_world, step.core.rank, 0)
+        est = _estimate(step, params, batch, step.core.layout.shard_world, step.core.layout.rank, 0)
     except NotEstimated as e:  # what the estimate cannot count yet: by default, no check, and a word why
         if setting is None:
             warnings.warn(f"train_step skipped its memory check (check_memory=None): {e}", stacklevel=3)
@@ -1120,7 +1121,7 @@ def check_memory(step: Any, params: Any, batch: Any, setting: Any) -> None:
         raise MemoryCheckError(
             f"this train step would not fit: {what} is estimated at {_fmt(est.peak)} per rank, and "
             f"{_fmt(budget)} {'is available' if setting in (True, None) else 'is the budget (check_memory=)'} on rank "
-            f"{step.core.rank} of the shard axis.\n{est}\n"
+            f"{step.core.layout.rank} of the shard axis.\n{est}\n"
             "Shard over more ranks, use remat=True, mixed precision or a smaller batch (sf.estimate_memory(step, params, "
             "batch).max_batch() says which fits); sf.train_step(..., check_memory=False) skips this check"
         )

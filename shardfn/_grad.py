@@ -146,8 +146,8 @@ class ValueAndGrad:
             if o["strategy"] == "no_shard":
                 fix = ("under 'no_shard' every leaf is whole on every rank, so pass a replicated tree "
                        "(sf.shard(params, sf.specs(params, mesh, default=sf.P()), mesh))")
-            elif core.tp_axis is not None:
-                dp, tp = core.shard_axis, core.tp_axis
+            elif core.layout.tp_axis is not None:
+                dp, tp = core.layout.shard_axis, core.layout.tp_axis
                 fix = (f"on a ({dp}, {tp}) mesh sf.value_and_grad shards every leaf over {dp!r} (FSDP) within its "
                        f"{tp!r} shard, and computes on the tree in that layout: give it one, sf.shard(params, specs, mesh) "
                        f"with each spec naming {dp!r} too (here {_spec_of(own)!r}; P(({tp!r}, {dp!r}), None) for "
