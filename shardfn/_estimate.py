@@ -4,9 +4,9 @@ Note [memory estimate]
 ----------------------
 The estimate replays one step of the engine's plan on paper, in the order the engine runs it.
 
-- The layout is the step's own: `GradientCore.unit_layout` groups the model's units and assigns
+- The layout is the step's own: `StepLayout.unit_layout` (`_step_layout.py`) groups the model's units and assigns
   leaves exactly as `step.init` would, `buffer_sizes` sizes each group's buffers
-  (Note [flat unit layout] in `_flat.py`) and `GradientCore._policy` decides the strategy's
+  (Note [flat unit layout] in `_flat.py`) and `StepLayout.policy` decides the strategy's
   choices (slot arenas, how many reductions overlap), for any world size, without allocating any
   of them: param and gradient shards, the slot arenas shared by units in forward order (Note
   [slot arenas], Note [unit plan]) and the reduction arenas are the sizes the engine would make.

@@ -153,7 +153,7 @@ class StepLayout:
                 )
 
     def unit_layout(self, info: Any, paths: list[str], leaves: list, spec_list: list, trained: list[bool]):
-        """What `_flat_units` lays out, without any buffer: each unit group's leaf indices and
+        """What `flat_units` lays out, without any buffer: each unit group's leaf indices and
         `LeafSpec`s (the root is -1), its dtype, the groups (lists of the model's units) and the
         model's unit names. `sf.estimate_memory` sizes the step's buffers from it."""
         unit_of = [info.unit_of[p] if info is not None else -1 for p in paths]
