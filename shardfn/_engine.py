@@ -384,6 +384,10 @@ class Engine:
     def _cast(self, tree: Any) -> Any:
         return schedule.cast_floating(tree, self.cast_dtype)
 
+    def remats(self, unit: int) -> bool:
+        """Whether remat checkpoints the model's unit `unit` now (inside a step)."""
+        return unit in self.remat_units and self.schedule.phase != Phase.IDLE
+
     def _hook_grads(self, unit: FlatUnit, u: int) -> None:
         if u == ROOT:
             return  # the root is reduced after the backward

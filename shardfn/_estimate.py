@@ -393,6 +393,9 @@ class _Probe:
     def use_over(self, u) -> None:
         self.counter.mark("bwd_end", u)
 
+    def remats(self, unit: int) -> bool:
+        return unit in self.remat_units
+
     swaps: dict = {}  # tensor parallel: unit -> [(module, attribute, leaf)]
     view: Any = None  # leaf -> a new DTensor over its meta shard
 

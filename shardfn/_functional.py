@@ -152,7 +152,7 @@ class Apply:
         rt = self.info.runtime  # Note [unit runtime] in `_runtime.py`
         # A train step hands `loss_fn` its own parameter objects: it says which tensors the model
         # computes on (Note [parameters outside apply] in `_param.py`).
-        flat = rt.flat_params(self, params) if rt is not None and hasattr(rt, "flat_params") else None
+        flat = rt.flat_params(self, params) if rt is not None else None
         if flat is None:
             leaves = optree.tree_leaves(params)
             owner = next((x.owner() for x in leaves if isinstance(x, Param)), None)
@@ -168,7 +168,7 @@ class Apply:
                     with _runtime.activate(runtime, self.info):
                         return self._call_flat(gathered, args, buffers, kwargs)
             flat = self.flat_params(params)
-        if rt is not None and hasattr(rt, "cast_inputs"):
+        if rt is not None:
             args, kwargs = rt.cast_inputs(self.info, args, kwargs)
         return self._call_flat(flat, args, buffers, kwargs)
 

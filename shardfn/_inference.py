@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
 from ._flat import _alias, _storage_alloc, _storage_free
+from ._runtime import RuntimeDefaults
 from ._tree import tree_flatten_with_paths
 
 
@@ -47,7 +48,7 @@ class _Unit:
         _storage_free(self.buf)
 
 
-class ShardedForward:
+class ShardedForward(RuntimeDefaults):
     """Context: placeholders for every parameter name, and the runtime that fills them per unit."""
 
     def __init__(self, apply, params: Any):

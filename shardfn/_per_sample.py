@@ -138,7 +138,7 @@ class _Relay(torch.autograd.Function):
         return None, None, None
 
 
-class _Relays:
+class _Relays(_runtime.RuntimeDefaults):
     """The unit runtime of the norms pass: while a unit runs, the module computes on relays of its
     leaves; elsewhere (outside every unit's forward, in `loss_fn` itself) on the gathered leaves."""
 

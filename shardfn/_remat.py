@@ -31,7 +31,6 @@ import torch
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import checkpoint
 
-from ._engine import Phase
 from ._tree import compile_patterns
 
 __all__ = ["select_units", "install"]
@@ -63,10 +62,9 @@ def install(info: Any, unit: int) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         model = ref()
         rt = model.runtime if model is not None else None  # Note [unit runtime] in `_runtime.py`
-        wants = getattr(rt, "remat_units", None)
         # In the backward too: a recompute by the model's own checkpoint around the unit must save what
         # its forward saved (non-reentrant checkpointing checks it), remat's checkpoint included.
-        if not wants or unit not in wants or rt.phase == Phase.IDLE or not torch.is_grad_enabled():
+        if rt is None or not rt.remats(unit) or not torch.is_grad_enabled():
             return forward.inner(*args, **kwargs)
         cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)  # only if loaded
         if cache is not None and any(isinstance(x, cache) for x in (*args, *kwargs.values())):
