@@ -34,6 +34,29 @@ def _ids(step: int, T: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (4, T), generator=torch.Generator().manual_seed(step))
 
 
+def _train_against_one_process(step, params, ref, ref_loss, T: int, dp: int) -> tuple:
+    """`STEPS` steps of `step` on this dp rank's share of each global batch, and of SGD with momentum
+    on `ref` over the whole batch in this process; the collectives counted from the first step.
+    Returns the state, each step's relative loss difference, and every gather DTensor fell back to
+    (reported on the first step, Note [tensor parallel forward])."""
+    state = step.init(params)
+    ropt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    C.STATS.reset()
+    losses, fallbacks = [], []
+    for i in range(STEPS):
+        ids = _ids(i, T)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", FallbackWarning)
+            state, metrics = step(state, ids.chunk(2)[dp])
+        fallbacks += [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+        ropt.zero_grad()
+        rloss = ref_loss(ids)
+        rloss.backward()
+        ropt.step()
+        losses.append(abs(metrics["loss"].item() - rloss.item()) / rloss.item())
+    return state, losses, fallbacks
+
+
 def rank_sequence_parallel(sp: bool, T: int, measure: bool) -> dict:
     """3 SGD steps of the Llama on (dp=2, tp=2), with `LLAMA_SP` or without; the reference trains
     the same model on the global batch in this process."""
@@ -53,18 +76,7 @@ def rank_sequence_parallel(sp: bool, T: int, measure: bool) -> dict:
     # gradients up to a step of lr, in tp and without it alike).
     step = sf.train_step(loss_fn, sf.optim.sgd(LR, momentum=0.9), mesh, specs=specs,
                          activation_specs=sf.rules.LLAMA_SP if sp else None)
-    state = step.init(params)
-    ropt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
-    C.STATS.reset()
-    losses = []
-    for i in range(STEPS):
-        ids = _ids(i, T)
-        state, metrics = step(state, ids.chunk(2)[dp])
-        ropt.zero_grad()
-        rloss = ref(input_ids=ids, labels=ids, use_cache=False).loss
-        rloss.backward()
-        ropt.step()
-        losses.append(abs(metrics["loss"].item() - rloss.item()) / rloss.item())
+    state, losses, _ = _train_against_one_process(step, params, ref, lambda ids: ref(input_ids=ids, labels=ids, use_cache=False).loss, T, dp)
     calls, sent = dict(C.STATS.calls), dict(C.STATS.bytes_sent)
     full = sf.to_state_dict(sf.gather(state.params), apply)
     err = max(rel_err(full[k], v) for k, v in ref.state_dict().items())
@@ -121,21 +133,7 @@ def rank_gpt_sequence_parallel(name: str, sp: bool, T: int) -> dict:
 
     step = sf.train_step(lambda p, ids: loss(None, p, ids), sf.optim.sgd(LR, momentum=0.9), mesh, specs=specs,
                          activation_specs=rules_sp if sp else None)
-    state = step.init(params)
-    ropt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
-    C.STATS.reset()
-    losses = []
-    for i in range(STEPS):
-        ids = _ids(i, T)
-        with warnings.catch_warnings(record=True) as caught:  # the gathers DTensor falls back to, reported
-            warnings.simplefilter("always", FallbackWarning)
-            state, metrics = step(state, ids.chunk(2)[dp])
-        fallbacks = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
-        ropt.zero_grad()
-        rloss = loss(ref, None, ids)
-        rloss.backward()
-        ropt.step()
-        losses.append(abs(metrics["loss"].item() - rloss.item()) / rloss.item())
+    state, losses, fallbacks = _train_against_one_process(step, params, ref, lambda ids: loss(ref, None, ids), T, dp)
     full = sf.to_state_dict(sf.gather(state.params), apply)
     err = max(rel_err(full[k], v) for k, v in ref.state_dict().items() if k in full)
     return dict(params=err, loss=max(losses), calls=dict(C.STATS.calls), block_out=seen[0], fallbacks=fallbacks)

@@ -1,0 +1,123 @@
+"""The unit schedule as a state machine (Note [the schedule's moves] in shardfn/_schedule.py), on a
+recording `Buffers`: the moves of a 3-unit full_shard step and each unit's state along it."""
+
+from __future__ import annotations
+
+from shardfn._engine import Policy
+from shardfn._schedule import ROOT, Schedule, UnitState
+
+
+class _Recorder:
+    """A `Buffers` that records what the schedule asks of it."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+
+    def before_collective(self):
+        pass
+
+    def start_gather(self, u):
+        self.calls.append(("gather", u))
+        return ("work", u)
+
+    def finish_gather(self, u, work, timeout=None):
+        assert work == ("work", u)
+        self.calls.append(("wait", u))
+
+    def free(self, u):
+        self.calls.append(("free", u))
+
+    def gathers_in_place(self, u):
+        return False
+
+    def reduces_in_slot(self, u, live):
+        return False
+
+    def start_reduce(self, u, pair, in_slot, accumulate):
+        self.calls.append(("reduce", u))
+        return ("reduction", u)
+
+    def finish_reduce(self, u, pending, timeout=None):
+        self.calls.append(("reduced", u))
+
+    def keep_grads(self, u):
+        self.calls.append(("keep", u))
+
+    def release_idle_slots(self, live):
+        pass
+
+    def release_slot(self, u):
+        pass
+
+    def release_gathered(self, u):
+        pass
+
+    def release_all(self):
+        self.calls.append(("release_all", ROOT))
+
+
+def _step(s: Schedule, b: _Recorder) -> dict:
+    """One forward and backward of units 0, 1, 2 (one trained leaf each, inputs needing a gradient),
+    the states seen at each point."""
+    seen = {}
+    s.begin(accumulate=False, reduce_now=True)
+    seen["begin"] = [s.state(u) for u in (0, 1, 2, ROOT)]
+    for u in range(3):
+        s.forward_starts(u)
+        s.inputs_hooked(u)
+        assert s.state(u) == UnitState.GATHERED
+        s.forward_ends(u)
+    seen["forward over"] = [s.state(u) for u in (0, 1, 2)]
+    s.forward_over()
+    s.backward()
+    for u in (2, 1, 0):
+        s.backward_starts(u)
+        assert s.state(u) == UnitState.GATHERED
+        s.grad_ready(u)
+        assert s.state(u) == UnitState.GATHERED  # its use is not over yet: its inputs' gradients come next
+        s.use_over(u)
+        seen[f"after {u}"] = s.state(u)
+    assert s.end() is not None or s.planned
+    seen["end"] = [s.state(u) for u in (0, 1, 2, ROOT)]
+    return seen
+
+
+def test_a_full_shard_step_moves_as_the_paper_and_keeps_the_last_unit():
+    policy = Policy(reshard_after_forward=True, share_slots=False)
+    b = _Recorder()
+    s = Schedule(policy, ["u0", "u1", "u2"], {0: 1, 1: 1, 2: 1, ROOT: 1}, (), b)
+    first = _step(s, b)
+    assert first["begin"] == [UnitState.GATHERING, UnitState.SHARDED, UnitState.SHARDED, UnitState.GATHERED], first
+    # The first forward does not know the order yet: every unit is freed after its forward.
+    assert first["forward over"] == [UnitState.SHARDED] * 3, first
+    assert all(first[f"after {u}"] in (UnitState.REDUCING, UnitState.REDUCED) for u in range(3)), first
+    assert first["end"] == [UnitState.SHARDED] * 4, first  # the step is over: shards only, until the next
+    assert s.order_known and s.order == [0, 1, 2] and s.last_ran == 2
+    b.calls.clear()
+    s.planned = True
+    second = _step(s, b)
+    # Once the order is known the last unit stays gathered from its forward to its backward.
+    assert second["forward over"] == [UnitState.SHARDED, UnitState.SHARDED, UnitState.GATHERED], second
+    gathers = [u for what, u in b.calls if what == "gather"]
+    assert gathers == [ROOT, 0, 1, 2, 1, 0], gathers  # one gather fewer than twice per unit
+    reduces = [u for what, u in b.calls if what == "reduce"]
+    assert reduces == [2, 1, 0, ROOT], reduces
+    assert s.stats.max_live_units <= policy.max_live
+    # Every gather is waited for before the unit is freed or the step ends; every reduction too.
+    assert sum(1 for what, _ in b.calls if what == "wait") == len(gathers)
+    assert sum(1 for what, _ in b.calls if what == "reduced") == len(reduces)
+
+
+def test_local_accumulation_keeps_the_gradients_and_reduces_nothing():
+    b = _Recorder()
+    s = Schedule(Policy(reshard_after_forward=False, share_slots=False), ["u0"], {0: 1, ROOT: 0}, (), b)
+    s.begin(accumulate=False, reduce_now=False)
+    s.forward_starts(0)
+    s.forward_ends(0)
+    assert s.state(0) == UnitState.GATHERED  # shard_grad_op: kept to its backward
+    s.forward_over()
+    s.backward()
+    s.backward_starts(0)
+    s.grad_ready(0)
+    assert ("keep", 0) in b.calls and not any(what == "reduce" for what, _ in b.calls), b.calls
+    s.end()
