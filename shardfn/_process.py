@@ -35,8 +35,8 @@ returns inside a backward before it reads `_functorch._transforms`.
 | `_meta_init._state` | the construction being recorded under `sf.meta_device()` (thread-local: construction only, never a backward) | thread |
 | `_manual._LOCAL` | the `sf.shard_map` regions open on this thread (thread-local: read in a region's forward; its collectives' backwards hold their groups) | thread |
 | `torch.nn.functional.scaled_dot_product_attention` | torch's own: swapped for ring attention while a context-parallel step runs, put back after it (Note [context parallelism] in `_context.py`) | process |
-| `_tp._REGISTERED` | whether the sharding strategies for CPU's fused attention are registered with DTensor (`register_sharding`, once per process) | process |
-| DTensor's op dispatcher (`_custom_op_handlers`, `_try_replicate_spec_for_scalar_tensor`) | torch's own, process-wide: the handlers `_tp` and `_forward_ad` add and the check `_functorch.install_mixing_check` wraps in (each idempotent) | process |
+| `_dtensor_mends._REGISTERED` | whether the sharding strategies for CPU's fused attention are registered with DTensor (`register_sharding`, once per process) | process |
+| DTensor's op dispatcher (`_custom_op_handlers`, `_try_replicate_spec_for_scalar_tensor`) | torch's own, process-wide: the handlers `_dtensor_mends` (and `_tp`'s dropout) and `_forward_ad` add and the check `_functorch.install_mixing_check` wraps in (each idempotent) | process |
 | `_launch._BORN_ENV` | this process's environment when shardfn was imported: a rank tells from it what torch's launcher set since, and keeps that over its caller's environment (Note [warm ranks]) | process |
 | `_launch._WARM` | the process that started the warm server, and the environment it started with (Note [warm ranks]) | process |
 

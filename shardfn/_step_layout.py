@@ -21,7 +21,7 @@ from ._meta_init import check_init, empty_buffers, materialize
 from ._engine import Policy, group_name, plan_groups
 from ._flat import FlatUnit, LeafSpec
 from ._spec import P, match_specs, placements_for, specs as make_specs
-from ._tp import dp_dim, local_part, local_shape, split_specs, state_spec
+from ._tp_layout import dp_dim, local_part, local_shape, split_specs, state_spec
 
 __all__ = ["StepLayout", "nested_units"]
 

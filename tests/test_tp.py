@@ -435,11 +435,11 @@ def rank_logit_losses() -> dict:
         out[name] = (abs(loss.item() - want.item()), max((_rel(full[n], p.grad), n) for n, p in ref.named_parameters()))
     # A class dim split so that a rank holds no class: refused on every rank, before computing.
     from torch.distributed.tensor import Shard, distribute_tensor
-    from shardfn._tp import _loss_parallel
+    from shardfn._dtensor_mends import mended
 
     d = distribute_tensor(torch.randn(5, 1), mesh["tp"], [Shard(1)]).requires_grad_()
     try:
-        with _loss_parallel():
+        with mended():
             F.cross_entropy(d, torch.zeros(5, dtype=torch.long))
         out["empty_shard"] = ""
     except NotImplementedError as e:
@@ -565,7 +565,7 @@ def test_uneven_splits_unruled_ops_and_convolutions_are_exact(pools):
     """Mean losses over an uneven class split, a fill of a partial sum (cosine_embedding_loss), a gather
     along the split classes, activations DTensor has no backward rule for, a tp rank holding no row,
     column- then row-parallel convolutions: exact against the reference (Note [convolutions on tp
-    shards] in shardfn/_tp.py)."""
+    shards] in shardfn/_dtensor_mends.py)."""
     for rank, got in enumerate(pools(2).run(rank_uneven_and_unruled)):
         for name in UNEVEN_CASES:
             dloss, (err, leaf) = got[name]
@@ -639,7 +639,7 @@ def test_fallback_gathers_are_reported_and_unsupported_options_refused(pools):
 def test_dp_major_on_a_tp_split_dim_is_refused(spec):
     """(dp, tp) on one dim is dp-major: a tp rank's part would be strided, not the block the forward
     computes on. Refused where dp has several ranks; at one dp rank it is (tp, dp)."""
-    from shardfn._tp import split_specs
+    from shardfn._tp_layout import split_specs
 
     with pytest.raises(NotImplementedError, match=r"list them as \('tp', 'dp'\)"):
         split_specs("w", torch.Size((6, 4)), spec, "dp", "tp", 2)
