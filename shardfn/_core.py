@@ -39,6 +39,7 @@ from ._rng import RANDOMNESS, folded
 from ._remat import select_units
 from ._shard import gather
 from ._step_layout import StepLayout
+from ._held import HeldTree
 from ._tp import TensorParallel
 from .optim._norm import local_sumsq
 
@@ -131,8 +132,9 @@ def _split_batch(batch: Any, k: int) -> list[Any]:
 
 
 class Gradients(NamedTuple):
-    """What `GradientCore.gradients` returns beside the gradients themselves (`core.grads`)."""
+    """What `GradientCore.gradients` returns: the gradients and what was measured with them."""
 
+    grads: Any  # the sharded gradients (a tree like the params, None at frozen leaves), over the core's buffers
     loss: torch.Tensor  # the loss averaged over ranks (and micro-batches)
     grad_norm: torch.Tensor  # the global norm of the gradients
     skip: list[int]  # trained leaves (positions among them) that got no gradient on any rank
@@ -145,11 +147,8 @@ class GradientCore:
 
     Attributes (after `build`):
         paths, treespec: the tree's dotted leaf names and structure.
-        dt_params: the DTensors the core computes from, one per leaf (their local tensors are
-            views of the flat buffers, `flat_views`, or tensors adopted onto them).
-        flat_views: this rank's shard of each leaf, inside the flat buffers.
-        grads: the sharded gradients of the last `gradients` call (a tree like the params, None
-            for frozen leaves), DTensors over the gradient buffers.
+        held: the DTensors the core computes from and the gradients it hands out, over its flat
+            buffers, taken in and handed out there (`HeldTree`, Note [the held tree]).
         trained, trained_index: which leaves are trained; their positions in the tree.
         engine: the unit schedule's runtime.
         off_schedule: whether the steps run on the gathered tree (Note [steps off the unit schedule]).
@@ -231,12 +230,10 @@ class GradientCore:
         self.treespec = treespec
         self.paths = paths
         self.units = units
-        self.dt_params = dt_params
-        self.flat_views = flat_views
+        self.held = HeldTree(treespec, dt_params, flat_views, dt_grads)
         self.trained = trained
         self._trained_where = [w for w, t in zip(where, trained) if t]  # the optimizer's leaves, in order
         self.trained_index = [i for i, t in enumerate(trained) if t]  # their positions in the tree
-        self.grads = optree.tree_unflatten(treespec, dt_grads)
         self._install_tp(info, paths, leaves)
         self._install_layouts(info)
         self.engine.set_tree(treespec, paths, where)
@@ -343,8 +340,8 @@ class GradientCore:
                 install_remat(info, u)
 
     def tree(self) -> Any:
-        """The parameter tree of the DTensors the core computes from (`dt_params`)."""
-        return optree.tree_unflatten(self.treespec, self.dt_params)
+        """The parameter tree of the DTensors the core computes from (`held.params`)."""
+        return self.held.tree()
 
     def trainable(self, tree: Any) -> Any:
         """`tree` with frozen leaves replaced by None: what an optimizer sees."""
@@ -360,14 +357,14 @@ class GradientCore:
 
     def gradients(self, params: Any, batch: Any) -> Gradients:
         """Forward and backward on the unit schedule (or on the gathered tree, Note [steps off the
-        unit schedule]), gradients reduced into `self.grads`.
+        unit schedule]), gradients reduced into the core's gradient buffers (`held.grads`).
 
         Args:
-            params: the core's own tree (its `dt_params`, e.g. `tree()`).
+            params: the core's own tree (`tree()`).
             batch: this rank's batch; split in `accumulation_steps` micro-batches.
 
         Returns:
-            `Gradients`: the loss averaged over ranks, the global gradient norm, the trained leaves
+            `Gradients`: the gradients, the loss averaged over ranks, the global gradient norm, the trained leaves
             (positions among them) that got no gradient on any rank, and this rank's aux.
         """
         if self.tp is not None and not self._tp_batch_checked:
@@ -409,7 +406,7 @@ class GradientCore:
         if changed:
             self._buffers.sync([x > 0 for x in flags[n_had : n_had + n_buf]], [x > 0 for x in flags[n_had + n_buf :]])
         aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux, none_is_leaf=True)
-        return Gradients(loss_mean, grad_norm, skip, aux)
+        return Gradients(self.held.grads, loss_mean, grad_norm, skip, aux)
 
     def _draws(self):
         """What the step's random draws come from (Note [randomness per rank] in `_rng.py`)."""
@@ -489,7 +486,7 @@ class GradientCore:
         aux = None
         paused = self.compiled.pause() if self.compiled is not None else contextlib.nullcontext()
         with torch.enable_grad(), paused:  # eager: a backward inside loss_fn (Note [compiled units])
-            leaves = [x.detach().requires_grad_(t) for x, t in zip(self.dt_params, self.trained)]
+            leaves = [x.detach().requires_grad_(t) for x, t in zip(self.held.params, self.trained)]
             full = optree.tree_unflatten(self.treespec, [gather(x) for x in leaves])
             trained = [x for x, t in zip(leaves, self.trained) if t]
             sums: list = [None] * len(trained)

@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import optree
-import torch
 from torch.distributed.tensor import DTensor
 
 from . import _compiled, _donate, _watch
@@ -68,9 +67,8 @@ class ValueAndGrad:
                 "these gradients were donated to the next sf.value_and_grad call, whose gradients fill their memory; "
                 "keep them with sf.copy(grads)"
             )
-            leaves, spec = optree.tree_flatten(core.grads, none_is_leaf=True)
-            core.grads = optree.tree_unflatten(spec, _donate.Donation(message).many(leaves, {}, self._donated))
-            return ((g.loss, g.aux) if self.has_aux else g.loss), core.grads
+            grads = core.held.publish_grads(_donate.Donation(message), {}, self._donated)
+            return ((g.loss, g.aux) if self.has_aux else g.loss), grads
 
     def _take(self, params: Any) -> GradientCore:
         """The core whose buffers `params` now lives in (built on the first call)."""
@@ -96,11 +94,11 @@ class ValueAndGrad:
         core = self._core
         if core is None or core.paths != paths or core.treespec != treespec:
             core = self._core = self._build(params, paths, leaves)
-        views = core.flat_views
-        if all(_donate.same_memory(x._local_tensor, v) for x, v in zip(leaves, views)):
-            core.dt_params = list(leaves)
+        held = core.held
+        if all(_donate.same_memory(x._local_tensor, v) for x, v in zip(leaves, held.views)):
+            held.adopt(leaves, None, rebind=True)  # already the core's memory: nothing copied or donated
             return core
-        for p, x, v in zip(paths, leaves, views):
+        for p, x in zip(paths, leaves):
             own = self._layout[p]
             if _same_layout(x, own) and x.placements != own.placements:
                 x._spec = own._spec
@@ -113,15 +111,7 @@ class ValueAndGrad:
             "this tree was donated: another tree was passed to sf.value_and_grad, and its values now fill this "
             "tree's memory. Keep a tree with sf.copy(params)"
         )
-        with torch.no_grad():
-            for x, before, v in zip(leaves, core.dt_params, views):
-                if _donate.same_memory(x._local_tensor, v):
-                    continue
-                v.copy_(x._local_tensor)  # a new tree, or one that another transform took over
-                if before is not x and _donate.same_memory(before._local_tensor, v):
-                    _donate.donate(before, message)
-                _donate.adopt(x, v)
-        core.dt_params = list(leaves)
+        held.adopt(leaves, message, rebind=True)  # a new tree, or one that another transform took over
         return core
 
     def _build(self, params: Any, paths: list[str], leaves: list[DTensor]) -> GradientCore:
@@ -139,7 +129,7 @@ class ValueAndGrad:
             keep_last_unit=o["keep_last_unit"], randomness=o["randomness"], compile=o["compile"],
         )
         core.build(params)  # copies the shards into the core's flat buffers
-        for p, x, own in zip(paths, leaves, core.dt_params):
+        for p, x, own in zip(paths, leaves, core.held.params):
             if _same_layout(x, own):
                 x._spec = own._spec  # at most a mesh dim of one rank said otherwise: the same local data
                 continue
@@ -159,10 +149,8 @@ class ValueAndGrad:
                 f"strategy={o['strategy']!r} lays leaf {p!r} (shape {tuple(x.shape)}) out as {own.placements} "
                 f"(spec {_spec_of(own)!r}), but the tree has it as {x.placements} (spec {_spec_of(x)!r}): {fix}"
             )
-        self._layout = {p: own for p, own in zip(paths, core.dt_params)}  # the core's own DTensors
-        for x, v in zip(leaves, core.flat_views):
-            _donate.adopt(x, v)
-        core.dt_params = list(leaves)
+        self._layout = {p: own for p, own in zip(paths, core.held.params)}  # the core's own DTensors
+        core.held.adopt(leaves, None, rebind=True)  # the tree passed in computes from the core's buffers
         return core
 
 

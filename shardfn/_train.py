@@ -71,7 +71,7 @@ class TrainStep:
     # What tests and tools read of a step: the core's.
     loss_fn = property(lambda self: self.core.loss_fn, lambda self, fn: setattr(self.core, "loss_fn", fn))
     engine = property(lambda self: self.core.engine)
-    grads = property(lambda self: self.core.grads)
+    grads = property(lambda self: self.core.held.grads)
     paths = property(lambda self: self.core.paths)
     treespec = property(lambda self: self.core.treespec)
     _units = property(lambda self: self.core.units)
@@ -141,7 +141,7 @@ class TrainStep:
         # keeps its own (Note [donated state]).
         opt_leaves, opt_spec = optree.tree_flatten(state.opt_state, none_is_leaf=True)
         opt_in = optree.tree_unflatten(opt_spec, [_scalar_copy(x) for x in opt_leaves])
-        opt_state = self._optimize(params, opt_in, g.skip)
+        opt_state = self._optimize(params, g.grads, opt_in, g.skip)
         params, opt_state = self._donate(state, opt_state)
         metrics = {"loss": g.loss, "grad_norm": g.grad_norm, "aux": g.aux}
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
@@ -153,16 +153,14 @@ class TrainStep:
 
     def _adopt(self, params: Any) -> Any:
         """Makes `params` this step's own flat-buffer DTensors (copying values in if they are not)."""
-        leaves = optree.tree_leaves(params)
-        if len(leaves) == len(self.core.dt_params) and all(
-            a is b and _donate.same_memory(a._local_tensor, v) for a, b, v in zip(leaves, self.core.dt_params, self.core.flat_views)
-        ):
+        held = self.core.held
+        if held.holds(optree.tree_leaves(params)):
             return params
         paths, leaves, _ = tree_flatten_with_paths(params)
         if paths != self.core.paths:
             raise ValueError("state.params does not have the structure this step was initialized with")
         for i, leaf in enumerate(leaves):
-            dst = self.core.dt_params[i]
+            dst = held.params[i]
             if not isinstance(leaf, DTensor) or leaf.placements != dst.placements or leaf.shape != dst.shape:
                 raise ValueError(
                     f"state.params leaf {paths[i]!r} is {type(leaf).__name__} "
@@ -173,35 +171,26 @@ class TrainStep:
                 raise _donate.DonatedError(leaf._local_tensor._message)
         # The step's buffers take these values (a copy, an unpickled state, or its own state that
         # another transform took over): the state that held them before is donated.
-        with torch.no_grad():
-            for view, leaf in zip(self.core.flat_views, leaves):
-                if not _donate.same_memory(leaf._local_tensor, view):
-                    view.copy_(leaf._local_tensor)
-        for p, view in zip(self.core.dt_params, self.core.flat_views):
-            if _donate.same_memory(p._local_tensor, view):
-                _donate.donate(p, _replaced())
-        self.core.dt_params = [_donate.wrap(_donate.alias(v), p._spec) for p, v in zip(self.core.dt_params, self.core.flat_views)]
-        return optree.tree_unflatten(self.core.treespec, self.core.dt_params)
+        held.adopt(leaves, _replaced(), rebind=False)
+        return held.tree()
 
     def _donate(self, state: TrainState, opt_state: Any) -> tuple[Any, Any]:
         """New DTensors over the step's memory for the returned state and `step.grads`; the input
         state's and the old gradients' DTensors are donated (Note [donated state])."""
         donation = _donate.Donation(_donated(state.step + 1))
         memo: dict[int, DTensor] = {}
-        core = self.core
+        held = self.core.held
         leaves = optree.tree_leaves(state.params)
-        if len(leaves) != len(core.dt_params) or not all(map(operator.is_, leaves, core.dt_params)):
+        if len(leaves) != len(held.params) or not all(map(operator.is_, leaves, held.params)):
             # a copy that was copied in is donated too
             donation.many([x for x in leaves if isinstance(x, DTensor) and not _donate.is_donated(x)], memo)
         kept = self._donated
-        core.dt_params = donation.many(core.dt_params, memo, kept[0])
-        grads, grads_spec = optree.tree_flatten(core.grads, none_is_leaf=True)
-        core.grads = optree.tree_unflatten(grads_spec, donation.many(grads, memo, kept[1]))
+        params = held.publish(donation, memo, kept[0], kept[1])
         opt_leaves, opt_spec = optree.tree_flatten(opt_state, none_is_leaf=True)
         opt_state = optree.tree_unflatten(opt_spec, donation.many(opt_leaves, memo, kept[2]))
-        return optree.tree_unflatten(core.treespec, core.dt_params), opt_state
+        return params, opt_state
 
-    def _optimize(self, params: Any, opt_state: Any, skip: list[int]) -> Any:
+    def _optimize(self, params: Any, grads: Any, opt_state: Any, skip: list[int]) -> Any:
         """The optimizer's update, in place; trained leaves at positions `skip` keep their values
         and their optimizer state (Note [leaves without a gradient])."""
         trainable = self.core.trainable(params)
@@ -209,9 +198,9 @@ class TrainStep:
         kept = _keep(trainable, opt_state, idx) if skip else None
         step_ = in_place(self.opt, "step_")  # none for a user's (init, update), or one rebuilt with another update
         if step_ is not None:
-            opt_state = step_(self.core.grads, opt_state, trainable)
+            opt_state = step_(grads, opt_state, trainable)
         else:
-            updates, opt_state = self.opt.update(self.core.grads, opt_state, trainable)
+            updates, opt_state = self.opt.update(grads, opt_state, trainable)
             new = optree.tree_leaves(apply_updates(trainable, updates))
             old = optree.tree_leaves(trainable)
             with torch.no_grad():
