@@ -127,6 +127,7 @@ class ValueAndGrad:
             self._loss, mesh, specs, o["strategy"], o["mixed_precision"], o["remat"], o["accumulation_steps"],
             apply=o["apply"], frozen=o["frozen"], accumulation=o["accumulation"], group_bytes=o["group_bytes"],
             keep_last_unit=o["keep_last_unit"], randomness=o["randomness"], compile=o["compile"],
+            activation_specs=o["activation_specs"],
         )
         core.build(params)  # copies the shards into the core's flat buffers
         for p, x, own in zip(paths, leaves, core.held.params):
@@ -178,6 +179,7 @@ def value_and_grad(
     keep_last_unit: bool = True,
     compile: bool | dict = False,
     randomness: str = "per_rank",
+    activation_specs: Any = None,
 ) -> ValueAndGrad:
     """The loss and its gradient with respect to a sharded tree, on the FSDP unit schedule.
 
@@ -195,6 +197,9 @@ def value_and_grad(
         compile: as in `train_step`: False (the default) runs eager; True or a dict of
             `torch.compile` options compiles each unit's forward and backward. A compiled
             `loss_fn` or model is refused at the first call with a `ValueError`.
+        activation_specs: as in `train_step`: `[(regex, P), ...]` laying out the outputs of the
+            matched modules over the mesh's tp axis (sequence parallelism: `sf.rules.LLAMA_SP`,
+            `GPT_SP`, `GPT2_SP`; Note [activation layouts] in `shardfn/_layouts.py`).
 
     Returns:
         `fn(params, batch) -> (loss, grads)` (or `((loss, aux), grads)`), where `params` is a tree of
@@ -210,7 +215,7 @@ def value_and_grad(
     """
     options = dict(compile=_compiled.compile_options(compile, "sf.value_and_grad"), strategy=strategy, mixed_precision=mixed_precision, remat=remat, accumulation_steps=accumulation_steps,
                    accumulation=accumulation, apply=apply, frozen=frozen, group_bytes=group_bytes,
-                   keep_last_unit=keep_last_unit, randomness=randomness)
+                   keep_last_unit=keep_last_unit, randomness=randomness, activation_specs=activation_specs)
     return ValueAndGrad(loss_fn, has_aux, options)
 
 

@@ -188,6 +188,48 @@ def test_sequence_parallelism_is_exact_and_moves_as_megatron(pools, T):
             assert 0.85 <= b["estimate"] / b["measured"] <= 1.1, b
 
 
+def rank_value_and_grad_sequence_parallel(sp: bool) -> dict:
+    """`sf.value_and_grad` of the Llama on (dp=2, tp=2), with `activation_specs=LLAMA_SP` or
+    without, on the tree a train step lays out; the reference differentiates the global batch."""
+    mesh = sf.mesh(dp=2, tp=2)
+    dp = mesh.get_coordinate()[0]
+    model = _llama()
+    ref = copy.deepcopy(model)
+    seen: list = []
+    model.model.layers[0].register_forward_hook(lambda m, a, out: seen.append(tuple(out.placements)))
+    apply, params = sf.functionalize(model, units=r"model\.layers\.\d+")
+    rules = sf.rules.LLAMA_SP if sp else sf.rules.LLAMA
+    specs = sf.specs(params, mesh, rules=rules, default=sf.P("dp"))
+    tree = sf.train_step(lambda p, ids: p, sf.optim.sgd(LR), mesh, specs=specs).init(params).params
+    grad_fn = sf.value_and_grad(lambda p, ids: apply(p, input_ids=ids, labels=ids, use_cache=False).loss,
+                                activation_specs=rules if sp else None)
+    ids = _ids(0, 32)
+    C.STATS.reset()
+    loss, grads = grad_fn(tree, ids.chunk(2)[dp])
+    calls = dict(C.STATS.calls)
+    want = ref(input_ids=ids, labels=ids, use_cache=False).loss
+    want.backward()
+    full = sf.to_state_dict(sf.gather(grads), apply)
+    err = max(rel_err(full[n], p.grad) for n, p in ref.named_parameters())
+    return dict(grads=err, loss=abs(loss.item() - want.item()) / want.item(), calls=calls, layer_out=seen[0])
+
+
+def test_value_and_grad_takes_activation_specs(pools):
+    """`sf.value_and_grad(..., activation_specs=sf.rules.LLAMA_SP)`: the gradients equal one
+    process's on the global batch, the decoder layers' outputs split on the sequence, and the
+    partial sums reduce-scattered (ten per call) where plain tp all-reduces them."""
+    plain = pools(4).run(rank_value_and_grad_sequence_parallel, False)
+    sp = pools(4).run(rank_value_and_grad_sequence_parallel, True)
+    for a, b in zip(plain, sp):
+        for r in (a, b):
+            assert r["grads"] < 1e-5 and r["loss"] < 1e-5, r
+        assert b["layer_out"] == (torch.distributed.tensor.Shard(1),), b
+        assert a["layer_out"] == (torch.distributed.tensor.Replicate(),), a
+        pa, ps = a["calls"], b["calls"]
+        assert ps.get("reduce_scatter", 0) - pa.get("reduce_scatter", 0) == 10, (pa, ps)
+        assert pa["all_reduce"] - ps["all_reduce"] == 10, (pa, ps)
+
+
 class _Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
