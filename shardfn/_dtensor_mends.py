@@ -176,7 +176,6 @@ def _on_class_shards(handler: Callable, arg: int, dim_arg: int | None) -> Callab
     return run
 
 
-
 # The pointwise losses whose backward DTensor computes with `reduction="mean"` from a shard's own
 # element count (the gradient of a sharded input comes out tp times too large, silently): op -> the
 # position of its `reduction` argument.

@@ -96,7 +96,7 @@ class ValueAndGrad:
             core = self._core = self._build(params, paths, leaves)
         held = core.held
         if all(_donate.same_memory(x._local_tensor, v) for x, v in zip(leaves, held.views)):
-            held.adopt(leaves, None, rebind=True)  # already the core's memory: nothing copied or donated
+            held.take(leaves)  # already the core's memory
             return core
         for p, x in zip(paths, leaves):
             own = self._layout[p]

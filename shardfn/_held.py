@@ -46,6 +46,10 @@ class HeldTree:
             a is b and _donate.same_memory(a._local_tensor, v) for a, b, v in zip(leaves, self.params, self.views)
         )
 
+    def take(self, leaves: list[DTensor]) -> None:
+        """Holds `leaves`, whose local tensors already are the buffers' views (nothing copied or donated)."""
+        self.params = list(leaves)
+
     def adopt(self, leaves: list[DTensor], replaced: str | None, *, rebind: bool) -> None:
         """The core computes from the values of `leaves` from now on: each is copied into the buffers
         unless its memory already is theirs. `rebind=True` makes `leaves` themselves the held
