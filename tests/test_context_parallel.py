@@ -301,3 +301,76 @@ def test_simulated_context_and_sequence_parallel_ranks_match_the_estimate():
     peak = {(tuple(d.items()), sp): m for d, sp, _, m in runs}
     assert peak[((("dp", 1), ("cp", 4)), False)] < peak[((("dp", 4),), False)], peak
     assert peak[((("dp", 2), ("tp", 2)), True)] < peak[((("dp", 2), ("tp", 2)), False)], peak
+
+
+# -- the other entry points on a cp mesh: checkpoints reshard, describe, export -----------------------
+def _cp_build(dims: dict, cp: bool):
+    torch.manual_seed(0)
+    apply, params = sf.functionalize(GPT(CFG), units=r"blocks\.\d+")
+
+    def loss_fn(p, b):
+        ids, y, pos = b
+        return F.cross_entropy(apply(p, ids, pos).flatten(0, 1), y.flatten())
+
+    step = sf.train_step(loss_fn, sf.optim.adamw(**OPT), sf.mesh(**dims), batch_specs=sf.P(None, "cp") if cp else None)
+    return apply, step, step.init(params)
+
+
+def _full(state) -> dict:
+    """Every tensor leaf of a state (params, both AdamW moments, the step), gathered, by path."""
+    from shardfn import _checkpoint
+
+    paths, leaves, _ = _checkpoint._flatten(state)
+    return {p: (x.full_tensor() if isinstance(x, torch.distributed.tensor.DTensor) else x).detach().clone()
+            for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
+
+
+def rank_cp_save(folder: str) -> dict:
+    """Two steps at (dp=2, cp=2), then a checkpoint, an export and a description of the state."""
+    apply, step, state = _cp_build(dict(dp=2, cp=2), cp=True)
+    dp_rank = dict(zip(step.mesh.mesh_dim_names, step.mesh.get_coordinate()))["dp"]
+    for s in range(2):
+        state, _ = step(state, _gpt_batch(s, 2, dp_rank))
+    sf.save(state, f"{folder}/ckpt")
+    sf.export(state, f"{folder}/model.safetensors", apply=apply)
+    return dict(full=_full(state), described=str(sf.describe(state)))
+
+
+def rank_cp_load(folder: str) -> dict:
+    """The (dp=2, cp=2) checkpoint loaded on a dp-only mesh of this world size, then one more step."""
+    _, step, state = _cp_build(dict(dp=-1), cp=False)
+    state = sf.load(f"{folder}/ckpt", like=state)
+    loaded = _full(state)
+    w, r = dist.get_world_size(), dist.get_rank()
+    ids, y, pos = _gpt_batch(2, 2)
+    rows = slice(r * 4 // w, (r + 1) * 4 // w)
+    state, m = step(state, (ids[rows], y[rows], pos[rows]))
+    return dict(loaded=loaded, loss=m["loss"].item())
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_a_context_parallel_state_reshards_exports_and_describes(pools, tmp_path, world):
+    """A state trained at (dp=2, cp=2) is saved, loaded at dp=4 and on one rank (every leaf, AdamW
+    moments and step included, bit-identical) and trained on, exported to safetensors as the
+    gathered parameters, and described over the ranks it is sharded on."""
+    from safetensors.torch import load_file
+
+    folder = str(tmp_path)
+    saved = pools(4).run(rank_cp_save, folder)
+    full = saved[0]["full"]
+    assert full.keys() and all(torch.equal(full[k], r["full"][k]) for r in saved[1:] for k in full)
+    got = pools(world).run(rank_cp_load, folder)
+    for r in got:
+        assert r["loaded"].keys() == full.keys(), sorted(set(r["loaded"]) ^ set(full))
+        for k, v in full.items():
+            assert v.dtype == r["loaded"][k].dtype and torch.equal(v, r["loaded"][k]), k
+        assert torch.isfinite(torch.tensor(r["loss"]))
+    exported = load_file(f"{folder}/model.safetensors")
+    params = {k[len("params."):]: v for k, v in full.items() if k.startswith("params.")}
+    assert len(exported) >= len(params) > 0
+    for k, v in params.items():
+        assert torch.equal(exported[k], v), k
+    # described as it lives: sharded over the dp x cp ranks as one data axis (docs/API.md)
+    text = saved[0]["described"]
+    assert text.startswith("mesh dp=4, rank 0"), text
+    assert "blocks.0.fc.weight         (128, 32)     P('dp')  (32, 32)" in text, text
