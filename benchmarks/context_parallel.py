@@ -2,8 +2,8 @@
 
 Launch (from the repository root):
 
-    .venv/bin/python benchmarks/context_parallel.py                    # T = 2K, 8K
-    .venv/bin/python benchmarks/context_parallel.py --seqs 2048 8192 32768 --steps 2
+    .venv/bin/python benchmarks/context_parallel.py                    # T = 2K, 8K (about 3 minutes)
+    .venv/bin/python benchmarks/context_parallel.py --seqs 2048 8192 32768   # about 10 minutes
 
 The project's GPT (tiny width: d=64, 4 heads, 2 blocks, vocabulary 256), one sequence of T tokens per
 data-parallel coordinate, AdamW:
@@ -12,14 +12,17 @@ data-parallel coordinate, AdamW:
                  chunks, attention as ring attention over the 4 ranks (one sequence in all)
   shardfn dp=4   sf.mesh(dp=4): every rank holds a whole sequence of T tokens (four sequences in all):
                  what a rank holds without context parallelism
-  torchtitan     torch's `context_parallel(mesh, buffers=...)` + FSDP2 `fully_shard`, torchtitan's
-                 recipe: tried on the same model; on a CPU mesh it stops in torch (reported as is)
+  torchtitan     torch's `context_parallel(mesh, buffers=...)` + FSDP2 `fully_shard` over the 4 ranks,
+                 torchtitan's recipe on the same model and sequence. torch rings only its CUDA
+                 attention kernels; `_torch_cp_cpu.enable()` hands its CPU flash kernel to the same
+                 ring (torch's own `_templated_ring_attention`), nothing else changed
 
 Per row: the step time (the median over the timed steps, the max over ranks), the per-rank peak of
-live tensor bytes over two steps (`shardfn._peak.step_peak`, what `sf.estimate_memory` is checked
-against) and the estimate. Then the longest sequence whose estimated peak fits a per-rank budget,
-with and without cp (`sf.estimate_memory`, searched over multiples of 256), and a run at that length
-with cp that checks the measured peak against the budget.
+live tensor bytes over the state's construction and two steps (`shardfn._peak`, what
+`sf.estimate_memory` is checked against; the most over ranks), the estimate, and the loss of the
+first step (shardfn cp=4 and torchtitan train the same sequence, so their losses agree). Then the longest sequence whose estimated peak fits a per-rank budget,
+with and without cp (`sf.estimate_memory`, searched over multiples of 256), each checked by a run at
+that length (its measured peak against the budget).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
@@ -69,8 +73,10 @@ def rank_row(mode: str, T: int, steps: int) -> dict:
 
     step, params, batch = _step(mode, T)
     est = sf.estimate_memory(step, params, batch=batch).peak
+    peak = _max(step_peak(step, params, batch).peak)
     state = step.init(params)
-    peak = step_peak(step, state.params, batch).peak
+    state, m = step(state, batch)
+    loss = float(m["loss"])
     times = []
     for _ in range(steps):
         dist.barrier()
@@ -80,33 +86,73 @@ def rank_row(mode: str, T: int, steps: int) -> dict:
         t = torch.tensor(time.perf_counter() - t0)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times.append(t.item())
-    return dict(time=statistics.median(times), peak=peak, est=est)
+    return dict(time=statistics.median(times), peak=peak, est=est, loss=loss)
 
 
-def rank_torchtitan(T: int) -> str:
-    """torchtitan's recipe: FSDP2 over the cp ranks, torch's context_parallel around the step."""
+def rank_estimate(mode: str, T: int) -> int:
+    import shardfn as sf
+
+    step, params, batch = _step(mode, T)
+    return sf.estimate_memory(step, params, batch=batch).peak
+
+
+def _max(x: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor(float(x), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def rank_torchtitan(T: int, steps: int) -> dict:
+    """torchtitan's recipe: FSDP2 over the cp ranks, torch's context_parallel around each step."""
+    import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.experimental import context_parallel
 
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("cp",))
+    import _torch_cp_cpu
+    from shardfn._peak import PeakMeter
+
+    _torch_cp_cpu.enable()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
     model = _model(T)
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (1, T), generator=g)
-    y, pos = torch.roll(ids, -1, 1), torch.arange(T)[None].clone()
-    try:
-        with context_parallel(mesh, buffers=[ids, y, pos], buffer_seq_dims=[1, 1, 1]):
-            loss = F.cross_entropy(model(ids, pos).flatten(0, 1), y.flatten())
+    y, pos = torch.roll(ids, -1, 1), torch.arange(T)[None]
+
+    def one_step(opt) -> float:
+        bi, by, bp = ids.clone(), y.clone(), pos.clone()  # context_parallel cuts its buffers in place
+        with context_parallel(mesh, buffers=[bi, by, bp], buffer_seq_dims=[1, 1, 1]):
+            loss = F.cross_entropy(model(bi, bp).flatten(0, 1), by.flatten())
             loss.backward()
         opt.step()
-        return "ran"
-    except Exception as e:  # noqa: BLE001 - reported as the row's result
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    meter = PeakMeter()
+    with meter:  # as step_peak: the sharded state built inside, then two steps
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for i in range(2):
+            with meter.section(f"step{i}"):
+                loss = one_step(opt)
+                if i == 0:
+                    dist.all_reduce(loss)  # each rank's loss is over its own tokens: the mean of equal shares
+                    first = loss.item() / dist.get_world_size()
+    peak = _max(max(meter[f"step{i}"].peak for i in range(2)))
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        float(one_step(opt))
+        t = torch.tensor(time.perf_counter() - t0)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return dict(time=statistics.median(times), peak=peak, loss=first)
 
 
 def rank_longest(budget: int) -> dict:
@@ -130,10 +176,10 @@ def rank_longest(budget: int) -> dict:
         out[mode] = lo
     from shardfn._peak import step_peak
 
-    step, params, batch = _step("cp", out["cp"])
-    out["cp_estimate"] = sf.estimate_memory(step, params, batch=batch).peak
-    state = step.init(params)
-    out["cp_measured"] = step_peak(step, state.params, batch).peak
+    for mode in ("dp", "cp"):  # each checked by a run at its longest sequence
+        step, params, batch = _step(mode, out[mode])
+        out[f"{mode}_estimate"] = sf.estimate_memory(step, params, batch=batch).peak
+        out[f"{mode}_measured"] = _max(step_peak(step, params, batch).peak)
     return out
 
 
@@ -144,18 +190,33 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--budget-mib", type=float, default=48.0)
+    ap.add_argument("--max-dp-seq", type=int, default=8192, help="longest T run without cp (each rank a whole sequence)")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"{'T':>6} {'implementation':16} {'step s':>8} {'peak MiB/rank':>14} {'estimate MiB':>13}")
+    print(f"{'T':>6} {'implementation':16} {'step s':>8} {'peak MiB/rank':>14} {'estimate MiB':>13} {'first loss':>11}")
     for T in a.seqs:
-        for mode, label in (("cp", "shardfn cp=4"), ("dp", "shardfn dp=4")):
-            r = sf.launch(rank_row, mode, T, a.steps, nprocs=4)[0]
-            print(f"{T:>6} {label:16} {r['time']:8.2f} {r['peak'] / 2**20:14.1f} {r['est'] / 2**20:13.1f}", flush=True)
-        print(f"{T:>6} {'torchtitan cp=4':16} {sf.launch(rank_torchtitan, T, nprocs=4)[0]}", flush=True)
+        rows = {}
+        for mode, label in (("cp", "shardfn cp=4"), ("tt", "torchtitan cp=4"), ("dp", "shardfn dp=4")):
+            if mode == "dp" and T > a.max_dp_seq:
+                est = sf.launch(rank_estimate, mode, T, nprocs=4)[0]
+                print(f"{T:>6} {label:16} {'-':>8} {'-':>14} {est / 2**20:13.1f}   (estimate only: T > --max-dp-seq)", flush=True)
+                continue
+            if mode == "tt":
+                r = sf.launch(rank_torchtitan, T, a.steps, nprocs=4)[0]
+            else:
+                r = sf.launch(rank_row, mode, T, a.steps, nprocs=4)[0]
+            rows[mode] = r
+            est = f"{r['est'] / 2**20:13.1f}" if "est" in r else f"{'-':>13}"
+            print(f"{T:>6} {label:16} {r['time']:8.2f} {r['peak'] / 2**20:14.1f} {est} {r['loss']:11.6f}", flush=True)
+        d = abs(rows["cp"]["loss"] - rows["tt"]["loss"]) / abs(rows["tt"]["loss"])
+        print(f"{T:>6} shardfn cp=4 / torchtitan: time {rows['cp']['time'] / rows['tt']['time']:.2f}x, "
+              f"peak {rows['cp']['peak'] / rows['tt']['peak']:.2f}x, first losses rel. diff {d:.1e}", flush=True)
     budget = int(a.budget_mib * 2**20)
     r = sf.launch(rank_longest, budget, nprocs=4)[0]
-    print(f"longest sequence within {a.budget_mib:.0f} MiB per rank (sf.estimate_memory): without cp {r['dp']}, with cp=4 "
-          f"{r['cp']}; a cp run at {r['cp']}: estimated {r['cp_estimate'] / 2**20:.1f} MiB, measured {r['cp_measured'] / 2**20:.1f} MiB")
+    print(f"longest sequence within {a.budget_mib:.0f} MiB per rank (sf.estimate_memory, multiples of 256):")
+    for mode, label in (("dp", "without cp (dp=4)"), ("cp", "with cp=4")):
+        print(f"  {label:18} {r[mode]:>6} tokens: estimated {r[f'{mode}_estimate'] / 2**20:.1f} MiB, "
+              f"measured {r[f'{mode}_measured'] / 2**20:.1f} MiB", flush=True)
 
 
 if __name__ == "__main__":
