@@ -117,6 +117,7 @@ CASES = [
     (4, dict(dp=1, cp=4), "gpt", dict(remat=True)),
     (4, dict(dp=2, cp=2), "gpt", dict(accumulation_steps=2, strategy="shard_grad_op")),
     (4, dict(dp=2, cp=2), "llama", {}),
+    (4, dict(dp=1, cp=4), "llama", dict(accumulation_steps=2)),
     (2, dict(cp=2), "llama", dict(remat=True, strategy="no_shard")),
     # with tensor parallelism: (dp x cp, tp), the ring on each tp rank's heads (whole on tp for the GPT)
     (4, dict(dp=1, tp=2, cp=2), "gpt", dict(tp_rules="GPT")),
