@@ -24,8 +24,14 @@ The units run eager where dynamo cannot follow: a step off the unit schedule (a 
 and a unit holding another unit (only the innermost compile). Units that read a constant of their
 own are a graph each; dynamo's recompile limit is raised for the step's units.
 
+On a mesh with a cp axis, ring attention (Note [context parallelism] in `_context.py`) is a
+function dynamo does not trace (`torch.compiler.disable`): a unit compiles as the graphs around
+it, `fullgraph` False there.
+
 Not compiled yet: the step as one graph (collectives inside, bucketed by the compiler), tensor
-parallel and context parallel meshes (refused with `NotImplementedError`).
+parallel meshes (refused with `NotImplementedError`): tp's steering hooks inside a unit would cut
+it at every split layer, and AOTAutograd regenerates an output aliasing a DTensor input with
+`as_strided`, which DTensor refuses (seen on Hugging Face Llama).
 
 Note [compiled code in a step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

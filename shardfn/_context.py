@@ -73,6 +73,10 @@ class ContextParallel:
         if mesh.size() != torch.distributed.get_world_size():
             raise NotImplementedError("context parallelism on a mesh over part of the job's ranks is not supported yet")
         self.mesh, self.batch_specs = mesh, batch_specs
+        # One function for the step's life, outside compiled regions: a compiled unit breaks its
+        # graph there and runs the ring eager (Note [compiled units] in `_compiled.py`); being one
+        # object, it leaves dynamo's guard on `F.scaled_dot_product_attention` true from step to step.
+        self._ring = torch.compiler.disable(self.attend)
         self.size = int(mesh.size(names.index("cp")))
         self.group = axis_group(mesh, ("cp",))
         if "tp" in names:  # the step's mesh: (dp x cp, tp), dp and cp as one data axis
@@ -128,11 +132,7 @@ class ContextParallel:
         remat recomputes the forward: a torch function mode is not active there), then put back.
         """
         original = F.scaled_dot_product_attention
-
-        def ring(*args: Any, **kwargs: Any) -> torch.Tensor:
-            return self.attend(*args, **kwargs)
-
-        F.scaled_dot_product_attention = ring
+        F.scaled_dot_product_attention = self._ring
         try:
             yield
         finally:

@@ -46,11 +46,13 @@ class TrainStep:
                 f"batch_specs= names batch dims split over a cp axis, and this mesh has none (axes {names}): build the mesh "
                 "with one, e.g. sf.mesh(dp=2, cp=2), or leave batch_specs out"
             )
-        if compile is not None and "cp" in names:
+        if compile is not None and "cp" in names and "tp" in names:
             raise NotImplementedError(
-                f"compile=True on a mesh with a cp axis {names} is not supported yet (ring attention runs eager): leave "
-                "compile=False with context parallelism"
+                f"compile=True with tensor parallel (a mesh with tp and cp axes {names}) is not supported yet: leave "
+                "compile=False on this mesh"
             )
+        if compile is not None and "cp" in names:  # the ring runs eager: a unit compiles as the graphs around it
+            compile = {**compile, "fullgraph": False}
         # Note [context parallelism] in `_context.py`: the step runs on dp * cp ranks as one data axis.
         self.context = ContextParallel(mesh, batch_specs) if "cp" in names else None
         mesh = self.context.flat if self.context is not None else mesh
@@ -349,7 +351,8 @@ def train_step(
         compile: False (the default) runs the step eager. True compiles each unit's forward (and
             its backward) with `torch.compile(fullgraph=True)`, the gathers and reductions eager
             around it; a dict of `torch.compile` options is taken over that (Note [compiled units]
-            in `shardfn/_compiled.py`). Not on (dp, tp) or cp meshes yet (`NotImplementedError`).
+            in `shardfn/_compiled.py`). Not with tensor parallel yet (`NotImplementedError`); on a cp mesh
+            the units compile around the ring attention.
             A `loss_fn` or blocks compiled by the user are refused at `init` with a `ValueError`.
         randomness: "per_rank" (the default): each data-parallel rank draws its own random numbers
             in the step (dropout masks differ over the global batch; tensor-parallel peers draw the
