@@ -148,7 +148,10 @@ def poison_storage(t: torch.Tensor) -> None:
     """Fills the whole storage under `t` (it is about to be given back)."""
     st = t.untyped_storage()
     if st.nbytes():
-        poison(torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,)))
+        # On the storage itself, byte by byte: no tensor is made over it, which under a torch.func
+        # transform (a vmap or grad in loss_fn) would be a functorch wrapper without a storage.
+        with torch.no_grad():
+            st.fill_(_PATTERN)
 
 
 # -- reads of freed units ---------------------------------------------------------------------
