@@ -71,6 +71,32 @@ _METADATA = {
 }
 
 
+# Note [params below the dispatcher]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An op that reaches a `Param` below autograd (torch.func.vmap batches its inputs in C++, past
+# `__torch_function__`) would compute on the unit's slot, with no gradient: `__torch_dispatch__`
+# refuses it, and the step leaves the unit schedule. Under a TorchDispatchMode the mode sees that op
+# first, and when the mode calls it, Python's op call runs `Param.__torch_function__` before the
+# dispatcher reaches `Param.__torch_dispatch__`. Resolving the Param there would compute the right
+# values with the gradient lost (a silently wrong step, only under the mode): so
+# `__torch_function__` refuses too when it is called from inside the dispatcher, which is when
+# the dispatcher's Python snapshot key is already excluded (it is not for any call made by user
+# code, under a mode or not).
+_SNAPSHOT = torch._C.DispatchKey.PythonTLSSnapshot
+
+
+def _below_dispatch() -> bool:
+    """Whether this call comes from inside the dispatcher (a dispatch mode calling an op)."""
+    return torch._C._dispatch_tls_is_dispatch_key_excluded(_SNAPSHOT)
+
+
+def _past_shardfn(func: Any) -> OffSchedule:
+    return OffSchedule(
+        f"{func} reached a train step's parameter directly, past shardfn (torch.func.vmap over the parameters, "
+        "as an ensemble built with stack_module_state does)"
+    )
+
+
 class Param(torch.Tensor):
     """A leaf of the parameter tree `loss_fn` receives in a train step (Note [parameters outside apply]).
 
@@ -108,6 +134,11 @@ class Param(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if _below_dispatch():
+            # A TorchDispatchMode (shardfn's debug mode, a user's flop counter or logger) calls the op
+            # of a Param that reached the dispatcher past `__torch_function__` (Note [params below
+            # the dispatcher]): the same refusal as `__torch_dispatch__`, never the full value.
+            raise _past_shardfn(func)
         args, kwargs = tree_map_only(Param, Param.resolve, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -117,10 +148,7 @@ class Param(torch.Tensor):
         # Below autograd: an op reached the Param itself, not its full value, by a path that
         # skips `__torch_function__` (torch.func.vmap batches its inputs in C++). Its memory is
         # the unit's slot, which need not hold this leaf, and no gradient would flow: refuse.
-        raise OffSchedule(
-            f"{func} reached a train step's parameter directly, past shardfn (torch.func.vmap over the parameters, "
-            "as an ensemble built with stack_module_state does)"
-        )
+        raise _past_shardfn(func)
 
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105 - a repr must not gather
         return f"sf.Param(shape={tuple(self.shape)}, dtype={self.dtype}, unit={self.where[0]})"

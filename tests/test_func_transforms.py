@@ -5,11 +5,14 @@ to the inputs are exact; what is not supported yet refuses with the way around i
 
 from __future__ import annotations
 
+import contextlib
+
 import optree
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardfn as sf
 from reference import global_batch, local_batch, make_model, rel_err, units_of
@@ -434,12 +437,28 @@ def test_vmap_inside_loss_fn_under_every_strategy(pools, strategy, world):
         assert out["loss"] < 1e-5 and out["params"] < 1e-5, (rank, out)
 
 
-def rank_ensemble(strategy: str) -> dict:
+class _Logged(TorchDispatchMode):
+    """A user's dispatch mode around the step (a logger, as a flop counter is): it sees every op."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def rank_ensemble(strategy: str, under: str = "plain") -> dict:
     """An ensemble (torch.func.stack_module_state) trained by a loss_fn that vmaps over the members
     trains exactly as the unsharded ensemble: vmap over the step's parameters themselves (which
     would batch their raw memory, past shardfn) moves the step off the unit schedule before any op
-    computes; over the leaves read first, it stays on it."""
+    computes; over the leaves read first, it stays on it. `under`: "mode", the steps run under a
+    user's TorchDispatchMode; "debug", in shardfn's debug mode (whose read check is such a mode):
+    the same decisions and results (Note [params below the dispatcher])."""
     import copy
+
+    from shardfn import _debug
 
     from torch import nn
     from torch.func import functional_call, stack_module_state, vmap
@@ -471,7 +490,14 @@ def rank_ensemble(strategy: str) -> dict:
         losses = []
         for i in range(3):
             batch = global_batch("mlp", i, world)
-            state, m = step(state, local_batch(batch, rank, world))
+            logged = _Logged()
+            _debug.enable(under == "debug")
+            try:
+                with logged if under == "mode" else contextlib.nullcontext():
+                    state, m = step(state, local_batch(batch, rank, world))
+            finally:
+                _debug.enable(_debug.ENV)
+            assert under != "mode" or logged.ops > 0
             opt.zero_grad()
             ref_loss = make_loss(False)(ref, batch)
             ref_loss.backward()
@@ -486,6 +512,16 @@ def rank_ensemble(strategy: str) -> dict:
 @pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
 def test_an_ensemble_vmapped_inside_loss_fn(pools, strategy, world):
     for rank, out in enumerate(pools(world).run(rank_ensemble, strategy)):
+        assert out[False][2] and not out[True][2], out  # off the schedule only when vmap meets the Params
+        assert max(max(out[k][:2]) for k in out) < 1e-5, (rank, out)
+
+
+@pytest.mark.parametrize("under", ["mode", "debug"])
+def test_an_ensemble_vmapped_under_a_dispatch_mode(pools, under):
+    """A dispatch mode calls the op of a Param that vmap batched below autograd: Param's
+    `__torch_function__` runs first and must refuse as its `__torch_dispatch__` does, not hand the
+    op the full value with the gradient lost (the parameters ended 8e-3 from one process)."""
+    for rank, out in enumerate(pools(2).run(rank_ensemble, "full_shard", under)):
         assert out[False][2] and not out[True][2], out  # off the schedule only when vmap meets the Params
         assert max(max(out[k][:2]) for k in out) < 1e-5, (rank, out)
 
