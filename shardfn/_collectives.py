@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from . import _watch
+from . import _debug, _watch
 
 __all__ = ["STATS", "all_gather", "all_gather_pieces", "reduce_scatter", "all_reduce", "broadcast", "gloo_collectives", "point_to_point",
            "full_tensor", "full_tensors"]
@@ -155,6 +155,18 @@ class _Exchange:
     def __init__(self, works: list | Future, epilogue=None):
         self.works, self.epilogue = works, epilogue
 
+    def completed(self) -> bool:
+        """Whether every message has landed (without waiting; the epilogue may not have run)."""
+        if self.works is None:
+            return True
+        if isinstance(self.works, Future):
+            if not self.works.done() or self.works.exception() is not None:
+                return self.works.done()
+            works = self.works.result()
+        else:
+            works = self.works
+        return all(w.is_completed() for w in works)
+
     def wait(self, timeout: float | None = None) -> bool:
         if self.works is not None:
             works = self.works.result(timeout) if isinstance(self.works, Future) else self.works
@@ -173,15 +185,16 @@ def wait(work, timeout: float | None = None) -> None:
     timeout); raises `TimeoutError` when it is not done by then."""
     if isinstance(work, _Exchange):
         work.wait(timeout)
-        return
-    if timeout is None:
+    elif timeout is None:
         with _watch.waiting():
             work.wait()
-        return
-    try:
-        work.wait(datetime.timedelta(seconds=timeout))
-    except RuntimeError as e:
-        raise TimeoutError(f"a collective was not done within {timeout:.0f} s: {e}") from e
+    else:
+        try:
+            work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            raise TimeoutError(f"a collective was not done within {timeout:.0f} s: {e}") from e
+    if _debug.ON:
+        _debug.waited(work)
 
 
 POST_FROM_THREAD = True
@@ -194,15 +207,27 @@ def _exchange(group, sends: list, recvs: list, epilogue=None) -> _Exchange:
     tensors skipped, the same on every rank), from the poster thread; returns the pending exchange."""
 
     def post() -> list:
+        if _debug.ON:
+            _debug.check_posted([t for t, _, _ in recvs + sends], "point-to-point message")
         works = [dist.irecv(t, group=group, group_src=src, tag=tag) for t, src, tag in recvs if t.numel()]
         works += [dist.isend(t, group=group, group_dst=dst, tag=tag) for t, dst, tag in sends if t.numel()]
         return works
 
     if not POST_FROM_THREAD:
-        return _Exchange(post(), epilogue)
-    if not _POSTER:
-        _POSTER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfn-p2p"))
-    return _Exchange(_POSTER[0].submit(post), epilogue)
+        pending = _Exchange(post(), epilogue)
+    else:
+        if not _POSTER:
+            _POSTER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfn-p2p"))
+        pending = _Exchange(_POSTER[0].submit(post), epilogue)
+    _debug.in_flight(pending.completed, [t for t, _, _ in recvs + sends], "point-to-point exchange", pending)
+    return pending
+
+
+def _remembered(work, tensors: list[torch.Tensor], what: str):
+    """`work`, remembered in debug mode with the memory it reads and writes until it is complete."""
+    if work is not None and _debug.ON:
+        _debug.in_flight(work.is_completed, tensors, what, work)
+    return work
 
 
 def _done(pending, async_op: bool):
@@ -216,7 +241,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = Tru
     """`out` (W * n) <- every rank's `inp` (n), rank-major. `inp` must stay untouched until done."""
     if _p2p(group, out) is None:
         STATS.add("all_gather", _ring_bytes(out, dist.get_world_size(group)))
-        return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+        return _remembered(dist.all_gather_single(out, inp, group=group, async_op=async_op), [out, inp], "all-gather")
     return _done(all_gather_pieces([(out, inp)], group), async_op)
 
 
@@ -231,7 +256,8 @@ def all_gather_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]], group):
     STATS.add("all_gather", sum(_ring_bytes(out, world) for out, _ in pieces))
     info = _p2p(group, pieces[0][0]) if pieces else None
     if info is None:
-        return _Exchange([dist.all_gather_single(out, inp, group=group, async_op=True) for out, inp in pieces])
+        return _Exchange([_remembered(dist.all_gather_single(out, inp, group=group, async_op=True), [out, inp], "all-gather")
+                          for out, inp in pieces])
     _, rank, world, _ = info
     tags = [_next_tag(info) for _ in pieces]
     peers = [((rank + k) % world, (rank - k) % world) for k in range(1, world)]  # staggered
@@ -262,9 +288,10 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool =
         return _done(_reduce_scatter_p2p(out, inp, group, info), async_op)
     if scratch and GLOO_COLLECTIVES != "native" and inp.device.type == "cpu" and _info(group)[0] == "gloo":
         rank = _info(group)[1]
-        work = dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        work = _remembered(dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=True), [inp], "reduce-scatter")
         return _done(_Exchange([work], lambda: out.copy_(inp.view(world, -1)[rank])), async_op)
-    return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _remembered(dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op), [out, inp],
+                       "reduce-scatter")
 
 
 def _reduce_scatter_p2p(out: torch.Tensor, inp: torch.Tensor, group, info: list) -> _Exchange:
@@ -293,7 +320,7 @@ def all_reduce(t: torch.Tensor, group, async_op: bool = False):
     """`t` <- the sum of `t` over ranks, in place."""
     STATS.add("all_reduce", 2 * _ring_bytes(t, dist.get_world_size(group)))
     if async_op:
-        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return _remembered(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True), [t], "all-reduce")
     with _watch.waiting():
         return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 

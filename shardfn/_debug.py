@@ -16,7 +16,11 @@ debug mode:
   version of `STALE` or more; autograd's own check covers only what it saved);
 - a slot arena taken over while its previous unit is still gathered, a gather that lands in an
   arena whose reduce-scatter input is still in flight, and a recycled DTensor wrapper that is
-  reachable from anything else raise `RuntimeError` at once.
+  reachable from anything else raise `RuntimeError` at once;
+- memory given back or poisoned while an asynchronous collective still reads or writes it, and a
+  point-to-point message posted (by the poster thread, after its caller returned) into a buffer
+  already given back, raise `RuntimeError` at once, naming the collective (every async collective
+  of `_collectives` is remembered with its memory until it is complete).
 
 None of it changes a result: a train step gives bitwise the same parameters with debug mode on as
 off (`tests/test_debug.py`). It costs a fill per free, a Python call per op in the step and a heap
@@ -72,14 +76,15 @@ import gc
 import math
 import os
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ENV", "ON", "UseAfterFreeError", "enable", "enabled", "poison", "reads_checked", "track", "check_alone"]
+__all__ = ["ENV", "ON", "UseAfterFreeError", "enable", "enabled", "poison", "reads_checked", "track", "check_alone",
+           "in_flight", "waited", "check_not_in_flight", "check_posted"]
 
 
 def _from_env() -> bool:
@@ -130,6 +135,7 @@ def poison(t: torch.Tensor) -> None:
     alias of its own, so that no version counter of `t` or its views moves."""
     if not t.numel() or t.untyped_storage().nbytes() == 0:
         return
+    check_not_in_flight(t, "poisoning freed memory")
     alias = torch.empty(0, dtype=t.dtype, device=t.device)
     with torch.no_grad():
         alias.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
@@ -148,10 +154,66 @@ def poison_storage(t: torch.Tensor) -> None:
     """Fills the whole storage under `t` (it is about to be given back)."""
     st = t.untyped_storage()
     if st.nbytes():
+        check_not_in_flight(t, "a storage given back")
         # On the storage itself, byte by byte: no tensor is made over it, which under a torch.func
         # transform (a vmap or grad in loss_fn) would be a functorch wrapper without a storage.
         with torch.no_grad():
             st.fill_(_PATTERN)
+
+
+# -- collectives in flight --------------------------------------------------------------------
+# Every asynchronous collective of `_collectives` is remembered here in debug mode, with the memory
+# it reads or writes, until it is complete: memory given back or poisoned while one is in flight
+# would be written by a message after the free (heap corruption on CPU, another tensor's values on
+# GPU), so that raises at once, naming the collective (Note [freed memory]).
+_IN_FLIGHT: list[tuple[Callable[[], bool], list[tuple[int, int]], str, Any]] = []
+
+
+def in_flight(done: Callable[[], bool], tensors: list[torch.Tensor], what: str, work: Any) -> None:
+    """Debug mode: the memory of `tensors` belongs to the pending collective `work` (`what`) until
+    `done()` or until it is waited for (`waited`; gloo's reduce-scatter never says it is complete)."""
+    if not ON:
+        return
+    spans = []
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes():
+            spans.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+    if spans:
+        _IN_FLIGHT.append((done, spans, what, work))
+
+
+def waited(work: Any) -> None:
+    """`work` is complete: its memory is the caller's again."""
+    if _IN_FLIGHT:
+        _IN_FLIGHT[:] = [rec for rec in _IN_FLIGHT if rec[3] is not work]
+
+
+def check_not_in_flight(t: torch.Tensor, doing: str) -> None:
+    """Debug mode: raises if a collective in flight reads or writes `t`'s storage (it is about to
+    be given back or poisoned: `doing`). Forgets the collectives that are complete."""
+    if not _IN_FLIGHT:
+        return
+    st = t.untyped_storage()
+    lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
+    live = [rec for rec in _IN_FLIGHT if not rec[0]()]
+    _IN_FLIGHT[:] = live
+    for _, spans, what, _ in live:
+        if any(a < hi and lo < b for a, b in spans):
+            raise RuntimeError(
+                f"{doing}, while a {what} still in flight reads or writes it: a message would land in memory that "
+                "is no longer the collective's (Note [freed memory] in shardfn/_debug.py); please report this"
+            )
+
+
+def check_posted(tensors: list[torch.Tensor], what: str) -> None:
+    """Debug mode: a message is posted only into memory that is still allocated (the poster thread
+    posts after the caller returned: the caller must not have given its buffers back meanwhile)."""
+    if ON and any(t.numel() and t.untyped_storage().nbytes() == 0 for t in tensors):
+        raise RuntimeError(
+            f"a {what} was posted into a buffer already given back (Note [freed memory] in shardfn/_debug.py); "
+            "please report this"
+        )
 
 
 # -- reads of freed units ---------------------------------------------------------------------

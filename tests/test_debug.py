@@ -182,3 +182,61 @@ def test_poison_fills_without_moving_version_counters():
     i = torch.zeros(4, dtype=torch.int32)
     _debug.poison(i)
     assert (i == int.from_bytes(b"\xa5" * 4, "little", signed=True)).all()
+
+
+# -- memory given back under a collective in flight ----------------------------------------------
+def rank_free_in_flight(mode: str) -> dict[str, str]:
+    """Rank 0 starts an all-gather (or a reduce-scatter) that cannot complete yet (rank 1 joins a
+    second later) and gives its output's storage back at once: debug mode refuses the free before
+    it happens, naming the collective; once the collective is complete the same free goes through.
+    Then a message posted into a buffer already given back is refused in the poster thread."""
+    import time
+
+    from shardfn import _collectives as C
+
+    rank = dist.get_rank()
+    out = {}
+    _debug.enable(True)
+    try:
+        with C.gloo_collectives(mode):
+            for op in ("all_gather", "reduce_scatter"):
+                n = 1 << 16
+                if op == "all_gather":
+                    buf, src = torch.empty(2 * n), torch.full((n,), float(rank))
+                    work = C.all_gather(buf, src, None)
+                else:
+                    src, buf = torch.ones(2 * n), torch.empty(n)
+                    work = C.reduce_scatter(buf, src, None, scratch=True)
+                if rank == 1:
+                    time.sleep(1.0)
+                if rank == 0:
+                    try:
+                        _flat._storage_free(buf)
+                        out[op] = "freed"
+                    except RuntimeError as e:
+                        out[op] = str(e)
+                C.wait(work)
+                assert buf.untyped_storage().nbytes() == buf.numel() * 4  # the refused free left it whole
+                _flat._storage_free(buf)  # complete: allowed
+                C.barrier("the test")
+            if rank == 0 and mode == "p2p":
+                gone = torch.empty(16)
+                gone.untyped_storage().resize_(0)
+                try:
+                    C._exchange(None, [], [(gone, 1, 12345)]).wait(10)
+                    out["posted"] = "posted"
+                except RuntimeError as e:
+                    out["posted"] = str(e)
+    finally:
+        _debug.enable(_debug.ENV)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["p2p", "native"])
+def test_memory_given_back_under_a_collective_in_flight_is_refused(pools, mode):
+    out = pools(2).run(rank_free_in_flight, mode)[0]
+    for op, what in (("all_gather", "all-gather" if mode == "native" else "point-to-point exchange"),
+                     ("reduce_scatter", "reduce-scatter" if mode == "native" else "point-to-point exchange")):
+        assert out[op].startswith("a storage given back, while a " + what + " still in flight"), out
+    if mode == "p2p":
+        assert "posted into a buffer already given back" in out["posted"], out
