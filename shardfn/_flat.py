@@ -161,6 +161,8 @@ def _storage_free(t: torch.Tensor) -> None:
 
 def _storage_alloc(t: torch.Tensor, nbytes: int) -> None:
     if t.untyped_storage().nbytes() != nbytes:
+        if _debug.ON and t.untyped_storage().nbytes():
+            _debug.check_not_in_flight(t, "a storage reallocated")  # its memory moves: Note [freed memory] 1
         t.untyped_storage().resize_(nbytes)
         if t.device.type == "cpu":
             huge_pages(t.untyped_storage())
