@@ -157,14 +157,13 @@ class _Exchange:
 
     def completed(self) -> bool:
         """Whether every message has landed (without waiting; the epilogue may not have run)."""
-        if self.works is None:
+        works = self.works  # once: `wait` may set it to None meanwhile
+        if works is None:
             return True
-        if isinstance(self.works, Future):
-            if not self.works.done() or self.works.exception() is not None:
-                return self.works.done()
-            works = self.works.result()
-        else:
-            works = self.works
+        if isinstance(works, Future):
+            if not works.done() or works.exception() is not None:
+                return works.done()
+            works = works.result()
         return all(w.is_completed() for w in works)
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -193,8 +192,7 @@ def wait(work, timeout: float | None = None) -> None:
             work.wait(datetime.timedelta(seconds=timeout))
         except RuntimeError as e:
             raise TimeoutError(f"a collective was not done within {timeout:.0f} s: {e}") from e
-    if _debug.ON:
-        _debug.waited(work)
+    _debug.waited(work)  # a no-op unless debug mode remembered collectives
 
 
 POST_FROM_THREAD = True

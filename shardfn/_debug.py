@@ -75,6 +75,7 @@ import contextlib
 import gc
 import math
 import os
+import threading
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -84,7 +85,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["ENV", "ON", "UseAfterFreeError", "enable", "enabled", "poison", "reads_checked", "track", "check_alone",
-           "in_flight", "waited", "check_not_in_flight", "check_posted"]
+           "in_flight", "waited", "forget_in_flight", "check_not_in_flight", "check_posted"]
 
 
 def _from_env() -> bool:
@@ -135,7 +136,7 @@ def poison(t: torch.Tensor) -> None:
     alias of its own, so that no version counter of `t` or its views moves."""
     if not t.numel() or t.untyped_storage().nbytes() == 0:
         return
-    check_not_in_flight(t, "poisoning freed memory")
+    check_not_in_flight(t, "poisoning freed memory", whole_storage=False)
     alias = torch.empty(0, dtype=t.dtype, device=t.device)
     with torch.no_grad():
         alias.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
@@ -162,42 +163,65 @@ def poison_storage(t: torch.Tensor) -> None:
 
 
 # -- collectives in flight --------------------------------------------------------------------
-# Every asynchronous collective of `_collectives` is remembered here in debug mode, with the memory
-# it reads or writes, until it is complete: memory given back or poisoned while one is in flight
-# would be written by a message after the free (heap corruption on CPU, another tensor's values on
-# GPU), so that raises at once, naming the collective (Note [freed memory]).
+# Every asynchronous collective of `_collectives` is remembered here in debug mode, with the bytes
+# it reads or writes (each tensor's own, not its whole storage: a unit's slot holds its reduction's
+# input and, past it, frozen leaves that are poisoned while the reduction runs), until it is
+# complete or waited for: memory given back, reallocated or poisoned meanwhile would be written by
+# a message after the free (heap corruption on CPU, another tensor's values on GPU), so that
+# raises at once, naming the collective (Note [freed memory]). The list is the process's
+# (`_process.reset` empties it); a lock keeps the poster thread's reads whole.
 _IN_FLIGHT: list[tuple[Callable[[], bool], list[tuple[int, int]], str, Any]] = []
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes `t` itself covers (from its first element to past its last)."""
+    if not t.numel():
+        return (0, 0)
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
+
+
+def _storage_span(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return (st.data_ptr(), st.data_ptr() + st.nbytes())
 
 
 def in_flight(done: Callable[[], bool], tensors: list[torch.Tensor], what: str, work: Any) -> None:
-    """Debug mode: the memory of `tensors` belongs to the pending collective `work` (`what`) until
+    """Debug mode: the bytes of `tensors` belong to the pending collective `work` (`what`) until
     `done()` or until it is waited for (`waited`; gloo's reduce-scatter never says it is complete)."""
     if not ON:
         return
-    spans = []
-    for t in tensors:
-        st = t.untyped_storage()
-        if st.nbytes():
-            spans.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+    spans = [_span(t) for t in tensors if t.numel() and t.untyped_storage().nbytes()]
     if spans:
-        _IN_FLIGHT.append((done, spans, what, work))
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.append((done, spans, what, work))
 
 
 def waited(work: Any) -> None:
     """`work` is complete: its memory is the caller's again."""
     if _IN_FLIGHT:
-        _IN_FLIGHT[:] = [rec for rec in _IN_FLIGHT if rec[3] is not work]
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT[:] = [rec for rec in _IN_FLIGHT if rec[3] is not work]
 
 
-def check_not_in_flight(t: torch.Tensor, doing: str) -> None:
-    """Debug mode: raises if a collective in flight reads or writes `t`'s storage (it is about to
-    be given back or poisoned: `doing`). Forgets the collectives that are complete."""
+def forget_in_flight() -> None:
+    """Forgets every collective remembered (`_process.reset`: one test's abandoned collectives are
+    not the next one's)."""
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.clear()
+
+
+def check_not_in_flight(t: torch.Tensor, doing: str, whole_storage: bool = True) -> None:
+    """Debug mode: raises if a collective in flight reads or writes the memory about to be given
+    back, reallocated or poisoned (`doing`): `t`'s whole storage, or with `whole_storage=False`
+    the bytes `t` covers. Forgets the collectives that are complete."""
     if not _IN_FLIGHT:
         return
-    st = t.untyped_storage()
-    lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
-    live = [rec for rec in _IN_FLIGHT if not rec[0]()]
-    _IN_FLIGHT[:] = live
+    lo, hi = _storage_span(t) if whole_storage else _span(t)
+    with _IN_FLIGHT_LOCK:
+        live = [rec for rec in _IN_FLIGHT if not rec[0]()]
+        _IN_FLIGHT[:] = live
     for _, spans, what, _ in live:
         if any(a < hi and lo < b for a, b in spans):
             raise RuntimeError(

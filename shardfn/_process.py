@@ -12,7 +12,8 @@ On a path the backward takes, only the collectives' and the watch's globals are 
 never a thread-local, so a backward on another thread than its forward sees the same: a unit's
 reduce-scatter (and the prefetched all-gather) reads `_collectives.GLOO_COLLECTIVES` (and, point to
 point, `POST_FROM_THREAD` and the `_POSTER` thread), adds to `_collectives.STATS`, and takes the next
-tag from its group's counter in `_collectives._GROUPS`; waiting on it sets `_watch.WHERE.waiting`.
+tag from its group's counter in `_collectives._GROUPS`; waiting on it sets `_watch.WHERE.waiting`;
+in debug mode it is remembered in `_debug._IN_FLIGHT` until waited for.
 The torch.func check of a DTensor meeting a differentiated scalar (`_functorch.install_mixing_check`)
 returns inside a backward before it reads `_functorch._transforms`.
 
@@ -31,7 +32,7 @@ returns inside a backward before it reads `_functorch._transforms`.
 | `_models.REGISTRY` | the live functionalized models (weakly held) | cache |
 | `_functorch._transforms` | the torch.func transforms `sf.gather` ran under, weakly held, read only in a forward to name a sharded leaf read directly | cache |
 | `_memory._madvise`, `HUGE_PAGES` | the madvise function found, huge pages on or off | cache, setting |
-| `_debug.ON` (from `SHARDFN_DEBUG`, kept in `_debug.ENV`), `_debug._UNITS` | the debug mode on or off (Note [freed memory]); every flat unit, weakly held, to name a freed one | setting, cache |
+| `_debug.ON` (from `SHARDFN_DEBUG`, kept in `_debug.ENV`), `_debug._UNITS`, `_debug._IN_FLIGHT` | the debug mode on or off (Note [freed memory]); every flat unit, weakly held, to name a freed one; in debug mode, the async collectives in flight with the memory they hold | setting, cache, process |
 | `_meta_init._state` | the construction being recorded under `sf.meta_device()` (thread-local: construction only, never a backward) | thread |
 | `_manual._LOCAL` | the `sf.shard_map` regions open on this thread (thread-local: read in a region's forward; its collectives' backwards hold their groups) | thread |
 | `torch.nn.functional.scaled_dot_product_attention` | torch's own: swapped for ring attention while a context-parallel step runs, put back after it (Note [context parallelism] in `_context.py`) | process |
@@ -40,8 +41,8 @@ returns inside a backward before it reads `_functorch._transforms`.
 | `_launch._BORN_ENV` | this process's environment when shardfn was imported: a rank tells from it what torch's launcher set since, and keeps that over its caller's environment (Note [warm ranks]) | process |
 | `_launch._WARM` | the process that started the warm server, and the environment it started with (Note [warm ranks]) | process |
 
-`reset()` puts back what one test may leave for the next: the counters, models nobody holds, and
-the debug mode as the environment set it (tests switch it with `_debug.enable`). Process groups, the watch (whose failure flags pair with records in the job's store) and settings
+`reset()` puts back what one test may leave for the next: the counters, models nobody holds, the
+collectives debug mode remembered, and the debug mode as the environment set it (tests switch it with `_debug.enable`). Process groups, the watch (whose failure flags pair with records in the job's store) and settings
 stay (tests change settings only inside context managers that restore them).
 """
 
@@ -53,9 +54,10 @@ __all__ = ["reset"]
 
 
 def reset() -> None:
-    """Clears the collective counters, forgets models and transforms nobody holds, and puts the
-    debug mode back as the environment set it."""
+    """Clears the collective counters, forgets models and transforms nobody holds and the
+    collectives debug mode remembered, and puts the debug mode back as the environment set it."""
     _collectives.STATS.reset()
+    _debug.forget_in_flight()
     _debug.enable(_debug.ENV)
     _models.REGISTRY.prune()
     _functorch._transforms[:] = [r for r in _functorch._transforms if _functorch._live(r)]

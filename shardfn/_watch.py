@@ -31,6 +31,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import faulthandler
+import gc
+import io
 import json
 import os
 import signal
@@ -264,6 +267,10 @@ class _Watch:
     def _watching(self) -> None:
         while not self._stop.wait(BEAT_S):
             self._beat()
+            asked = self.get(f"dump/{self.rank}")
+            if asked is not None:
+                self.delete(f"dump/{self.rank}")
+                self._dump_stacks(asked)
             if not self.multi:
                 continue
             if len(self._own) == 1:
@@ -287,6 +294,14 @@ class _Watch:
             return
         self._own.append(mine)
         self.stores.append(theirs)
+
+    def _dump_stacks(self, asked: str) -> None:
+        """Note [a stalled rank shows where]: this rank was named stalled (by `asked`); its threads'
+        stacks go to its stderr (torchrun's log of this rank, a test's captured output)."""
+        print(f"shardfn: {self.who(self.rank)} was named stalled by {asked}; where each of its threads is now:",
+              file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):  # a stderr that is closed or has no file descriptor
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
     def _stop_this_rank(self) -> None:
         """Ends this rank, which was told nothing in GRACE_S since a verdict (it runs its own code,
@@ -506,7 +521,9 @@ def _install_hooks() -> None:
         # torchrun's summary then shows this exception
         _write_error_file(tp.__name__, str(value), "".join(traceback.format_exception(tp, value, tb)))
         previous(tp, value, tb)
-        if nodes_in_job() > 1:
+        # Note [a failed rank ends at once]; not where another hook wraps this one (it may have more
+        # to do after it), nor for an interrupt (which ends by SIGINT)
+        if nodes_in_job() > 1 and sys.excepthook is hook and not issubclass(tp, KeyboardInterrupt):
             _end_failed_process(1)
 
     def at_exit() -> None:
@@ -518,6 +535,16 @@ def _install_hooks() -> None:
     atexit.register(at_exit)
 
 
+# Note [a stalled rank shows where]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A rank named stalled (it was in its own code, or in a shardfn call without waiting on a
+# collective, while a peer's collective timed out) knows nothing of it: the peers' errors say that
+# it stalled, not where. So the rank that names it also writes `dump/r` in the job's store, and
+# every rank's watch thread looks for its own each beat (one store read); the stalled rank then
+# prints the stack of each of its threads (faulthandler, from the watch thread, so a main thread
+# stuck in native code is shown too) to its stderr, once per naming, and carries on as before.
+
+
 # Note [a failed rank ends at once]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A node's agent ends once its ranks have exited, and a rank that failed has exited only when
@@ -525,12 +552,16 @@ def _install_hooks() -> None:
 # destructors (process groups, stores). On a 2-core machine running ~10 processes per core that
 # took 2 to 9 s after the rank's last exit handler (measured: the error named in 2-4 s, node 1's
 # agent gone 9-15 s after the fault); on GPUs the destructor of a communicator whose peer is dead
-# can wait far longer. Nothing of it is useful to a job that has failed. So on several nodes
+# can wait far longer. Little of it is useful to a job that has failed. So on several nodes
 # (Note [fail fast across nodes]) a rank whose script ends by an uncaught exception ends as CPython
 # would, up to the finalization: the exception printed, torchrun's error file written, the
 # interpreter's thread shutdown (non-daemon threads joined, executors shut down) and every exit
-# handler run, streams flushed; then `os._exit(1)`, the exit status of an uncaught exception. A rank
-# that ends normally, and every rank on one node, exits as before.
+# handler run (logging's files among them), every file object still open flushed (a script's
+# `open()` left unclosed keeps what it wrote), the standard streams flushed; then `os._exit(1)`, the
+# exit status of an uncaught exception. What only the finalization does is lost, as on a kill: a
+# compressed file left open ends without its trailer, a temporary file is left behind; close them
+# (a `with` block) to keep them whole. A rank that ends normally or by an interrupt, one whose
+# excepthook another hook wraps, and every rank on one node, exit as before.
 
 
 def _end_failed_process(code: int) -> None:
@@ -544,6 +575,11 @@ def _end_failed_process(code: int) -> None:
         shutdown()
     with contextlib.suppress(BaseException):
         run_exit()
+    with contextlib.suppress(BaseException):
+        for f in gc.get_objects():  # the file objects a script left open (tracked by the collector)
+            if isinstance(f, io.IOBase) and not f.closed and f.writable():
+                with contextlib.suppress(BaseException):
+                    f.flush()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(BaseException):
             stream.flush()
@@ -675,6 +711,8 @@ def explain(err: BaseException, op: str) -> BaseException:
     if found is None:
         return err
     rank, kind, culprit, observed = found
+    if kind == "stalled" and rank is not None:
+        w.set(f"dump/{rank}", w.who(w.rank))  # Note [a stalled rank shows where]
     if w.multi and kind != "verdict":
         v = w.publish(rank, kind, f"{culprit} {observed}")
         if v["text"] != f"{culprit} {observed}":  # another rank's verdict came first: the job's cause

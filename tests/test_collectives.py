@@ -251,6 +251,14 @@ def rank_planted_stalls(tmp: str, timeout_s: float, after_s: float) -> list:
     plants = {"sf.save": save, "sf.export": export, "sf.optim.clip_by_global_norm": clip, "sf.per_sample_grad_norms": per_sample,
               "sf.ppermute": ppermute}
     out = []
+    if rank == 1:  # Note [a stalled rank shows where]: its stderr, kept to read back
+        import os
+        import sys
+        import tempfile
+
+        sys.stderr.flush()
+        kept, caught = os.dup(2), tempfile.TemporaryFile(mode="w+")
+        os.dup2(caught.fileno(), 2)
     for k, (name, fn) in enumerate(plants.items()):
         new_group(k, timeout_s)
         if rank == 0:
@@ -264,6 +272,20 @@ def rank_planted_stalls(tmp: str, timeout_s: float, after_s: float) -> list:
             store.set(f"plant/{k}", "done")
         else:
             store.wait([f"plant/{k}"])  # outside any shardfn call, as a rank stuck in its own code is
+    if rank == 1:
+        import time
+
+        end = time.monotonic() + 10
+        while time.monotonic() < end:  # the watch thread prints within a beat of being asked
+            caught.seek(0)
+            said = caught.read()
+            if said.count("was named stalled by rank 0") >= len(plants) and "rank_planted_stalls" in said:
+                break
+            time.sleep(0.1)
+        sys.stderr.flush()
+        os.dup2(kept, 2)
+        os.close(kept)
+        out.append(("stderr", said))
     new_group(len(plants), after_s)
     t = torch.ones(1)
     dist.all_reduce(t)  # the pool's ranks work together again
@@ -274,8 +296,12 @@ def test_a_stall_in_any_collective_is_named(pools, tmp_path):
     """A checkpoint save, an export, the clip's global norm, a per-sample norm and a shard_map's
     ppermute whose peer never comes: the waiting rank gets a RankError naming the stalled rank and the call, as for a
     stalled gather."""
-    *got, together = pools(2).run(rank_planted_stalls, str(tmp_path), 2.5, 60.0)[0]
+    results = pools(2).run(rank_planted_stalls, str(tmp_path), 2.5, 60.0)
+    *got, together = results[0]
     assert together == 2 and len(got) == 5, got
+    said = results[1][0][1]  # the stalled rank's stderr: Note [a stalled rank shows where]
+    assert said.count("rank 1 was named stalled by rank 0; where each of its threads is now:") == 5, said
+    assert "in rank_planted_stalls" in said and "Current thread" in said, said  # its main thread, in its own code
     for name, kind, rank, msg in got:
         assert (kind, rank) == ("stalled", 1), (name, kind, rank, msg)
         assert f"while rank 0 timed out waiting on it in {name}" in msg, (name, msg)

@@ -220,6 +220,8 @@ def late_writer():
     print("thread done", flush=True)
 threading.Thread(target=late_writer).start()  # not a daemon: the exit waits for it
 atexit.register(lambda: print("exit handler ran", flush=True))
+log = open(sys.argv[1], "w")  # left open: what it holds is flushed, not lost
+log.write("last words")
 _watch._install_hooks()
 print("unbuffered", end="")
 raise ValueError("planted")
@@ -227,16 +229,18 @@ raise ValueError("planted")
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
-def test_a_failed_rank_on_several_nodes_skips_only_the_finalization(nodes):
+def test_a_failed_rank_on_several_nodes_skips_only_the_finalization(nodes, tmp_path):
     """Note [a failed rank ends at once]: on several nodes a rank whose script raised ends as the
-    interpreter would (traceback, non-daemon threads joined, exit handlers run, streams flushed,
-    status 1) but without the finalization, which took 2-9 s under load; on one node it exits as
+    interpreter would (traceback, non-daemon threads joined, exit handlers run, open files and
+    streams flushed, status 1) but without the finalization, which took 2-9 s under load; on one node it exits as
     it always did."""
     env = dict(os.environ, GROUP_WORLD_SIZE=str(nodes), GROUP_RANK="0",
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("SHARDFN_LAUNCHED", None)  # a torchrun rank, not one sf.launch started
-    p = subprocess.run([sys.executable, "-c", FAIL_ON_A_NODE], env=env, capture_output=True, text=True, timeout=60)
+    log = tmp_path / "log"
+    p = subprocess.run([sys.executable, "-c", FAIL_ON_A_NODE, str(log)], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
+    assert log.read_text() == "last words"
     assert "ValueError: planted" in p.stderr, p.stderr[-2000:]
     assert p.stdout.startswith("unbuffered"), p.stdout
     assert "thread done" in p.stdout and "exit handler ran" in p.stdout, p.stdout
