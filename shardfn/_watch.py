@@ -41,6 +41,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from typing import Iterator
 
 import torch.distributed as dist
@@ -104,6 +105,10 @@ STALE_BEATS = 3
 """A rank on another node whose heartbeat has not changed for this many beats is not beating."""
 GRACE_S = 3.0
 """On several nodes: how long a rank that nothing told of the job's verdict keeps running."""
+STACK_WAIT_S = 5.0
+"""How long a rank that names another stalled waits for that rank's stack (Note [a stalled rank shows where])."""
+STACK_FRAMES = 12
+"""The innermost frames of a stalled rank's main thread that its error shows."""
 STORE_TIMEOUT_S = 2.0
 """The watch's store calls give up after this long (a store whose host is gone)."""
 
@@ -296,12 +301,28 @@ class _Watch:
         self.stores.append(theirs)
 
     def _dump_stacks(self, asked: str) -> None:
-        """Note [a stalled rank shows where]: this rank was named stalled (by `asked`); its threads'
-        stacks go to its stderr (torchrun's log of this rank, a test's captured output)."""
+        """Note [a stalled rank shows where]: this rank was named stalled (by `asked`); where its
+        main thread is goes to the store, for the rank that named it, and every thread's stack to
+        its stderr (torchrun's log of this rank)."""
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        where = "".join(traceback.format_stack(frame)[-STACK_FRAMES:]) if frame is not None else "(no Python frame)\n"
+        self.set(f"stack/{self.rank}", where[-4000:])
         print(f"shardfn: {self.who(self.rank)} was named stalled by {asked}; where each of its threads is now:",
               file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):  # a stderr that is closed or has no file descriptor
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+    def stack_of(self, rank: int, wait_s: float) -> str | None:
+        """Rank `rank`'s main-thread stack, once it has answered `dump/rank` (within `wait_s`)."""
+        end = time.monotonic() + wait_s
+        while True:
+            where = self.get(f"stack/{rank}")
+            if where is not None:
+                self.delete(f"stack/{rank}")
+                return where
+            if time.monotonic() > end:
+                return None
+            time.sleep(BEAT_S / 5)
 
     def _stop_this_rank(self) -> None:
         """Ends this rank, which was told nothing in GRACE_S since a verdict (it runs its own code,
@@ -516,8 +537,6 @@ def _install_hooks() -> None:
     def hook(tp, value, tb):
         failed.append(True)
         report_failure(value)
-        import traceback
-
         # torchrun's summary then shows this exception
         _write_error_file(tp.__name__, str(value), "".join(traceback.format_exception(tp, value, tb)))
         previous(tp, value, tb)
@@ -540,9 +559,12 @@ def _install_hooks() -> None:
 # A rank named stalled (it was in its own code, or in a shardfn call without waiting on a
 # collective, while a peer's collective timed out) knows nothing of it: the peers' errors say that
 # it stalled, not where. So the rank that names it also writes `dump/r` in the job's store, and
-# every rank's watch thread looks for its own each beat (one store read); the stalled rank then
-# prints the stack of each of its threads (faulthandler, from the watch thread, so a main thread
-# stuck in native code is shown too) to its stderr, once per naming, and carries on as before.
+# every rank's watch thread looks for its own each beat (one store read); the stalled rank's watch
+# thread then writes its main thread's innermost frames to `stack/r`, which the naming rank waits
+# for (STACK_WAIT_S, paid only when a stall is named) and puts in its `RankError`, and prints the
+# stack of each of its threads (faulthandler, so a thread in native code shows too) to its stderr,
+# once per naming; the stalled rank carries on as before. A rank that does not answer in time (its
+# host gone, its watch thread starved) leaves the error as it was.
 
 
 # Note [a failed rank ends at once]
@@ -711,8 +733,12 @@ def explain(err: BaseException, op: str) -> BaseException:
     if found is None:
         return err
     rank, kind, culprit, observed = found
-    if kind == "stalled" and rank is not None:
-        w.set(f"dump/{rank}", w.who(w.rank))  # Note [a stalled rank shows where]
+    if kind == "stalled" and rank is not None:  # Note [a stalled rank shows where]
+        w.delete(f"stack/{rank}")
+        w.set(f"dump/{rank}", w.who(w.rank))
+        where = w.stack_of(rank, STACK_WAIT_S)
+        if where is not None:
+            observed = f"{observed}. {w.who(rank)[0].upper()}{w.who(rank)[1:]} was here (its main thread, innermost last):\n{where.rstrip()}"
     if w.multi and kind != "verdict":
         v = w.publish(rank, kind, f"{culprit} {observed}")
         if v["text"] != f"{culprit} {observed}":  # another rank's verdict came first: the job's cause

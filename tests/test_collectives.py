@@ -305,6 +305,8 @@ def test_a_stall_in_any_collective_is_named(pools, tmp_path):
     for name, kind, rank, msg in got:
         assert (kind, rank) == ("stalled", 1), (name, kind, rank, msg)
         assert f"while rank 0 timed out waiting on it in {name}" in msg, (name, msg)
+        # and where rank 1 was: in its own code, waiting on the store (Note [a stalled rank shows where])
+        assert "Rank 1 was here (its main thread, innermost last):" in msg and "in rank_planted_stalls" in msg, msg
 
 
 def rank_mesh_groups_and_counts() -> dict:
