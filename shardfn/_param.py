@@ -86,7 +86,8 @@ _SNAPSHOT = torch._C.DispatchKey.PythonTLSSnapshot
 
 
 def _below_dispatch() -> bool:
-    """Whether this call comes from inside the dispatcher (a dispatch mode calling an op)."""
+    """Whether this call comes from inside the dispatcher (a dispatch mode calling an op; such a
+    call is always of an aten `OpOverload`, which the caller checks first)."""
     return torch._C._dispatch_tls_is_dispatch_key_excluded(_SNAPSHOT)
 
 
@@ -134,7 +135,7 @@ class Param(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if _below_dispatch():
+        if isinstance(func, torch._ops.OpOverload) and _below_dispatch():
             # A TorchDispatchMode (shardfn's debug mode, a user's flop counter or logger) calls the op
             # of a Param that reached the dispatcher past `__torch_function__` (Note [params below
             # the dispatcher]): the same refusal as `__torch_dispatch__`, never the full value.
