@@ -217,7 +217,8 @@ def _exchange(group, sends: list, recvs: list, epilogue=None) -> _Exchange:
         if not _POSTER:
             _POSTER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfn-p2p"))
         pending = _Exchange(_POSTER[0].submit(post), epilogue)
-    _debug.in_flight(pending.completed, [t for t, _, _ in recvs + sends], "point-to-point exchange", pending)
+    if _debug.ON:  # the list is built only in debug mode: this is on every gather's and reduction's path
+        _debug.in_flight(pending.completed, [t for t, _, _ in recvs + sends], "point-to-point exchange", pending)
     return pending
 
 
