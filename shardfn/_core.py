@@ -465,11 +465,12 @@ class GradientCore:
             if self.tp is not None:
                 self.tp.watch = False  # the first step showed what gathers
         except BaseException as e:
+            import sys, traceback, torch.distributed as _d; print(f"XXX rank {_d.get_rank()} step raised", file=sys.stderr); traceback.print_exc()
+            if not isinstance(e, OffSchedule):
+                _watch.report_step(e)  # before the abort, which may wait on peers that wait on this rank
             if isinstance(e, OffSchedule) and not e.agreed:
                 engine.leave_schedule()  # the other ranks leave with this one
             engine.abort()
-            if not isinstance(e, OffSchedule):
-                _watch.report_step(e)
             clear = _explain(e)
             if clear is not None:
                 raise clear from e

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -98,7 +97,7 @@ class AxisGroup:
         return self.ranks.index(group_rank)
 
 
-_GROUPS: "weakref.WeakKeyDictionary[DeviceMesh, dict[tuple[str, ...], AxisGroup]]" = weakref.WeakKeyDictionary()
+_GROUPS = _mesh.ByMesh()  # mesh -> {axes: AxisGroup}, by identity (Note [mesh groups] in `_mesh.py`)
 
 
 def axis_group(mesh: DeviceMesh, axes: tuple[str, ...]) -> AxisGroup:

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from . import _collectives as C
 from . import _watch
 
-__all__ = ["mesh", "ensure_process_group", "mesh_group", "job_env"]
+__all__ = ["mesh", "ensure_process_group", "mesh_group", "job_env", "ByMesh"]
 
 # What `init_process_group`'s env:// rendezvous reads; torchrun sets all four on every rank.
 RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -317,7 +317,39 @@ def _node_sizes(call: str, names: list[str], sizes: list[int], rest: list[int], 
 # same point; the group is then kept with the mesh (a weak map keyed by the mesh), so it lives as
 # long as the mesh does. (DeviceMesh's private `_flatten` would make the same groups, registered
 # in the root mesh under a name.)
-_AXES_GROUPS: "weakref.WeakKeyDictionary[DeviceMesh, dict]" = weakref.WeakKeyDictionary()
+#
+# The map is by identity, never by equality: a DeviceMesh equals any other over the same ranks and
+# names (its `__eq__` and `__hash__` compare layouts), though each holds process groups of its
+# own. A map by equality hands a new mesh the groups of an older equal one for as long as that
+# one lives, and how long it lives is the garbage collector's affair, rank by rank: two ranks of
+# one axis then run its collectives on different process groups, and wait on each other forever
+# (or, making a group, one rank joins a collective the other never calls).
+class ByMesh:
+    """A map from live meshes, by identity, to what shardfn keeps for each (an entry goes with its
+    mesh). Note [mesh groups]."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def setdefault(self, mesh: DeviceMesh, value: Any) -> Any:
+        """`mesh`'s value, first set to `value` if it has none."""
+        item = self._items.get(id(mesh))
+        if item is not None and item[0]() is mesh:
+            return item[1]
+        key, items = id(mesh), self._items
+
+        def gone(ref: weakref.ref) -> None:
+            if items.get(key, (None,))[0] is ref:
+                del items[key]
+
+        items[key] = (weakref.ref(mesh, gone), value)
+        return value
+
+    def __len__(self) -> int:
+        return sum(1 for ref, _ in list(self._items.values()) if ref() is not None)
+
+
+_AXES_GROUPS = ByMesh()
 
 
 def mesh_group(mesh: DeviceMesh, axes: "tuple[str | int, ...] | str | int | None" = None):

@@ -358,3 +358,55 @@ def test_mesh_groups_and_the_watched_collectives_counts(pools):
     for r in pools(3).run(rank_mesh_groups_and_counts):
         bad = {k: ok for k, ok in r.items() if ok is not True}
         assert not bad, bad
+
+
+def rank_equal_meshes_keep_their_own_groups() -> dict:
+    """A ppermute over `tp` of a new mesh while an older, equal mesh (DeviceMesh's `==` compares
+    layouts) is still alive on half of the ranks only, as the garbage collector may leave it."""
+    import gc
+    import weakref
+
+    import shardfn as sf
+
+    rank = dist.get_rank()
+    swap = [(0, 1), (1, 0)]
+
+    def run(mesh):
+        f = sf.shard_map(lambda x: sf.ppermute(x * 2, "tp", swap), mesh=mesh, in_specs=sf.P(("dp", "tp")), out_specs=sf.P(("dp", "tp")))
+        return sf.gather(f(torch.arange(8.0)))
+
+    from shardfn._manual import axis_group
+
+    old = sf.mesh(dp=2, tp=2)
+    axis_group(old, ("tp",))  # what a collective over tp of `old` keeps (DTensor's caches would keep `old` alive)
+    kept = [old] if rank % 2 == 0 else []
+    gone = weakref.ref(old)
+    del old
+    gc.collect()
+    new = sf.mesh(dp=2, tp=2)
+    got = run(new)
+    want = torch.arange(8.0).view(2, 2, 2).flip(1).flatten() * 2  # each dp pair's two tp blocks swapped
+    return {"equal": kept[0] == new if kept else gone() is None, "value": torch.equal(got, want) or (got, want)}
+
+
+def test_equal_meshes_keep_their_own_process_groups(pools):
+    """shardfn keeps a mesh's groups by the mesh's identity: a map by equality handed ranks 0 and 2
+    the dead-on-1-and-3 mesh's tp groups, and the ring waited on two process groups forever."""
+    for r in pools(4).run(rank_equal_meshes_keep_their_own_groups):
+        assert r == {"equal": True, "value": True}, r
+
+
+def test_a_map_by_mesh_is_by_identity():
+    from shardfn._mesh import ByMesh
+
+    class Equal:  # as DeviceMesh: equal to any other over the same ranks
+        __eq__ = lambda self, other: True  # noqa: E731
+        __hash__ = lambda self: 0  # noqa: E731
+
+    m, a, b = ByMesh(), Equal(), Equal()
+    assert m.setdefault(a, "a") == "a" and m.setdefault(b, "b") == "b" and m.setdefault(a, "x") == "a"
+    del a
+    import gc
+
+    gc.collect()
+    assert len(m) == 1 and m.setdefault(b, "y") == "b"
