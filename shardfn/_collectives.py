@@ -18,7 +18,7 @@ import datetime
 from concurrent.futures import Future, ThreadPoolExecutor
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -349,15 +349,17 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 
 @contextlib.contextmanager
-def watching(what: str) -> Iterator[None]:
+def watching(what: str, group: Any = None) -> Iterator[None]:
     """Runs a block that waits on collectives under the watch, as shardfn call `what` (for
-    collectives of this module issued where no watched call encloses them, as in a backward)."""
+    collectives of this module issued where no watched call encloses them, as in a backward).
+    `group`: the process group the block waits on, when it is one (a stall is looked for among its
+    ranks); None: any rank may be the one waited on."""
     # The heartbeat describes the main thread; a save in the background only has its errors named.
     if threading.current_thread() is not threading.main_thread():
         with _watch.watched(what, mark=False):
             yield
         return
-    with _watch.watched(what), _watch.waiting():
+    with _watch.watched(what), _watch.waiting(group):
         yield
 
 
@@ -369,7 +371,7 @@ def all_reduce_blocking(t: torch.Tensor, group, what: str, op: str = "sum") -> t
     """`t` <- the `op` ("sum", "max" or "min") of `t` over the ranks of `group`, in place; blocks, under
     the watch as shardfn call `what`. Returns `t`."""
     STATS.add("all_reduce", 2 * _ring_bytes(t, _world(group)))
-    with watching(what):
+    with watching(what, group):
         dist.all_reduce(t, op=_OPS[op], group=group)
     return t
 
@@ -398,7 +400,7 @@ def all_gather_object(obj, what: str, group=None) -> list:
     if _simulated(group):  # Note [simulated rank] in `_simulate.py`: every rank as this one
         return [obj] * world
     out: list = [None] * world
-    with watching(what):
+    with watching(what, group):
         dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -420,7 +422,7 @@ def broadcast_object(obj, what: str, src: int = 0, group=None):
     if _simulated(group):  # Note [simulated rank] in `_simulate.py`: this rank's object stands for src's
         return obj
     box = [obj]
-    with watching(what):
+    with watching(what, group):
         dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
@@ -428,7 +430,7 @@ def broadcast_object(obj, what: str, src: int = 0, group=None):
 def barrier(what: str, group=None) -> None:
     """Waits until every rank of `group` (None: all ranks) reached it."""
     STATS.add("barrier", 0)
-    with watching(what):
+    with watching(what, group):
         dist.barrier(group=group)
 
 
@@ -537,7 +539,7 @@ def _gather_packed(items: list, group, world: int, what: str) -> list[torch.Tens
         for (local, _, _), (d, _, padded, at) in zip(items, layout):
             inp[at:at + math.prod(padded)].view(padded).narrow(d, 0, local.shape[d]).copy_(local)
         gathered = torch.empty(world * total, dtype=inp.dtype, device=inp.device)
-        with watching(what):
+        with watching(what, group):
             all_gather(gathered, inp, group, async_op=False)
         rows = gathered.view(world, total)
         fulls = []
@@ -580,7 +582,7 @@ def all_gather_blocking(t: torch.Tensor, group, what: str) -> list[torch.Tensor]
         return [t]
     STATS.add("all_gather", t.numel() * t.element_size() * (world - 1))
     out = [torch.empty_like(t) for _ in range(world)]
-    with watching(what):
+    with watching(what, group):
         dist.all_gather(out, t, group=group)
     return out
 
@@ -592,7 +594,7 @@ def reduce_scatter_blocking(chunks: list[torch.Tensor], group, what: str) -> tor
         return chunks[0].contiguous().clone()
     inp = torch.cat([c.reshape(-1) for c in chunks])
     out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
-    with watching(what):
+    with watching(what, group):
         wait(reduce_scatter(out.view(-1), inp, group, async_op=True, scratch=True))
     return out
 
@@ -606,7 +608,7 @@ def all_to_all_blocking(chunks: list[torch.Tensor], group, what: str) -> list[to
     inp = torch.cat([c.reshape(-1) for c in chunks])
     out = torch.empty_like(inp)
     STATS.add("all_to_all", inp.numel() * inp.element_size() * (world - 1) // world)
-    with watching(what):
+    with watching(what, group):
         dist.all_to_all_single(out, inp, group=group)
     return list(out.view(world, *chunks[0].shape).unbind(0))
 
@@ -626,7 +628,7 @@ def permute_blocking(t: torch.Tensor, send_to: list[int], recv_from: int | None,
         out.copy_(t)
     STATS.add("ppermute", t.numel() * t.element_size() * len(sends))
     if sends or recvs:
-        with watching(what):
+        with watching(what, group):
             wait(_exchange(group, sends, recvs))
     return out
 

@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
 from ._manual import axis_group
+from ._mesh import with_job_timeout
 from ._named import _Collective, _Permute
 from ._spec import P
 
@@ -81,9 +82,9 @@ class ContextParallel:
         self.group = axis_group(mesh, ("cp",))
         if "tp" in names:  # the step's mesh: (dp x cp, tp), dp and cp as one data axis
             t = mesh.mesh.permute(*(names.index(a) for a in ("dp", "cp", "tp") if a in names))
-            self.flat = DeviceMesh(mesh.device_type, t.reshape(-1, mesh.size(names.index("tp"))), mesh_dim_names=("dp", "tp"))
+            self.flat = with_job_timeout(DeviceMesh(mesh.device_type, t.reshape(-1, mesh.size(names.index("tp"))), mesh_dim_names=("dp", "tp")))
         else:
-            self.flat = init_device_mesh(mesh.device_type, (mesh.size(),), mesh_dim_names=("dp",))
+            self.flat = with_job_timeout(init_device_mesh(mesh.device_type, (mesh.size(),), mesh_dim_names=("dp",)))
 
     # -- the batch ------------------------------------------------------------------------------
     def cut(self, batch: Any) -> Any:

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from . import _collectives as C
 from . import _watch
 
-__all__ = ["mesh", "ensure_process_group", "mesh_group", "job_env", "ByMesh"]
+__all__ = ["mesh", "ensure_process_group", "mesh_group", "job_env", "ByMesh", "job_timeout", "with_job_timeout"]
 
 # What `init_process_group`'s env:// rendezvous reads; torchrun sets all four on every rank.
 RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -232,8 +232,45 @@ def mesh(**axes: int) -> DeviceMesh:
         layout = None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if layout is None or torch.equal(layout.flatten(), torch.arange(layout.numel())):
-        return init_device_mesh(device, tuple(sizes), mesh_dim_names=tuple(axes))
-    return DeviceMesh(device, layout, mesh_dim_names=tuple(axes))
+        return with_job_timeout(init_device_mesh(device, tuple(sizes), mesh_dim_names=tuple(axes)))
+    return with_job_timeout(DeviceMesh(device, layout, mesh_dim_names=tuple(axes)))
+
+
+# Note [one collective timeout]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A process group made by `dist.new_group`, as every group of a DeviceMesh but the default one is,
+# times out after torch's default (30 minutes for gloo, 10 for NCCL), whatever the default group's
+# timeout. The watch learns of a stalled rank from a collective that times out (Note [fail fast] in
+# `_watch.py`), so on a mesh of two axes a stall in a tp or dp collective would be named after
+# torch's default rather than `SHARDFN_TIMEOUT`. Every group shardfn makes therefore takes the job's
+# timeout, the default group's: the groups of the meshes it builds (`with_job_timeout`) and those it
+# makes itself (`timeout=`). A mesh the user builds keeps what the user gave it.
+def job_timeout() -> "datetime.timedelta | None":
+    """The default process group's collective timeout (None: no group, or one that does not say)."""
+    if _watch.PG_TIMEOUT_S is not None:
+        return datetime.timedelta(seconds=_watch.PG_TIMEOUT_S)
+    if not dist.is_initialized():
+        return None
+    device = torch.device("cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu")
+    try:
+        timeout = dist.group.WORLD._get_backend(device).options._timeout
+    except (RuntimeError, AttributeError):  # a backend without options (the fake one of `sf.simulate`)
+        return None
+    return timeout if isinstance(timeout, datetime.timedelta) else None
+
+
+def with_job_timeout(mesh: DeviceMesh) -> DeviceMesh:
+    """`mesh`, each of its axes' process groups given the job's timeout (Note [one collective timeout])."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    timeout = job_timeout()
+    if timeout is None:
+        return mesh
+    for name in mesh.mesh_dim_names or range(mesh.ndim):
+        group = mesh.get_group(name)
+        if group is not dist.group.WORLD and dist.get_world_size(group) > 1:
+            _set_pg_timeout(timeout, group)
+    return mesh
 
 
 # Note [node layout]
@@ -384,7 +421,7 @@ def _new_group(mesh: DeviceMesh, dims: tuple[int, ...]):
     distinct = sorted({tuple(r) for r in every})
     made = None
     for group_ranks in distinct:
-        group = dist.new_group(list(group_ranks))
+        group = dist.new_group(list(group_ranks), timeout=job_timeout())  # Note [one collective timeout]
         if list(group_ranks) == ranks:
             made = group
     return made

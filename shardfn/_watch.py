@@ -173,6 +173,7 @@ class _Where:
     op: str | None = None
     since: float = 0.0
     waiting: float | None = None
+    failed_group: object = None  # the process group of the wait that last failed (None: not known)
 
 
 WHERE = _Where()
@@ -205,11 +206,15 @@ def watched(op: str, mark: bool = True) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def waiting() -> Iterator[None]:
-    """Marks a blocking wait on a collective (for the heartbeat)."""
-    WHERE.waiting = time.time()
+def waiting(group: object = None) -> Iterator[None]:
+    """Marks a blocking wait on a collective (for the heartbeat); `group`, the process group waited
+    on when known, is kept if the wait fails, so that a stall is looked for among its ranks."""
+    WHERE.waiting, WHERE.failed_group = time.time(), None
     try:
         yield
+    except BaseException:
+        WHERE.failed_group = group
+        raise
     finally:
         WHERE.waiting = None
 
@@ -781,7 +786,7 @@ def _explain(w: _Watch, err: BaseException, op: str) -> "tuple[int | None, str, 
                 f"while {me} was in {op}")
     if timed_out:
         now, outside, computing, silent = time.time(), [], [], []
-        for r in others:
+        for r in _peers_waited_on(others):
             seen = w.seen(r)
             if seen is None:
                 silent.append((r, None))
@@ -829,6 +834,19 @@ def _silent_elsewhere(w: _Watch, remote: list[int]) -> "tuple[dict | None, list[
     silent = [r for r in remote if first[r] is not None and w.seen(r) == first[r]
               and w.get(f"returned/{r}") is None]
     return None, sorted(silent, key=lambda r: (first[r][0], r))
+
+
+def _peers_waited_on(others: list[int]) -> list[int]:
+    """Of `others`, the ranks of the process group whose wait timed out, when it is known (a rank
+    outside it cannot be the one it waited for); all of them otherwise."""
+    group, WHERE.failed_group = WHERE.failed_group, None
+    if group is None or not dist.is_initialized():
+        return others
+    try:
+        members = set(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError):  # a group already destroyed
+        return others
+    return [r for r in others if r in members] or others
 
 
 def _communication_error(e: BaseException) -> bool:

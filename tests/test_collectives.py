@@ -410,3 +410,53 @@ def test_a_map_by_mesh_is_by_identity():
 
     gc.collect()
     assert len(m) == 1 and m.setdefault(b, "y") == "b"
+
+
+def rank_stall_on_a_2d_mesh(timeout_s: float, after_s: float) -> tuple:
+    """Rank 3 stays out of a psum over `tp` of a (dp=2, tp=2) mesh, its own code running; its tp
+    peer, rank 2, waits in it. The default group has a short timeout (`timeout_s`), which the
+    mesh's tp groups must take (Note [one collective timeout]); then the pool's (`after_s`)."""
+    import datetime
+    import time
+
+    import shardfn as sf
+    from shardfn import _watch
+
+    rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    _watch.start()
+
+    def new_group(k: int, seconds: float) -> None:
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"plant2d/{k}/", store), rank=rank, world_size=4,
+                                timeout=datetime.timedelta(seconds=seconds))
+
+    new_group(0, timeout_s)
+    mesh = sf.mesh(dp=2, tp=2)
+    total = sf.shard_map(lambda x: sf.psum(x, "tp"), mesh=mesh, in_specs=sf.P(("dp", "tp")), out_specs=sf.P("dp"))
+    got = None
+    start = time.monotonic()
+    if rank == 3:
+        store.wait(["plant2d/done"])  # outside any shardfn call
+    else:
+        try:
+            got = ("value", total(torch.arange(8.0)).to_local().tolist())
+        except sf.RankError as e:
+            got = (e.kind, e.rank, str(e))
+        if rank == 2:
+            store.set("plant2d/done", "1")
+    took = time.monotonic() - start
+    new_group(1, after_s)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the pool's ranks work together again
+    return got, took, t.item()
+
+
+def test_a_stall_on_a_2d_mesh_is_named_after_the_jobs_timeout(pools):
+    """Torch makes a DeviceMesh's axis groups with its own default timeout (30 minutes for gloo);
+    `sf.mesh` gives them the job's, so the stall is named within seconds, not half an hour."""
+    r = pools(4).run(rank_stall_on_a_2d_mesh, 2.5, 60.0)  # unnamed, it would wait out the pool's 120 s bound
+    (kind, rank, text), _, together = r[2]
+    assert (kind, rank) == ("stalled", 3) and "rank 3" in text, text
+    assert r[0][0] == r[1][0] == ("value", [2.0, 4.0]), r[:2]  # dp row 0: its tp pair [0, 1] + [2, 3]
+    assert together == 4
