@@ -465,7 +465,6 @@ class GradientCore:
             if self.tp is not None:
                 self.tp.watch = False  # the first step showed what gathers
         except BaseException as e:
-            import sys, traceback, torch.distributed as _d; print(f"XXX rank {_d.get_rank()} step raised", file=sys.stderr); traceback.print_exc()
             if not isinstance(e, OffSchedule):
                 _watch.report_step(e)  # before the abort, which may wait on peers that wait on this rank
             if isinstance(e, OffSchedule) and not e.agreed:
