@@ -97,15 +97,20 @@ def test_soak_train_steps(soak_pools, strategy, option):
     print(f"soak {strategy}/{option}: {runs * CHUNK} steps x 2 models in {time.perf_counter() - t0:.1f} s, errors {results[0][0]}")
 
 
+MULTINODE_RUN_S = 600  # one run of tests/test_multinode.py: about 150 s on 2 idle cores
+
+
+@pytest.mark.timeout(60 + MULTINODE_RUN_S * MULTINODE_RUNS)  # the suite's 300 s per test would stop it in its second run
 def test_soak_multinode_repeatedly():
     failures = []
     t0 = time.perf_counter()
     for run in range(MULTINODE_RUNS):
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "test_multinode.py")],
-            cwd=HERE.parent, capture_output=True, text=True, timeout=1200,
+            cwd=HERE.parent, capture_output=True, text=True, timeout=MULTINODE_RUN_S,
         )
         if proc.returncode != 0:
             failures.append((run, proc.stdout[-3000:] + proc.stderr[-2000:]))
+        print(f"soak multinode run {run}: {'passed' if proc.returncode == 0 else 'FAILED'} at {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"soak multinode: {MULTINODE_RUNS} runs in {time.perf_counter() - t0:.1f} s, {len(failures)} failed")
     assert not failures, "\n\n".join(f"run {run}:\n{tail}" for run, tail in failures)
