@@ -61,7 +61,8 @@ import torch.distributed as dist
 # * a second store: the first rank of the last node hosts a TCPStore of its own and announces it in
 #   the job's store; every rank's watch thread connects to it, and every report, heartbeat and
 #   verdict goes to both stores. Whichever node fails, one of the two outlives it (the job's store
-#   on node 0, the second store on the last node); a connection that fails once is left alone;
+#   on node 0, the second store on the last node); a store whose host is gone is left alone, one
+#   slow to answer is reconnected (Note [store links]);
 # * each rank says who it is (`who/r`: host, pid, node), and errors name the rank with its node:
 #   "rank 0 (node 0) failed: ...";
 # * a rank on another node is told dead by its heartbeat, not /proc: after a closed connection,
@@ -76,7 +77,10 @@ import torch.distributed as dist
 #   verdict each beat. A rank that nothing told within GRACE_S of the verdict (no RankError was
 #   raised in it: it runs its own code, or waits on a rank that waits too, or it is the stalled
 #   rank itself) says so on stderr and in torchrun's error file, and ends its process, so its node's
-#   agent ends too. A rank that caught a RankError, returned, or failed itself is left alone;
+#   agent ends too. A rank named stalled counts from when it was asked for its stack (Note [a
+#   stalled rank shows where]): the rank that named it publishes the verdict next, and may be gone,
+#   with its store, before this rank reads it. A rank that caught a RankError, returned, or failed
+#   itself is left alone;
 # * a rank whose script ends by an uncaught exception skips the interpreter's finalization
 #   (Note [a failed rank ends at once]), which under load took longer than the rest of the stop.
 #
@@ -219,27 +223,79 @@ def waiting(group: object = None) -> Iterator[None]:
         WHERE.waiting = None
 
 
+# Note [store links]
+# ~~~~~~~~~~~~~~~~~~
+# The watch talks to the job's store (and, on several nodes, the second store) over TCP
+# connections whose calls give up after STORE_TIMEOUT_S. A call that fails because the connection
+# closed (`DistNetworkError`: reset, broken pipe) means the store's host is gone: that link is
+# dead, never asked again. A call that fails otherwise (a timeout: a store slow to answer, as
+# under the load of many ranks starting at once) says nothing of the host, and the connection may
+# still hold the late answer, which the next call would read as its own: so the link is remade,
+# a new connection, and the call tried once more on it; only a link that cannot be remade is dead.
+# Before, any failure left a link dead for good, so one slow answer at start-up cut a rank off the
+# job's store for the rest of the job, and a verdict that later lived only there (the other store's
+# node gone) never reached it: a stalled node-0 rank ran on until its agent stopped it, 22 s late.
+
+
+class _Gone(Exception):
+    """A store link that is dead (Note [store links])."""
+
+
+class _Link:
+    """One connection to a store (a `PrefixStore` over a `TCPStore` client), remade once when a
+    call on it fails other than by its connection closing (Note [store links])."""
+
+    def __init__(self, host: str, port: int, prefix: str):
+        self.host, self.port, self.prefix = host, port, prefix
+        self.dead = False
+        self.remade = 0  # how many times the connection was remade (tests read it)
+        self.store = self._connect()
+
+    def _connect(self):
+        store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        return dist.PrefixStore(self.prefix, store)
+
+    def call(self, fn):
+        """`fn(store)`, or `_Gone` when the store's host is gone."""
+        if self.dead:
+            raise _Gone
+        try:
+            return fn(self.store)
+        except dist.DistNetworkError:  # its connection closed: the host is gone
+            self.dead = True
+            raise _Gone from None
+        except Exception:  # noqa: BLE001 - a timeout, or a connection left mid-answer
+            pass
+        try:
+            self.store = self._connect()
+            self.remade += 1
+            return fn(self.store)
+        except Exception:  # noqa: BLE001 - it cannot be reached: gone
+            self.dead = True
+            raise _Gone from None
+
+
 class _Watch:
     """This rank's link to the job's stores: reports, verdicts, and the watch thread (Notes [fail
     fast], [fail fast across nodes]).
 
     `stores` are the main thread's connections, `_own` the watch thread's (a connection is used by
     one thread at a time): the job's store first, then, on several nodes, the second store once
-    it is announced. A store that fails once is not asked again."""
+    it is announced. A link whose store's host is gone is not asked again (Note [store links])."""
 
     def __init__(self, host: str, port: int, rank: int, world: int, prefix: str):
         self.rank, self.world, self.prefix = rank, world, prefix
         self.host, self.port = host, port
         self.node, self.multi = node_name(), nodes_in_job() > 1
-        self.stores = [self._connect(host, port)]
-        self.store = self.stores[0]
-        self._own = [self._connect(host, port)]
-        self._dead: set[int] = set()  # ids of connections that failed
+        self.stores = [_Link(host, port, prefix)]
+        self._own = [_Link(host, port, prefix)]
         self._whos: dict[int, list] = {}
-        self.verdict_seen: float | None = None  # when the watch thread first read a verdict
+        self.verdict_seen: float | None = None  # when the watch thread first read a verdict, or was named stalled
+        self.named_by: str | None = None  # the rank that named this one stalled
         self._server = None
-        for st in self.stores:
-            self._introduce(st)
+        for link in self.stores:
+            self._introduce(link)
         self._thread: threading.Thread | None = None
         if self.multi and _hosts_second_store():
             # Note [fail fast across nodes]: the store that outlives node 0's agent.
@@ -247,32 +303,25 @@ class _Watch:
             with contextlib.suppress(Exception):  # none: the job's store alone, as on one node
                 self._server = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
                                              timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
-                self.store.set("second-store", f"{addr} {self._server.port}")
+                self.stores[0].call(lambda st: st.set("second-store", f"{addr} {self._server.port}"))
         self._stop = threading.Event()
         self._beat()
         atexit.register(_stop_at_exit, self)  # before the hooks' handler: runs after it (last in, first out)
         self._thread = threading.Thread(target=self._watching, name="shardfn-watch", daemon=True)
         self._thread.start()
 
-    def _connect(self, host: str, port: int):
-        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        return dist.PrefixStore(self.prefix, store)
-
-    def _introduce(self, store) -> None:
-        store.set(f"pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
-        store.set(f"who/{self.rank}", json.dumps([socket.gethostname(), os.getpid(), self.node]))
+    def _introduce(self, link: "_Link") -> None:
+        link.call(lambda st: st.set(f"pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}"))
+        link.call(lambda st: st.set(f"who/{self.rank}", json.dumps([socket.gethostname(), os.getpid(), self.node])))
 
     # -- the watch thread ---------------------------------------------------------------------
 
     def _beat(self) -> None:
         w = WHERE
         beat = json.dumps([time.time(), w.op, w.since, w.waiting])
-        for st in self._live(self._own):
-            try:
-                st.set(f"seen/{self.rank}", beat)
-            except Exception:  # noqa: BLE001 - that store is gone
-                self._dead.add(id(st))
+        for link in self._live(self._own):
+            with contextlib.suppress(_Gone):
+                link.call(lambda st: st.set(f"seen/{self.rank}", beat))
 
     def _watching(self) -> None:
         while not self._stop.wait(BEAT_S):
@@ -283,6 +332,11 @@ class _Watch:
                 self._dump_stacks(asked)
             if not self.multi:
                 continue
+            if asked is not None and self.verdict_seen is None:
+                self.named_by = asked
+                # Named stalled: the job stops on this rank, whether or not its verdict reaches
+                # this rank (the store it was written to may be gone by the next beat).
+                self.verdict_seen = time.monotonic()
             if len(self._own) == 1:
                 self._join_second_store()
             if self.verdict_seen is None and self.get("failed") is not None:
@@ -298,7 +352,7 @@ class _Watch:
             return
         addr, port = where.rsplit(" ", 1)
         try:
-            mine, theirs = self._connect(addr, int(port)), self._connect(addr, int(port))
+            mine, theirs = _Link(addr, int(port), self.prefix), _Link(addr, int(port), self.prefix)
             self._introduce(mine)
         except Exception:  # noqa: BLE001 - its host is gone already
             return
@@ -333,8 +387,10 @@ class _Watch:
         """Ends this rank, which was told nothing in GRACE_S since a verdict (it runs its own code,
         or waits on a rank that waits too): the job has stopped on another rank, or on this one."""
         verdict = self.verdict()
-        text = verdict["text"] if verdict else "another rank failed"
         me = self.who(self.rank)
+        if verdict is None and self.named_by is not None:  # the verdict's store went with its writer
+            verdict = {"rank": self.rank, "text": f"{me} stalled: {self.named_by} timed out waiting on it"}
+        text = verdict["text"] if verdict else "another rank failed"
         msg = (f"shardfn: {text}. {me[0].upper()}{me[1:]} is stopped: the job's other ranks stopped on "
                f"{'it' if verdict and verdict['rank'] == self.rank else 'that rank'} (Note [fail fast across nodes])")
         print(msg, file=sys.stderr, flush=True)
@@ -343,16 +399,15 @@ class _Watch:
 
     # -- reads and writes ---------------------------------------------------------------------
 
-    def _live(self, stores: list) -> list:
-        return [st for st in list(stores) if id(st) not in self._dead]
+    def _live(self, links: list) -> "list[_Link]":
+        return [link for link in list(links) if not link.dead]
 
-    def _read(self, stores: list, key: str) -> str | None:
-        for st in self._live(stores):
-            try:
-                if st.check([key]):
-                    return st.get(key).decode()
-            except Exception:  # noqa: BLE001 - that store is gone
-                self._dead.add(id(st))
+    def _read(self, links: list, key: str) -> str | None:
+        for link in self._live(links):
+            with contextlib.suppress(_Gone):
+                got = link.call(lambda st: st.get(key).decode() if st.check([key]) else None)
+                if got is not None:
+                    return got
         return None
 
     def _mine(self) -> list:
@@ -373,29 +428,24 @@ class _Watch:
         return max(beats, key=lambda b: b[0]) if beats else None
 
     def set(self, key: str, value: str) -> None:
-        for st in self._live(self._mine()):
-            try:
-                st.set(key, value)
-            except Exception:  # noqa: BLE001
-                self._dead.add(id(st))
+        for link in self._live(self._mine()):
+            with contextlib.suppress(_Gone):
+                link.call(lambda st: st.set(key, value))
 
     def delete(self, key: str) -> None:
-        for st in self._live(self._mine()):
-            try:
-                st.delete_key(key)
-            except Exception:  # noqa: BLE001
-                self._dead.add(id(st))
+        for link in self._live(self._mine()):
+            with contextlib.suppress(_Gone):
+                link.call(lambda st: st.delete_key(key))
 
     def publish(self, rank: int | None, kind: str, text: str) -> dict:
         """Writes the job's verdict (the first one written wins, in every store); returns the one
         that stands."""
         mine = json.dumps({"rank": rank, "kind": kind, "text": text})
         standing = None
-        for st in self._live(self._mine()):
+        for link in self._live(self._mine()):
             try:
-                got = st.compare_set("failed", "", mine).decode()
-            except Exception:  # noqa: BLE001
-                self._dead.add(id(st))
+                got = link.call(lambda st: st.compare_set("failed", "", mine).decode())
+            except _Gone:
                 continue
             standing = standing or got
         return _verdict(standing or mine)

@@ -206,6 +206,74 @@ def test_a_process_ends_cleanly_while_its_watch_thread_calls_the_store():
         assert p.returncode == 0 and "terminate called" not in p.stderr, (p.returncode, p.stderr[-2000:])
 
 
+def test_a_store_slow_to_answer_is_reconnected_and_a_gone_one_dropped(monkeypatch):
+    """Note [store links]: a store call that times out (a store slow under load) remakes the
+    connection and asks again, so the link keeps the job's store; a store whose host is gone is
+    dropped at once, without a reconnect. Before, the first failure of any kind left the link dead
+    for the rest of the job."""
+    import datetime
+
+    from shardfn import _watch
+
+    monkeypatch.setattr(_watch, "STORE_TIMEOUT_S", 0.5)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    link = _watch._Link("127.0.0.1", server.port, "links-test/")
+    link.call(lambda st: st.set("failed", "the verdict"))
+    first = link.store
+    slow = [True]
+
+    def read(st):
+        if slow[0]:
+            slow[0] = False
+            st.wait(["never-written"])  # a call that times out, as a store slow to answer does
+        return st.get("failed").decode()
+
+    assert link.call(read) == "the verdict"
+    assert (link.dead, link.remade) == (False, 1) and link.store is not first
+
+    host = subprocess.Popen([sys.executable, "-c", "import sys, time, torch.distributed as d\n"
+                             "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+                             "print(s.port, flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        gone = _watch._Link("127.0.0.1", int(host.stdout.readline()), "links-test/")
+        gone.call(lambda st: st.set("seen/0", "1"))
+    finally:
+        host.kill()
+        host.wait()
+        host.stdout.close()
+    with pytest.raises(_watch._Gone):
+        gone.call(lambda st: st.check(["seen/0"]))
+    assert (gone.dead, gone.remade) == (True, 0)  # a closed connection: gone, not reconnected
+    with pytest.raises(_watch._Gone):
+        gone.call(lambda st: st.get("seen/0"))  # and never asked again
+
+
+NAMED_STALLED_WITHOUT_A_VERDICT = r"""
+import datetime, time, torch.distributed as dist
+from shardfn import _watch
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+w = _watch._Watch("127.0.0.1", server.port, 0, 2, "named-test/")
+w.set("dump/0", "rank 1 (node 1)")  # rank 1 asks for this rank's stack...
+time.sleep(60)  # ...while this rank stalls; no verdict is ever written where it can read it
+print("not stopped", flush=True)
+"""
+
+
+def test_a_rank_named_stalled_stops_when_its_verdict_never_reaches_it():
+    """Note [fail fast across nodes]: the rank that names a stalled rank on another node publishes
+    the verdict after reading its stack, and may be gone with the store it wrote to before the
+    stalled rank reads it. A rank asked for its stack counts the grace from then and ends itself,
+    naming who named it (before: it ran on until its agent stopped it, 22 s late in a soak)."""
+    env = dict(os.environ, GROUP_WORLD_SIZE="2", GROUP_RANK="0", LOCAL_RANK="0",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", NAMED_STALLED_WITHOUT_A_VERDICT], env=env, capture_output=True,
+                       text=True, timeout=50)
+    assert p.returncode == 1 and "not stopped" not in p.stdout, (p.returncode, p.stdout, p.stderr[-3000:])
+    assert "was named stalled by rank 1 (node 1)" in p.stderr, p.stderr[-3000:]
+    assert ("shardfn: rank 0 (node 0) stalled: rank 1 (node 1) timed out waiting on it. Rank 0 (node 0) is "
+            "stopped: the job's other ranks stopped on it") in p.stderr, p.stderr[-3000:]
+
+
 FAIL_ON_A_NODE = r"""
 import atexit, sys, threading, time
 from shardfn import _watch
