@@ -44,7 +44,12 @@ def folded(index: int, device_type: str) -> Iterator[None]:
     base = int(torch.randint(0, 1 << 62, (1,), dtype=torch.int64).item())
     devices = [torch.cuda.current_device()] if device_type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(_mix(base, index))
+        # Exactly the generators the fork restores: torch.manual_seed would seed every backend's
+        # (queueing a CUDA seed, with a captured stack, where CUDA is not initialized yet).
+        seed = _mix(base, index)
+        torch.default_generator.manual_seed(seed)
+        for d in devices:
+            torch.cuda.default_generators[d].manual_seed(seed)
         yield
 
 
