@@ -29,9 +29,20 @@ function dynamo does not trace (`torch.compiler.disable`): a unit compiles as th
 it, `fullgraph` False there.
 
 Not compiled yet: the step as one graph (collectives inside, bucketed by the compiler), tensor
-parallel meshes (refused with `NotImplementedError`): tp's steering hooks inside a unit would cut
-it at every split layer, and AOTAutograd regenerates an output aliasing a DTensor input with
-`as_strided`, which DTensor refuses (seen on Hugging Face Llama).
+parallel meshes (refused with `NotImplementedError`). What stands in the way on a (dp, tp) mesh,
+each seen with the refusal lifted (the project's GPT at dp=1, tp=2, `aot_eager`):
+- the first step's fallback watch is a `TorchDispatchMode` (`_tp._GatherWatch`); dynamo runs a
+  frame eager under a dispatch mode and remembers the skip for that code object, so no unit
+  compiled in any later step either (0 graphs, silently eager);
+- the leaves a unit sees are `_tp._Leaf` (a DTensor subclass: its `.to_local()` is refused or served
+  exactly); AOTAutograd's compiled forward checks its DTensor inputs' exact type and fails
+  ("expected DTensor, got _Leaf") even with `_Leaf.__tensor_unflatten__` returning a `_Leaf`;
+- with both out of the way (no watch, plain DTensor leaves, which loses the `.to_local()`
+  refusal) the step ran bitwise equal to the eager one, in 8 graphs with 11 breaks: the steering's
+  `_collectives.redistribute` (its byte count, its `watching`), and torch 2.13's own
+  `redistribute_local_tensor`, whose `get_active_debug_mode` dynamo will not trace;
+- AOTAutograd regenerates an output aliasing a DTensor input with `as_strided`, which DTensor
+  refuses (seen on Hugging Face Llama; pytorch/pytorch#184002, a clone avoids it).
 
 Note [compiled code in a step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -48,8 +48,8 @@ def folded(index: int, device_type: str) -> Iterator[None]:
         # (queueing a CUDA seed, with a captured stack, where CUDA is not initialized yet).
         seed = _mix(base, index)
         torch.default_generator.manual_seed(seed)
-        for d in devices:
-            torch.cuda.default_generators[d].manual_seed(seed)
+        if devices:  # the current device, initialized by current_device(): seeded at once
+            torch.cuda.manual_seed(seed)
         yield
 
 
