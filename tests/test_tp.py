@@ -273,6 +273,7 @@ def test_degenerate_meshes_train_as_the_reference(pools):
     for kind, res in zip(("smooth", "weighted", "distill"), got):
         _check([res], f"gpt, {kind} cross-entropy on tp")
     assert not reports, reports  # nothing gathered whole
+    _check(pool.run(rank_train, "llama_sdpa", dict(dp=1, tp=2), [dict()], 2)[0], "llama (sdpa)")
 
 
 def rank_train_reported(*args) -> tuple[list, list[str]]:
@@ -283,7 +284,6 @@ def rank_train_reported(*args) -> tuple[list, list[str]]:
         warnings.simplefilter("always", FallbackWarning)
         out = rank_train(*args)
     return out, [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
-    _check(pool.run(rank_train, "llama_sdpa", dict(dp=1, tp=2), [dict()], 2)[0], "llama (sdpa)")
 
 
 def rank_comm_counts(name: str, axes: dict) -> dict:
