@@ -93,6 +93,9 @@ CASES = {
 }
 
 
+UPDATE_TOL = 3e-5  # 6e-6 at most from rounding here; an lr off by 1e-4 of itself, or beta2 0.998 for 0.999: 1e-4, 4e-4
+
+
 @pytest.mark.parametrize("mode", ["update", "step_", "mixed"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_torch(name, mode):
@@ -102,9 +105,11 @@ def test_matches_torch(name, mode):
     ref = run_torch(cls, kwargs, params, grads, lr=sched)
     out = run_ours(make(), params, grads, mode)
     assert rel_err(out, ref) < 1e-5
-    # the accumulated update itself, relative to its own size (catches small formula errors)
-    delta = lambda tree: optree.tree_map(torch.sub, tree, params)  # noqa: E731
-    assert rel_err(delta(out), delta(ref)) < 5e-5
+    # The accumulated update itself, relative to its own size (no floor: an update is small beside
+    # the parameters, whose error the line above bounds), so a small formula error shows.
+    moved = [(o - p, r - p) for o, r, p in zip(*map(optree.tree_leaves, (out, ref, params)))]
+    assert min(d_ref.norm().item() for _, d_ref in moved) > 0, "a leaf the reference did not move checks nothing"
+    assert max(((d - d_ref).norm() / d_ref.norm()).item() for d, d_ref in moved) < UPDATE_TOL
     assert all(x.dtype == torch.float32 for x in optree.tree_leaves(out))
 
 
