@@ -49,7 +49,11 @@ SEQ = 8
 VOCAB = 64
 LR, EPS, WD = 1e-3, 1e-5, 0.01
 TOL = 1e-5  # fp32: relative error per parameter and per step loss
-BF16_TOL = 1e-2  # mixed precision against the bf16 reference, all parameters as one vector (as tests/test_train.py)
+# Mixed precision against the bf16 reference: the error in the update of all parameters as one
+# vector, relative to that update (2 steps move the parameters by 0.4-1.7% of their norm, so an error
+# relative to the parameters could not tell a wrong update from a right one). Measured 0.009-0.015;
+# bf16 itself is 0.03-0.06 from the fp32 update.
+BF16_TOL = 0.1
 
 
 # -- models ---------------------------------------------------------------------------------------
@@ -162,6 +166,7 @@ def run_model(model: str, m: torch.nn.Module, batch: dict):
 def reference(model: str, checkpointing, world: int, bf16: bool = False) -> dict:
     """The single-process run on the global batches (in a bf16 copy with fp32 master weights: `bf16`)."""
     m = build(model, checkpointing)
+    init = {n: p.detach().clone() for n, p in m.named_parameters()}
     opt = torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS, weight_decay=WD)
     losses = []
     for i in range(STEPS):
@@ -178,7 +183,7 @@ def reference(model: str, checkpointing, world: int, bf16: bool = False) -> dict
             loss.backward()
         opt.step()
         losses.append(loss.item())
-    return dict(losses=losses, params={n: p.detach().clone() for n, p in m.named_parameters()})
+    return dict(losses=losses, params={n: p.detach().clone() for n, p in m.named_parameters()}, init=init)
 
 
 def sharded(model: str, checkpointing, strategy: str, rank: int, world: int, units: str | None = None, **options) -> dict:
@@ -205,13 +210,13 @@ def sharded(model: str, checkpointing, strategy: str, rank: int, world: int, uni
 
 
 def _err(got: dict, want: dict, per_leaf: bool = True) -> float:
-    """The largest relative error over the parameters and the step losses. `per_leaf=False`: of all
-    parameters as one vector (bf16 against its reference, as tests/reference.py's compare_params:
-    Adam turns rounding noise in a near-zero gradient into full-size steps on that leaf)."""
+    """The largest relative error over the parameters and the step losses. `per_leaf=False`: of the
+    update of all parameters as one vector, relative to the reference's update (bf16 against its
+    reference: Adam turns rounding noise in a near-zero gradient into full-size steps on that leaf)."""
     errs = [abs(a - b) / abs(b) for a, b in zip(got["losses"], want["losses"])]
     if not per_leaf:
-        a, b = (torch.cat([x["params"][n].double().reshape(-1) for n in want["params"]]) for x in (got, want))
-        return max(errs + [((a - b).norm() / b.norm()).item()])
+        a, b, b0 = (torch.cat([x[n].double().reshape(-1) for n in want["params"]]) for x in (got["params"], want["params"], want["init"]))
+        return max(errs + [((a - b).norm() / (b - b0).norm()).item()])
     for n, w in want["params"].items():
         errs.append((got["params"][n] - w).double().norm().item() / max(w.double().norm().item(), 1e-3))
     return max(errs)

@@ -357,6 +357,7 @@ def rank_mixed_precision(name: str, axes: dict) -> dict:
     apply, params = sf.functionalize(_model(name), units=UNITS[name])
     specs = sf.specs(params, mesh, rules=RULES[name], default=sf.P(dp_axis))
     mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    init = {n: p.detach().clone() for n, p in _model(name).named_parameters()}
     step = sf.train_step(_loss_fn(name, apply), sf.optim.adamw(LR, eps=EPS, weight_decay=WD), mesh, specs=specs, mixed_precision=mp)
     state = step.init(params)
     for s in range(3):
@@ -365,8 +366,10 @@ def rank_mixed_precision(name: str, axes: dict) -> dict:
             state, _ = step(state, ids)
     full = sf.to_state_dict(sf.gather(state.params), apply)
     ref = _reference(name, 3, dp)
-    err = _rel(torch.cat([full[n].reshape(-1) for n in ref]), torch.cat([ref[n].reshape(-1) for n in ref]))
-    return dict(dtypes=seen, err=err)
+    a, b, b0 = (torch.cat([t[n].reshape(-1) for n in ref]) for t in (full, ref, init))
+    # The error of the update against the fp32 reference's, relative to that update (3 steps move
+    # the parameters by about 1% of their norm: an error relative to them could not tell).
+    return dict(dtypes=seen, err=_rel(a - b0, b - b0))
 
 
 def test_value_and_grad_and_mixed_precision_on_a_2d_tree(pools):
@@ -381,7 +384,7 @@ def test_value_and_grad_and_mixed_precision_on_a_2d_tree(pools):
     mp = pool.run(rank_mixed_precision, "llama", dict(dp=2, tp=2))[0]
     # Per step: the embedding's masked sum (adds zeros: exact in bf16), the rest in fp32.
     assert mp["dtypes"]["torch.bfloat16"] == 3 and mp["dtypes"]["torch.float32"] >= 3 * 9, mp
-    assert mp["err"] < 1e-2, mp  # bf16 rounding; the fp32 runs above are exact
+    assert mp["err"] < 0.05, mp  # of the update, against fp32's (bf16 rounding: 0.009); the fp32 runs above are exact
 
 
 # Losses read from the GPT's vocabulary-parallel logits (tp-sharded DTensors inside loss_fn).
