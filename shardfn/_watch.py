@@ -245,6 +245,10 @@ class _Link:
     """One connection to a store (a `PrefixStore` over a `TCPStore` client), remade once when a
     call on it fails other than by its connection closing (Note [store links])."""
 
+    LONGEST_CALL_S = 3 * STORE_TIMEOUT_S + 1.0
+    """The longest a call can take: it times out, the new connection takes its own timeout and a
+    retry in TCPStore's connect, and the call times out again (the watch thread's join at exit waits this)."""
+
     def __init__(self, host: str, port: int, prefix: str):
         self.host, self.port, self.prefix = host, port, prefix
         self.dead = False
@@ -494,7 +498,7 @@ def _stop_at_exit(w: _Watch) -> None:
     w._stop.set()
     for t in [w._thread, *_LINGER]:
         if t is not None and t.is_alive() and t is not threading.current_thread():
-            t.join(STORE_TIMEOUT_S + BEAT_S)
+            t.join(_Link.LONGEST_CALL_S + BEAT_S)
 
 
 # Note [watch thread at exit]
