@@ -245,19 +245,23 @@ class _Link:
     """One connection to a store (a `PrefixStore` over a `TCPStore` client), remade once when a
     call on it fails other than by its connection closing (Note [store links])."""
 
-    LONGEST_CALL_S = 3 * STORE_TIMEOUT_S + 1.0
-    """The longest a call can take: it times out, the new connection takes its own timeout and a
-    retry in TCPStore's connect, and the call times out again (the watch thread's join at exit waits this)."""
+    REMAKE_S = 1.0
+    """How long a new connection may take to open, where the old one timed out (TCPStore's connect
+    tries twice: about 1.5 s to give up on a host that is gone)."""
+    LONGEST_CALL_S = 2 * STORE_TIMEOUT_S + 2 * REMAKE_S
+    """The longest a call can take: it times out, a new connection opens, the call times out again
+    (the watch thread's join at exit waits this long)."""
 
     def __init__(self, host: str, port: int, prefix: str):
         self.host, self.port, self.prefix = host, port, prefix
         self.dead = False
         self.remade = 0  # how many times the connection was remade (tests read it)
-        self.store = self._connect()
+        self.store = self._connect(STORE_TIMEOUT_S)
 
-    def _connect(self):
+    def _connect(self, open_s: float):
         store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+                              timeout=datetime.timedelta(seconds=open_s))
+        store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
         return dist.PrefixStore(self.prefix, store)
 
     def call(self, fn):
@@ -272,7 +276,7 @@ class _Link:
         except Exception:  # noqa: BLE001 - a timeout, or a connection left mid-answer
             pass
         try:
-            self.store = self._connect()
+            self.store = self._connect(self.REMAKE_S)
             self.remade += 1
             return fn(self.store)
         except Exception:  # noqa: BLE001 - it cannot be reached: gone
@@ -494,8 +498,11 @@ def _verdict(raw: str) -> dict:
 
 
 def _stop_at_exit(w: _Watch) -> None:
-    """The watch thread ends before the interpreter does (Note [watch thread at exit])."""
+    """The watch thread ends before the interpreter does (Note [watch thread at exit]); a process
+    that ends by `os._exit` (Note [a failed rank ends at once]) is not finalized: it waits for none."""
     w._stop.set()
+    if _ENDING_AT_ONCE[0]:
+        return
     for t in [w._thread, *_LINGER]:
         if t is not None and t.is_alive() and t is not threading.current_thread():
             t.join(_Link.LONGEST_CALL_S + BEAT_S)
@@ -642,7 +649,10 @@ def _install_hooks() -> None:
 # exit status of an uncaught exception. What only the finalization does is lost, as on a kill: a
 # compressed file left open ends without its trailer, a temporary file is left behind; close them
 # (a `with` block) to keep them whole. A rank that ends normally or by an interrupt, one whose
-# excepthook another hook wraps, and every rank on one node, exit as before.
+# excepthook another hook wraps, and every rank on one node, exit as before. The watch thread's
+# exit handler does not wait for a store call in flight here (Note [watch thread at exit] is about
+# a finalization, which `os._exit` skips): a call to the store of a node that is gone could
+# otherwise hold the exit for seconds.
 
 
 def _end_failed_process(code: int) -> None:
@@ -652,6 +662,7 @@ def _end_failed_process(code: int) -> None:
     shutdown, run_exit = getattr(threading, "_shutdown", None), getattr(atexit, "_run_exitfuncs", None)
     if shutdown is None or run_exit is None or threading.current_thread() is not threading.main_thread():
         return
+    _ENDING_AT_ONCE[0] = True  # the exit handlers need not wait for the watch thread: no finalization follows
     with contextlib.suppress(BaseException):
         shutdown()
     with contextlib.suppress(BaseException):
@@ -671,6 +682,7 @@ FAILED_HERE = [False]  # whether this rank failed (its process group is then lef
 TOLD = [False]  # whether a RankError was raised here (this rank's code knows the job stopped)
 RETURNED = [False]  # whether this rank reported that its function returned
 _LINGER: list = []  # the thread of leave_when_waited_on, joined at exit with the watch thread
+_ENDING_AT_ONCE = [False]  # whether this process ends by os._exit after its exit handlers
 
 
 def report_failure(exc: BaseException) -> None:
