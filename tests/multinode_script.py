@@ -65,6 +65,10 @@ def faulty(mode: str, folder: str, jobs: int, delay: float) -> None:
 
     rank, node = int(os.environ["RANK"]), os.environ["GROUP_RANK"]
     print(f"rank {rank} on node {node}", flush=True)
+    # step.init's memory check enters a TorchDispatchMode, whose first use imports torch._dynamo
+    # (1.5 s on an idle core, over 4 s beside a suite): imported here, before the job's first
+    # collective, so that the stall job's 4 s collective timeout cannot take it for a stall.
+    import torch._dynamo  # noqa: F401
     model = make_model("mlp")
     apply, params = sf.functionalize(model, units=units_of("mlp"))
     mesh = sf.mesh(dp=-1)
