@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch.distributed as dist
 
@@ -803,8 +803,11 @@ def explain(err: BaseException, op: str) -> BaseException:
     found = _explain(w, err, op)
     if found is None:
         return err
-    rank, kind, culprit, observed = found
-    if kind == "stalled" and rank is not None:  # Note [a stalled rank shows where]
+    found = _Found(*found)
+    rank, kind, culprit, observed = found.rank, found.kind, found.culprit, found.observed
+    # Note [a stalled rank shows where]: asked by the rank that found the stall; a rank that read it
+    # in the job's verdict (whose text holds the stack already) asks nobody, least of all itself.
+    if kind == "stalled" and rank is not None and rank != w.rank and not found.from_verdict:
         w.delete(f"stack/{rank}")
         w.set(f"dump/{rank}", w.who(w.rank))
         where = w.stack_of(rank, STACK_WAIT_S)
@@ -817,7 +820,18 @@ def explain(err: BaseException, op: str) -> BaseException:
     return RankError(f"{culprit} {observed}", rank, "failed" if kind == "verdict" else kind)
 
 
-def _explain(w: _Watch, err: BaseException, op: str) -> "tuple[int | None, str, str, str] | None":
+class _Found(NamedTuple):
+    """What `_explain` found: the rank at fault, its kind, what happened to it, what this rank saw,
+    and whether it was read in the job's verdict (another rank found it)."""
+
+    rank: int | None
+    kind: str
+    culprit: str
+    observed: str
+    from_verdict: bool = False
+
+
+def _explain(w: _Watch, err: BaseException, op: str) -> "_Found | tuple[int | None, str, str, str] | None":
     """(rank at fault, kind, what happened to it, what this rank saw), or None."""
     me, others = w.who(w.rank), [r for r in range(w.world) if r != w.rank]
     v = w.verdict()
@@ -825,7 +839,7 @@ def _explain(w: _Watch, err: BaseException, op: str) -> "tuple[int | None, str, 
         time.sleep(0.2)  # a rank that fails reports before its connections close; give it a moment
         v = w.verdict()
     if v is not None:
-        return v["rank"], "verdict" if v["kind"] == "failed" else v["kind"], v["text"], f"({me} stopped in {op})"
+        return _Found(v["rank"], "verdict" if v["kind"] == "failed" else v["kind"], v["text"], f"({me} stopped in {op})", True)
     # A peer whose last step raised and which went on: the root cause, even once it returned.
     stepped = [(r, w.get(f"stepfailed/{r}")) for r in others]
     stepped = [(r, what) for r, what in stepped if what is not None]
@@ -845,7 +859,7 @@ def _explain(w: _Watch, err: BaseException, op: str) -> "tuple[int | None, str, 
     if not dead and w.multi and not timed_out:
         v, dead = _silent_elsewhere(w, [r for r in others if not w.same_node(r)])
         if v is not None:
-            return v["rank"], "verdict" if v["kind"] == "failed" else v["kind"], v["text"], f"({me} stopped in {op})"
+            return _Found(v["rank"], "verdict" if v["kind"] == "failed" else v["kind"], v["text"], f"({me} stopped in {op})", True)
         how = "its connections closed and its heartbeat stopped: os._exit, a signal, out of memory, or its node is gone"
     if dead:
         return (dead[0], "died", f"{', '.join(w.who(r) for r in dead)} died without raising an exception ({how})",

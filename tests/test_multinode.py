@@ -248,6 +248,29 @@ def test_a_store_slow_to_answer_is_reconnected_and_a_gone_one_dropped(monkeypatc
         gone.call(lambda st: st.get("seen/0"))  # and never asked again
 
 
+def test_a_stall_read_in_the_verdict_asks_nobody_for_a_stack(monkeypatch):
+    """Note [a stalled rank shows where]: the rank that finds a stall asks the stalled rank for its
+    stack; a rank that reads the stall in the job's verdict (its text holds the stack) asks nobody,
+    and never itself (a soak run showed "rank 1 was named stalled by rank 1"). Its RankError keeps
+    the verdict's rank and kind."""
+    import datetime
+
+    from shardfn import _watch
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    w = _watch._Watch("127.0.0.1", server.port, 1, 2, "verdict-test/")
+    monkeypatch.setattr(_watch, "_WATCH", [w])
+    try:
+        w.publish(1, "stalled", "rank 1 stalled: it is running its own code. Rank 1 was here: ...")
+        asked: list = []
+        monkeypatch.setattr(w, "stack_of", lambda r, wait_s: asked.append(r))
+        e = _watch.explain(TimeoutError("Timed out"), "the train step")
+        assert isinstance(e, sf.RankError) and (e.rank, e.kind) == (1, "stalled"), e
+        assert asked == [] and w.get("dump/1") is None, asked
+    finally:
+        _watch._stop_at_exit(w)
+
+
 NAMED_STALLED_WITHOUT_A_VERDICT = r"""
 import datetime, time, torch.distributed as dist
 from shardfn import _watch
