@@ -38,8 +38,8 @@ each seen with the refusal lifted (the project's GPT at dp=1, tp=2, `aot_eager`)
   exactly); AOTAutograd's compiled forward checks its DTensor inputs' exact type and fails
   ("expected DTensor, got _Leaf") even with `_Leaf.__tensor_unflatten__` returning a `_Leaf`;
 - with both out of the way (no watch, plain DTensor leaves, which loses the `.to_local()`
-  refusal) the step ran bitwise equal to the eager one, in 8 graphs with 11 breaks: the steering's
-  `_collectives.redistribute` (its byte count, its `watching`), and torch 2.13's own
+  refusal) the step ran bitwise equal to the eager one, in 8 graphs with 11 breaks: 10 at a
+  generator expression of the steering's byte count (`_collectives.redistribute`), one in torch 2.13's own
   `redistribute_local_tensor`, whose `get_active_debug_mode` dynamo will not trace;
 - AOTAutograd regenerates an output aliasing a DTensor input with `as_strided`, which DTensor
   refuses (seen on Hugging Face Llama; pytorch/pytorch#184002, a clone avoids it).

@@ -803,7 +803,6 @@ def explain(err: BaseException, op: str) -> BaseException:
     found = _explain(w, err, op)
     if found is None:
         return err
-    found = _Found(*found)
     rank, kind, culprit, observed = found.rank, found.kind, found.culprit, found.observed
     # Note [a stalled rank shows where]: asked by the rank that found the stall; a rank that read it
     # in the job's verdict (whose text holds the stack already) asks nobody, least of all itself.
@@ -831,8 +830,8 @@ class _Found(NamedTuple):
     from_verdict: bool = False
 
 
-def _explain(w: _Watch, err: BaseException, op: str) -> "_Found | tuple[int | None, str, str, str] | None":
-    """(rank at fault, kind, what happened to it, what this rank saw), or None."""
+def _explain(w: _Watch, err: BaseException, op: str) -> "_Found | None":
+    """What this rank can tell of the rank at fault, or None."""
     me, others = w.who(w.rank), [r for r in range(w.world) if r != w.rank]
     v = w.verdict()
     if v is None:
@@ -845,12 +844,12 @@ def _explain(w: _Watch, err: BaseException, op: str) -> "_Found | tuple[int | No
     stepped = [(r, what) for r, what in stepped if what is not None]
     if stepped:
         r, what = stepped[0]
-        return (r, "failed", f"{w.who(r)}'s train step raised {what}, and rank {r} went on (the exception was caught)",
+        return _Found(r, "failed", f"{w.who(r)}'s train step raised {what}, and rank {r} went on (the exception was caught)",
                 f"while {me} waited on it in {op}: the ranks are out of step. Let a step's exception end the function "
                 "on every rank, or restart the processes")
     returned = [r for r in others if w.get(f"returned/{r}") is not None]
     if returned:
-        return (returned[0], "returned", f"{', '.join(w.who(r) for r in returned)} returned from its function",
+        return _Found(returned[0], "returned", f"{', '.join(w.who(r) for r in returned)} returned from its function",
                 f"while {me} waited on it in {op}: a collective must be called on every rank (`if rank == 0: "
                 "sf.gather(x)` runs it on one). Call it on every rank and use the result where you need it")
     dead = [r for r in others if w.same_node(r) and w.died(r)]
@@ -862,7 +861,7 @@ def _explain(w: _Watch, err: BaseException, op: str) -> "_Found | tuple[int | No
             return _Found(v["rank"], "verdict" if v["kind"] == "failed" else v["kind"], v["text"], f"({me} stopped in {op})", True)
         how = "its connections closed and its heartbeat stopped: os._exit, a signal, out of memory, or its node is gone"
     if dead:
-        return (dead[0], "died", f"{', '.join(w.who(r) for r in dead)} died without raising an exception ({how})",
+        return _Found(dead[0], "died", f"{', '.join(w.who(r) for r in dead)} died without raising an exception ({how})",
                 f"while {me} was in {op}")
     if timed_out:
         now, outside, computing, silent = time.time(), [], [], []
@@ -882,15 +881,15 @@ def _explain(w: _Watch, err: BaseException, op: str) -> "_Found | tuple[int | No
         lim = f" (the collective timeout: {limit:.0f} s; set {TIMEOUT_ENV} or sf.launch(..., timeout=))" if limit else ""
         if outside:
             r = outside[0][0]
-            return (r, "stalled", f"{', '.join(w.who(q) for q, _ in outside)} stalled: it is running its own code, "
+            return _Found(r, "stalled", f"{', '.join(w.who(q) for q, _ in outside)} stalled: it is running its own code, "
                     "outside any shardfn call,", f"while {me} timed out waiting on it in {op}{lim}")
         if computing:
             r, rop, for_s = computing[0]
-            return (r, "stalled", f"{w.who(r)} stalled: it has been in {rop} for {for_s:.0f} s",
+            return _Found(r, "stalled", f"{w.who(r)} stalled: it has been in {rop} for {for_s:.0f} s",
                     f"without reaching the collective that {me} timed out on in {op}{lim}")
         if silent:
             r = silent[0][0]
-            return (r, "stalled", f"{w.who(r)} stopped reporting (hung, or its host is gone)",
+            return _Found(r, "stalled", f"{w.who(r)} stopped reporting (hung, or its host is gone)",
                     f"while {me} timed out in {op}{lim}")
     return None
 
