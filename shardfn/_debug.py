@@ -64,6 +64,12 @@ code is; in debug mode each poisons and checks as listed):
    memory it held is given back by torch only when no other tensor holds it (a user's view keeps
    its values). Never poisoned: memory a user may still read is not shardfn's to poison.
 
+8. A failed step (`Engine.abort`): every collective of the step still remembered by the schedule
+   (a gather or reduction whose wait raised stays among its works until it completes) is waited for
+   again, at most `ABORT_WAIT_S` each, before any unit is freed; one that does not complete keeps its
+   buffers allocated for good and the engine refuses later steps, since a peer still alive may yet
+   write into them. Checked by the in-flight record of every free above.
+
 Not covered: a read after the step of a tensor kept from inside it (outside the step nothing
 watches the ops; storage freed by `resize_(0)` crashes the process on CPU), and compiled units
 (`compile=`), whose graphs run without the per-op check.

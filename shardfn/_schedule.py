@@ -464,7 +464,7 @@ class Schedule:
         if u in self.slot_of:  # one shared all-gather output: one unit gather in flight
             for w in [w for w in self.works if w in self.slot_of]:
                 self._drain(w)
-                b.finish_gather(w, self.works.pop(w))
+                self._finish_gather(w)
         if u != ROOT:
             self.live.add(u)
             self.stats.max_live_units = max(self.stats.max_live_units, len(self.live))
@@ -483,7 +483,14 @@ class Schedule:
             self.start(u)
         if u in self.works:
             self._drain(u)
-            self.buffers.finish_gather(u, self.works.pop(u))
+            self._finish_gather(u)
+
+    def _finish_gather(self, u: int) -> None:
+        # Waits for `u`'s all-gather, which leaves `works` only once complete: one whose wait
+        # raised (a peer gone) stays, so that `abort` waits for it again or keeps its buffers,
+        # as for a reduction (Note [freed memory] in _debug.py).
+        self.buffers.finish_gather(u, self.works[u])
+        del self.works[u]
 
     def _drain(self, u: int) -> None:
         """Finishes reductions whose input lives in the arena that `u` is about to fill."""
@@ -494,7 +501,7 @@ class Schedule:
         """Frees `u`'s full parameters; then, if `prefetch`, starts the prefetches that waited for room."""
         if u in self.works:  # a prefetch nobody used: finish it before dropping the buffers
             self._drain(u)
-            self.buffers.finish_gather(u, self.works.pop(u))
+            self._finish_gather(u)
         if u == ROOT or u in self.live:
             self.note("free", u)
             self.buffers.free(u)

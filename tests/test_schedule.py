@@ -121,3 +121,44 @@ def test_local_accumulation_keeps_the_gradients_and_reduces_nothing():
     s.grad_ready(0)
     assert ("keep", 0) in b.calls and not any(what == "reduce" for what, _ in b.calls), b.calls
     s.end()
+
+
+class _PeerGone(_Recorder):
+    """A `Buffers` whose all-gather of one unit fails while waited for (a peer died), `fails` times."""
+
+    def __init__(self, unit: int, fails: int):
+        super().__init__()
+        self.unit, self.fails = unit, fails
+
+    def finish_gather(self, u, work, timeout=None):
+        if u == self.unit and self.fails:
+            self.fails -= 1
+            raise RuntimeError("Connection closed by peer")
+        super().finish_gather(u, work, timeout)
+
+
+def test_a_gather_whose_wait_raised_stays_in_flight_until_abort_waits_for_it():
+    # Its buffers may still receive messages from the other peers: nothing may free them before
+    # the gather completes (Note [freed memory] in shardfn/_debug.py).
+    for fails, abort_completes in ((1, True), (2, False)):
+        b = _PeerGone(unit=0, fails=fails)
+        s = Schedule(Policy(reshard_after_forward=True, share_slots=False), ["u0", "u1"], {0: 1, 1: 1, ROOT: 1}, (), b)
+        s.begin(accumulate=False, reduce_now=True)
+        try:
+            s.forward_starts(0)
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("the failed wait did not raise")
+        assert 0 in s.works, "a gather whose wait raised left the schedule's works: its buffers could be freed"
+        if abort_completes:
+            s.abort(timeout=1.0)  # waited for again: complete now
+            assert not s.works and b.calls.count(("wait", 0)) == 1, b.calls
+        else:
+            try:
+                s.abort(timeout=1.0)
+            except RuntimeError:
+                pass  # the engine keeps the buffers and refuses later steps (Engine.abort)
+            else:
+                raise AssertionError("abort did not report a gather that failed again")
+            assert 0 in s.works
