@@ -246,6 +246,15 @@ class UnitState(str, enum.Enum):
     REDUCED = "reduced"  # its gradient shard is final for this backward
 
 
+def previous_ran(order: Sequence[int], i: int | None, ran: set[int]) -> int | None:
+    """The unit of `order` before position `i` (None: no position) that is in `ran`, or None."""
+    while i is not None and i > 0:
+        i -= 1
+        if order[i] in ran:
+            return order[i]
+    return None
+
+
 @dataclass
 class ScheduleStats:
     """What the schedule did in the last step; for tests and benchmarks."""
@@ -427,13 +436,7 @@ class Schedule:
 
     def prev_of(self, u: int) -> int | None:
         """The unit before `u` in forward order that ran in this step (the backward's next)."""
-        i = self.pos.get(u)
-        while i is not None and i > 0:
-            i -= 1
-            v = self.order[i]
-            if v in self.ran:
-                return v
-        return None
+        return previous_ran(self.order, self.pos.get(u), self.ran)
 
     def note(self, what: str, u: int) -> None:
         self.stats.record_events and self.stats.events.append((what, u, self.phase))
@@ -485,12 +488,9 @@ class Schedule:
             self._drain(u)
             self._finish_gather(u)
 
-    def _finish_gather(self, u: int) -> None:
-        # Waits for `u`'s all-gather, which leaves `works` only once complete: one whose wait
-        # raised (a peer gone) stays, so that `abort` waits for it again or keeps its buffers,
-        # as for a reduction (Note [freed memory] in _debug.py).
-        self.buffers.finish_gather(u, self.works[u])
-        del self.works[u]
+    def _finish_gather(self, u: int, timeout: float | None = None) -> None:  # Note [freed memory] 8 in _debug.py
+        self.buffers.finish_gather(u, self.works[u], timeout)
+        del self.works[u]  # only once complete: a gather whose wait raised stays for `abort`
 
     def _drain(self, u: int) -> None:
         """Finishes reductions whose input lives in the arena that `u` is about to fill."""
@@ -731,8 +731,7 @@ class Schedule:
     def abort(self, timeout: float) -> None:
         """After a failed step: waits (at most `timeout` s each) for what is in flight; one that does
         not complete raises (TimeoutError, RuntimeError) and stays in place."""
-        for u, w in list(self.works.items()):
-            self.buffers.finish_gather(u, w, timeout)
-            del self.works[u]
+        for u in list(self.works):
+            self._finish_gather(u, timeout)
         while self.in_flight:
             self.finish_oldest(timeout)
