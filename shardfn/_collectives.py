@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import _debug, _watch
@@ -48,6 +48,43 @@ class CommStats:
 
 
 STATS = CommStats()
+
+
+@torch.library.custom_op("shardfn::count", mutates_args=())
+def _count_op(x: torch.Tensor, op: str, nbytes: int) -> None:
+    STATS.add(op, nbytes)
+
+
+@_count_op.register_fake
+def _(x: torch.Tensor, op: str, nbytes: int) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.shardfn.count.default)  # kept in the graph though it returns nothing
+
+
+def local_of(x: torch.Tensor) -> torch.Tensor:
+    """`x`'s local tensor if it is a DTensor, else `x` (the tensor argument of a counting op)."""
+    return x._local_tensor if isinstance(x, DTensor) else x
+
+
+def count(op: str, nbytes: int, x: torch.Tensor) -> None:
+    """`STATS.add(op, nbytes)` for a collective of `x`. Traced into a compiled unit it is an op of the
+    graph that counts on every run: dynamo would bake a Python counter's value into the graph's
+    guards (a recompile per step), and AOTAutograd records in a backward graph only ops that take
+    a tensor (Note [compiled units] in `_compiled.py`)."""
+    if traced(x):
+        torch.ops.shardfn.count(local_of(x), op, nbytes)
+    else:
+        STATS.add(op, nbytes)
+
+
+def traced(x: torch.Tensor) -> bool:
+    """Whether code computing on `x` is being traced for a compiled graph: by dynamo, or by
+    AOTAutograd, which runs a backward's hooks on fake tensors (where `is_compiling()` is False)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return torch.compiler.is_compiling() or is_fake(local_of(x))
 
 
 def _ring_bytes(t: torch.Tensor, world: int) -> int:
@@ -558,18 +595,23 @@ def redistribute(x, mesh, placements, what: str):
     local = x.numel() * x.element_size() // before
     summed = [i for i, p in enumerate(x.placements) if p.is_partial() and not placements[i].is_partial()]
     if summed:  # partial sums reduced: a reduce-scatter where the new layout splits, else an all-reduce
-        n = math.prod(mesh.size(i) for i in summed)
-        scatter = all(placements[i].is_shard() for i in summed)
-        STATS.add("reduce_scatter" if scatter else "all_reduce", (1 if scatter else 2) * local * (n - 1) // n)
-        with watching(what):
-            return x.redistribute(mesh, placements)
-    if before > after:
-        nbytes = local * (before // after - 1)
-    elif before == after and tuple(x.placements) != tuple(placements):
-        nbytes = local * (before - 1) // before
+        n, scatter = 1, True
+        for i in summed:  # loops, not generator expressions: traced in a compiled unit
+            n *= mesh.size(i)
+            scatter = scatter and placements[i].is_shard()
+        count("reduce_scatter" if scatter else "all_reduce", (1 if scatter else 2) * local * (n - 1) // n, x)
     else:
-        nbytes = 0
-    STATS.add("redistribute", nbytes)
+        if before > after:
+            nbytes = local * (before // after - 1)
+        elif before == after and tuple(x.placements) != tuple(placements):
+            nbytes = local * (before - 1) // before
+        else:
+            nbytes = 0
+        count("redistribute", nbytes, x)
+    if traced(x):
+        # In a compiled unit (Note [compiled units] in `_compiled.py`) DTensor's collectives are
+        # traced into its graph, and waited for there: no host wait to watch.
+        return x.redistribute(mesh, placements)
     with watching(what):
         return x.redistribute(mesh, placements)
 

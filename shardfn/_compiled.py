@@ -28,21 +28,34 @@ On a mesh with a cp axis, ring attention (Note [context parallelism] in `_contex
 function dynamo does not trace (`torch.compiler.disable`): a unit compiles as the graphs around
 it, `fullgraph` False there.
 
-Not compiled yet: the step as one graph (collectives inside, bucketed by the compiler), tensor
-parallel meshes (refused with `NotImplementedError`). What stands in the way on a (dp, tp) mesh,
-each seen with the refusal lifted (the project's GPT at dp=1, tp=2, `aot_eager`):
-- the first step's fallback watch is a `TorchDispatchMode` (`_tp._GatherWatch`); dynamo runs a
-  frame eager under a dispatch mode and remembers the skip for that code object, so no unit
-  compiled in any later step either (0 graphs, silently eager);
-- the leaves a unit sees are `_tp._Leaf` (a DTensor subclass: its `.to_local()` is refused or served
-  exactly); AOTAutograd's compiled forward checks its DTensor inputs' exact type and fails
-  ("expected DTensor, got _Leaf") even with `_Leaf.__tensor_unflatten__` returning a `_Leaf`;
-- with both out of the way (no watch, plain DTensor leaves, which loses the `.to_local()`
-  refusal) the step ran bitwise equal to the eager one, in 8 graphs with 11 breaks: 10 at a
-  generator expression of the steering's byte count (`_collectives.redistribute`), one in torch 2.13's own
-  `redistribute_local_tensor`, whose `get_active_debug_mode` dynamo will not trace;
-- AOTAutograd regenerates an output aliasing a DTensor input with `as_strided`, which DTensor
-  refuses (seen on Hugging Face Llama; pytorch/pytorch#184002, a clone avoids it).
+On a (dp, tp) mesh (Note [tensor parallel forward] in `_tp.py`) the units compile too, with the
+tensor-parallel steering inside their graphs:
+- the first step runs eager: it watches for fallback gathers with a `TorchDispatchMode`
+  (`_tp._GatherWatch`), and dynamo runs a frame eager under a dispatch mode and remembers the skip
+  for that code object (no unit would compile in any later step);
+- later steps hand the units plain DTensors (not `_tp._Leaf`, whose exact type AOTAutograd's
+  compiled forward refuses); a model whose code took the local tensor of a leaf in the first step
+  (`.to_local()`, served exactly only on `_Leaf`s) keeps its units eager, with a `FallbackWarning`;
+- the steering's forward redistributes are traced (DTensor's functional collectives in the graph,
+  waited for there, outside the stall watch). Its backward hooks are not: dynamo would trace a hook
+  at the forward, on a gradient layout it guesses (whole), where the backward computes a partial
+  sum. Inside a compiled backward DTensor keeps the partial sums and reduces them where its ops
+  need them, in the gradient's dtype (not `reduce_dtype`: warned of at tp > 2, where the sum of
+  three or more rounds differently), and a unit's inputs pass an eager identity
+  (`TensorParallel.steer_inputs`) whose backward makes a partial gradient whole as the hooks do,
+  so what leaves a unit is what the eager step hands on. Measured against the eager step: the same
+  collectives on the project's GPT and GPT-2, 6 all-reduces and 6 all-gathers more per step on
+  Llama (2 layers), 4 all-reduces more with remat and accumulation (tests/test_compile.py);
+- what the steering counts (`_collectives.STATS`, `TensorParallel.stats`) is counted by an op of
+  the graph on every run (`shardfn::count`, `shardfn::count_steering`, kept by
+  `torch.fx.node.has_side_effect`): a Python counter read in traced code is a guard on its value
+  (a recompile per step). The reductions DTensor issues in a compiled backward are not counted;
+  torch's profiler sees them;
+- the steering's per-module names (for eager errors) are not kept, and its post-forward hooks are
+  not `always_call`: dynamo guards on each such hook's id and a stack's blocks would be a graph each.
+Sequence parallelism (`activation_specs`) and a mesh with tp and cp axes are refused with
+`NotImplementedError` where the step is built. Not compiled yet: the step as one graph
+(collectives inside, bucketed by the compiler).
 
 Note [compiled code in a step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -71,6 +84,8 @@ import weakref
 from typing import Any, Iterator
 
 from torch import nn
+
+from ._tp import FallbackWarning
 
 __all__ = ["CompiledUnits", "compile_options", "compiled_function", "compiled_modules", "refuse_compiled"]
 
@@ -129,8 +144,38 @@ class CompiledUnits:
         # code object: dynamo's recompile limit (8) must not stop a deep model at its ninth unit.
         self.recompile_limit = max(8, 2 * len(self.modules) + 8)
         self.paused = False
+        # Tensor parallel: a compiled unit's inputs, for their gradients to leave it whole
+        # (`TensorParallel.steer_inputs`); None without.
+        self.steer: Any = None
+        self.warned_local_reads = False  # a tp model's units run eager (`for_step`), said once
         for name, module in self.modules:
             _install(info, name, module)
+
+    def for_step(self, tp: Any) -> Any:
+        """The context a step's units run compiled in (`active`), given the step's `TensorParallel`
+        (None without). On a tensor-parallel mesh the first step runs eager (it watches for fallback
+        gathers with a dispatch mode, which dynamo would remember as a skip), and so do all steps of
+        a model whose code took the local tensor of a leaf (`.to_local()`, served exactly only on
+        eager leaves: warned of once); later steps hand the units plain DTensors and steer the
+        gradients of their inputs (`TensorParallel.steer_inputs`)."""
+        if tp is not None:
+            if tp.watch:
+                return contextlib.nullcontext()
+            if tp.local_reads:
+                if not self.warned_local_reads:
+                    self.warned_local_reads = True
+                    warnings.warn(
+                        f"compile=True: {', '.join(tp.local_reads)} took the local tensor of a tensor-parallel leaf "
+                        "(.to_local()), which shardfn serves exactly only in eager steps: this model's units run eager "
+                        "on this mesh. Compute on the DTensor itself to compile them (Note [compiled units] in "
+                        "shardfn/_compiled.py)",
+                        FallbackWarning,
+                        stacklevel=5,
+                    )
+                return contextlib.nullcontext()
+            tp.plain_leaves = True
+            self.steer = tp.steer_inputs
+        return self.active()
 
     def runs_compiled(self) -> bool:
         """Whether the units run compiled now: not off the unit schedule (the step retried on the
@@ -243,6 +288,8 @@ def _install(info: Any, name: str, module: nn.Module) -> None:
         units = model.compiling if model is not None else None
         if units is None or not units.runs_compiled():
             return current(*args, **kwargs)
+        if units.steer is not None:
+            args, kwargs = units.steer(args, kwargs)
         return units.forward_of(name, module, current)(*args, **kwargs)
 
     forward._shardfn_compiled = True  # type: ignore[attr-defined]

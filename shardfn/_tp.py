@@ -90,6 +90,34 @@ def _partial(x: Any) -> bool:
     return isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)
 
 
+_LIVE: "weakref.WeakValueDictionary[int, TensorParallel]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("shardfn::count_steering", mutates_args=())
+def _count_steering_op(x: torch.Tensor, tp_id: int, direction: str) -> None:
+    tp = _LIVE.get(tp_id)
+    if tp is not None:
+        tp.stats[direction] += 1
+
+
+@_count_steering_op.register_fake
+def _(x: torch.Tensor, tp_id: int, direction: str) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.shardfn.count_steering.default)
+
+
+def _count_steering(tp: "TensorParallel", direction: str, x: torch.Tensor) -> None:
+    """Counts a collective of the steering (of `x`) in `tp.stats`; traced into a compiled unit, an op
+    of its graph that counts on every run, given `tp` by its id (as `C.count`; Note [compiled units]
+    in `_compiled.py`)."""
+    if C.traced(x):
+        torch.ops.shardfn.count_steering(C.local_of(x), id(tp), direction)
+    else:
+        tp.stats[direction] += 1
+
+
 class TensorParallel:
     """The tensor-parallel side of one train step: the DTensors its forward computes on, the hooks
     that place its collectives, and what it did (Note [tensor parallel forward]).
@@ -112,7 +140,12 @@ class TensorParallel:
         self.strides = [torch.empty(s, device="meta").stride() for s in self.shapes]
         self.reduce_dtype = reduce_dtype
         self.stats: Counter = Counter()  # "forward" / "backward": all-reduces the steering issued
+        _LIVE[id(self)] = self
         self.watch = True  # watch for fallback gathers (the first step)
+        # Compiled steps (Note [compiled units] in `_compiled.py`): the leaves are plain DTensors, and
+        # the modules whose code took the local tensor of a leaf (`_Leaf.to_local`) in an eager step.
+        self.plain_leaves = False
+        self.local_reads: list[str] = []
         self._reported: set[tuple[str, str]] = set()
         self._handles: list[Any] = []
         self.running: list[str] = []  # the modules holding a split leaf whose forward is running, innermost last
@@ -123,7 +156,7 @@ class TensorParallel:
         """Leaf `i` as a DTensor on the tp mesh over its gathered shard `local` (a view, with autograd
         back to `local`), whose `.to_local()` is refused for a split leaf, exact for a whole one (`_Leaf`)."""
         d = DTensor.from_local(local, self.mesh, self.placements[i], run_check=False, shape=self.shapes[i], stride=self.strides[i])
-        if self.size > 1:
+        if self.size > 1 and not self.plain_leaves:
             d.__class__ = _Leaf
             d._sf_tp = weakref.ref(self)  # type: ignore[attr-defined]
         return d
@@ -136,7 +169,9 @@ class TensorParallel:
         for name, mod in module.named_modules():
             if name in owners:
                 self._handles.append(mod.register_forward_pre_hook(_pre_hook(ref, name)))
-                self._handles.append(mod.register_forward_hook(_post_hook(ref, name), always_call=True))
+                # Not always_call: dynamo guards on each such hook's id, a graph per block when compiled.
+                # A forward that raises leaves its name in `running` until the step's context ends.
+                self._handles.append(mod.register_forward_hook(_post_hook(ref, name)))
         weakref.finalize(self, _remove, list(self._handles))  # the module outlives its steps
 
     def remove(self) -> None:
@@ -146,7 +181,7 @@ class TensorParallel:
 
     def replicate(self, x: DTensor, direction: str) -> DTensor:
         """A partial sum as Replicate: one all-reduce over tp, in `reduce_dtype` if set."""
-        self.stats[direction] += 1
+        _count_steering(self, direction, x)
         dtype = x.dtype
         # A masked sum (the vocabulary-parallel embedding's) adds zeros to one value: exact in any
         # dtype, and DTensor cannot cast it before reducing; plain partial sums go in reduce_dtype.
@@ -159,7 +194,7 @@ class TensorParallel:
     def scatter(self, g: DTensor, placements: tuple) -> DTensor:
         """A partial gradient reduce-scattered onto `placements` (a sequence split: Note [activation
         layouts] in `_layouts.py`), in `reduce_dtype` if set."""
-        self.stats["backward"] += 1
+        _count_steering(self, "backward", g)
         dtype = g.dtype
         if self.reduce_dtype is not None and self.reduce_dtype != dtype:
             g = g.to(self.reduce_dtype)
@@ -180,6 +215,7 @@ class TensorParallel:
                 self.layouts.running += 1
                 stack.callback(setattr, self.layouts, "running", self.layouts.running - 1)
             stack.callback(self.sequence_gathers.clear)
+            stack.callback(self.running.clear)
             stack.enter_context(implicit_replication())
             stack.enter_context(mended())
             stack.enter_context(_dropout_whole(self))
@@ -197,6 +233,17 @@ class TensorParallel:
                     "Compute it on a whole tensor (x.full_tensor() of the DTensor it got) or keep the leaves that feed "
                     "it whole on tp (a rule mapping them to P() before the ready rules)"
                 ) from e
+
+    def steer_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A compiled unit's inputs (eager, before its graph runs): each DTensor that needs a gradient
+        passes through an identity whose backward makes a partial gradient whole over tp, as the
+        eager step's hooks do inside the unit (Note [compiled units] in `_compiled.py`)."""
+        ref = weakref.ref(self)
+
+        def steer(x: Any) -> Any:
+            return _SteerGrad.apply(x, ref) if isinstance(x, DTensor) and x.requires_grad and torch.is_grad_enabled() else x
+
+        return tuple(steer(a) for a in args), {k: steer(v) for k, v in kwargs.items()}
 
     def same_randomness(self) -> None:
         """Gives every rank of this tp group the generator state of its tp rank 0 (Note [randomness
@@ -238,7 +285,8 @@ def _pre_hook(ref: Any, name: str):
         tp = ref()
         if tp is None:
             return None
-        tp.running.append(f"{name!r} ({type(mod).__name__})")
+        if not torch.compiler.is_compiling():  # for eager errors; traced, each name would be a graph
+            tp.running.append(f"{name!r} ({type(mod).__name__})")
         # Sequence parallelism: an input split on its sequence is gathered whole first (Note
         # [activation layouts] in `_layouts.py`); the gradient hook below then sits on the gather.
         w = getattr(mod, "weight", None)
@@ -247,7 +295,10 @@ def _pre_hook(ref: Any, name: str):
         else:
             gathered = args
         changed = any(g is not a for g, a in zip(gathered, args))
-        if torch.is_grad_enabled():
+        # Compiled (Note [compiled units] in `_compiled.py`): no hook. One traced here would decide on
+        # a gradient layout that dynamo guesses at the forward; the partial sums stay DTensors in the
+        # unit's backward, and what leaves the unit is made whole where it leaves (`steer_inputs`).
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             for a, was in zip(gathered, args):
                 if isinstance(a, DTensor) and a.requires_grad and not getattr(a, "_sf_tp_hooked", False):
                     # A gathered sequence's partial gradient goes straight back to the sequence split:
@@ -272,10 +323,12 @@ class _Leaf(DTensor):
     __slots__ = ()
 
     def to_local(self, *, grad_placements: Any = None) -> torch.Tensor:
-        if all(p.is_replicate() for p in self.placements):
-            return _WholeLocal.apply(self)
         tp = getattr(self, "_sf_tp", lambda: None)()
         where = f"module {tp.running[-1]}" if tp is not None and tp.running else "loss_fn (or a module holding no split leaf)"
+        if all(p.is_replicate() for p in self.placements):
+            if tp is not None and where not in tp.local_reads:
+                tp.local_reads.append(where)
+            return _WholeLocal.apply(self)
         raise NotImplementedError(
             f"tensor parallel: {where} called .to_local() on its parameter of shape {tuple(self.shape)}, split over tp "
             f"({self.placements[0]}), as code written for torch's own tensor parallelism does. shardfn hands modules "
@@ -317,10 +370,25 @@ def _grad_hook(ref: Any, split: tuple | None = None):
     return hook
 
 
+class _SteerGrad(torch.autograd.Function):
+    """The identity, whose backward (eager) does what `_grad_hook` does: a partial gradient made
+    whole over tp."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, ref: Any) -> DTensor:  # type: ignore[override]
+        ctx.ref = ref
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: DTensor) -> tuple:  # type: ignore[override]
+        steered = _grad_hook(ctx.ref)(g)
+        return (g if steered is None else steered), None
+
+
 def _post_hook(ref: Any, name: str):
     def post(mod: torch.nn.Module, args: tuple, out: Any) -> Any:
         tp = ref()
-        if tp is not None and tp.running:
+        if tp is not None and tp.running and not torch.compiler.is_compiling():
             tp.running.pop()
         if tp is not None and _partial(out):
             return tp.replicate(out, "forward")

@@ -351,8 +351,9 @@ def train_step(
         compile: False (the default) runs the step eager. True compiles each unit's forward (and
             its backward) with `torch.compile(fullgraph=True)`, the gathers and reductions eager
             around it; a dict of `torch.compile` options is taken over that (Note [compiled units]
-            in `shardfn/_compiled.py`). Not with tensor parallel yet (`NotImplementedError`); on a cp mesh
-            the units compile around the ring attention.
+            in `shardfn/_compiled.py`). On a (dp, tp) mesh from the second step; not with
+            `activation_specs` nor on a mesh with tp and cp axes yet (`NotImplementedError`); on a
+            cp mesh the units compile around the ring attention.
             A `loss_fn` or blocks compiled by the user are refused at `init` with a `ValueError`.
         randomness: "per_rank" (the default): each data-parallel rank draws its own random numbers
             in the step (dropout masks differ over the global batch; tensor-parallel peers draw the
