@@ -16,6 +16,10 @@ of dp rank r is the same for both; tp ranks get their dp rank's batch), AdamW (l
                (ColwiseParallel, logits left sharded, loss under loss_parallel()), then fully_shard
                on each layer and the root over dp; torch.optim.AdamW(foreach=True)
 
+  shardfn_compile, fsdp2_tp_compile   the same with compiled blocks: compile=True (from the second
+               step; Note [compiled units]), and torchtitan's torch.compile of each block after its
+               tensor parallelism and before FSDP (--backend: inductor by default)
+
 Per implementation: step time (a dist.barrier() before each step, the max over ranks, the median over
 the timed steps of all rounds; rounds alternate the implementations), the peak growth of resident
 memory over the timed steps (VmHWM after - VmHWM at a reset), the collectives of one step and the
@@ -29,6 +33,7 @@ Figures are noisy on a shared 2-core machine: the counts and bytes matter more.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -93,7 +98,7 @@ def _build(impl: str, a, bf16: bool = False):
     torch.manual_seed(0)
     model = LlamaForCausalLM(_config(a)).float().train()
     mesh = sf.mesh(dp=a.dp, tp=a.tp)
-    if impl == "shardfn":
+    if impl in ("shardfn", "shardfn_compile"):
         apply, params = sf.functionalize(model, units=r"model\.layers\.\d+")
         specs = sf.specs(params, mesh, rules=sf.rules.LLAMA)
 
@@ -101,7 +106,9 @@ def _build(impl: str, a, bf16: bool = False):
             return apply(p, input_ids=ids, labels=ids, use_cache=False).loss
 
         mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-        train = sf.train_step(loss_fn, sf.optim.adamw(1e-3, weight_decay=0.01), mesh, specs=specs, mixed_precision=mp)
+        compile = {"backend": a.backend} if impl == "shardfn_compile" else False
+        train = sf.train_step(loss_fn, sf.optim.adamw(1e-3, weight_decay=0.01), mesh, specs=specs, mixed_precision=mp,
+                              compile=compile)
         box = {"state": train.init(params)}
 
         def step(ids):
@@ -123,8 +130,10 @@ def _build(impl: str, a, bf16: bool = False):
     plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
              "mlp.down_proj": RowwiseParallel()}
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         parallelize_module(layer, tp, plan)
+        if impl == "fsdp2_tp_compile":  # torchtitan's order: tensor parallel, compile each block, then FSDP
+            layer = model.model.layers[i] = torch.compile(layer, backend=a.backend)
         fully_shard(layer, mesh=dp, mp_policy=policy)
     fully_shard(model, mesh=dp, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
@@ -155,14 +164,20 @@ def rank_setup(impl: str, a) -> dict:
     from shardfn import _collectives as C
 
     step = _STEPS[impl] = _build(impl, a)
-    first = [float(step(_batch(s, a, dp_rank))) for s in range(a.warmup)]
+    first, warm_s = [], []
+    for s in range(a.warmup):  # the compiled implementations compile here
+        t = time.perf_counter()
+        first.append(float(step(_batch(s, a, dp_rank))))
+        warm_s.append(time.perf_counter() - t)
     comms = _Comms()
     C.STATS.reset()
-    with comms.mode:
+    # Compiled code under a dispatch mode runs eager, and dynamo keeps skipping it after: the compiled
+    # implementations' collectives are not counted.
+    with comms.mode if not impl.endswith("_compile") else contextlib.nullcontext():
         loss = step(_batch(a.warmup, a, dp_rank))
     # shardfn's engine sends point to point on gloo, past the dispatch mode: its own counters.
-    engine = {k: (C.STATS.calls[k], C.STATS.bytes_sent[k]) for k in C.STATS.calls} if impl == "shardfn" else {}
-    return dict(counts=comms.counts, bytes=comms.bytes, engine=engine, losses=[*first, float(loss)])
+    engine = {k: (C.STATS.calls[k], C.STATS.bytes_sent[k]) for k in C.STATS.calls} if impl.startswith("shardfn") else {}
+    return dict(counts=comms.counts, bytes=comms.bytes, engine=engine, losses=[*first, float(loss)], warm_s=warm_s)
 
 
 def rank_time(impl: str, a, first: int) -> dict:
@@ -217,7 +232,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--impls", default="shardfn,fsdp2_tp")
+    p.add_argument("--impls", default="shardfn,fsdp2_tp", help="of shardfn, shardfn_compile, fsdp2_tp, fsdp2_tp_compile")
+    p.add_argument("--backend", default="inductor", help="torch.compile's backend for the *_compile implementations")
     p.add_argument("--parity", type=int, default=0, help="also: N steps in fp32 and bf16 of each, compared")
     a = p.parse_args()
     a.dp, a.tp = 2, 2
@@ -253,6 +269,9 @@ def main() -> None:
         print(f"\nparameters after {a.parity} steps, relative distance from shardfn fp32 (all leaves as one vector):")
         for k, v in parity.items():
             print(f"  {k:14s} {v:.3e}")
+    print("\nwarm-up steps, s (rank 0; a compiled implementation compiles in them):")
+    for impl in impls:
+        print(f"  {impl:16s}", " ".join(f"{x:.1f}" for x in setup[impl][0]["warm_s"]))
     print("\nlosses (rank 0: warm-up and counted steps, then the timed steps of round 0):")
     for impl in impls:
         print(f"  {impl:10s}", " ".join(f"{x:.6f}" for x in setup[impl][0]["losses"]), "|",

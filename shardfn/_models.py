@@ -145,6 +145,10 @@ def model_of(
             )
         return info
     found = candidates(paths, leaves)
+    if len(found) > 1:  # a model left in a reference cycle stays registered until the collector runs
+        del found
+        gc.collect()
+        found = candidates(paths, leaves)
     if where is not None:
         found = [i for i in found if where(i)]
     if module is not None:
