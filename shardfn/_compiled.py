@@ -53,8 +53,19 @@ tensor-parallel steering inside their graphs:
   torch's profiler sees them;
 - the steering's per-module names (for eager errors) are not kept, and its post-forward hooks are
   not `always_call`: dynamo guards on each such hook's id and a stack's blocks would be a graph each.
+- shapes are static there (`on_tensor_parallel`): dynamo's automatic dynamic shapes, which it
+  turns on at a frame's second input shape, fail in DTensor's sharding propagation on symbolic
+  sizes, so a new sequence length is a new graph; `dynamic=True` is refused;
+- known to fail (Inductor's or AOTAutograd's internal errors, seen by a review, not reduced yet):
+  dropout on a tp-split activation in a process where an eager step with it ran before (an
+  AOTAutograd partitioner assertion, "Node tangents_2 was invalid, but is output"; compiled alone
+  it passes), and once, after a long sequence of other compiled and failed steps in one process,
+  Inductor's "device_mesh._get_submesh is not an OpOverload".
 Sequence parallelism (`activation_specs`) and a mesh with tp and cp axes are refused with
-`NotImplementedError` where the step is built. Not compiled yet: the step as one graph
+`NotImplementedError` where the step is built.
+
+A step whose units' forwards never run (units that are containers, a `ModuleDict` whose children
+the parent calls) compiles nothing: the first such step warns. Not compiled yet: the step as one graph
 (collectives inside, bucketed by the compiler).
 
 Note [compiled code in a step]
@@ -91,6 +102,19 @@ __all__ = ["CompiledUnits", "compile_options", "compiled_function", "compiled_mo
 
 _NON_LEAF_GRAD = r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed"
 _TORCH_COMPILE_KEYS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
+
+
+def on_tensor_parallel(options: dict, names: tuple) -> dict:
+    """`compile=` options for a (dp, tp) mesh (axes `names`): static shapes. A new input shape is a
+    new graph there: DTensor's sharding propagation fails on symbolic sizes, which dynamo's automatic
+    dynamic shapes would bring in at a frame's second shape; `dynamic=True` is refused."""
+    if options.get("dynamic"):
+        raise NotImplementedError(
+            f"compile={{'dynamic': True}} on a tensor-parallel mesh {names} is not supported yet (DTensor's sharding "
+            "propagation fails on symbolic sizes): leave dynamic out (each new input shape compiles a graph of its own; "
+            "pad batches to a few lengths), or compile=False"
+        )
+    return {**options, "dynamic": False}
 
 
 def compile_options(compile: Any, where: str) -> dict | None:
@@ -148,6 +172,8 @@ class CompiledUnits:
         # (`TensorParallel.steer_inputs`); None without.
         self.steer: Any = None
         self.warned_local_reads = False  # a tp model's units run eager (`for_step`), said once
+        self.calls = 0  # unit forwards that ran in this step's `active()` (compiled or not)
+        self.warned_no_call = False
         for name, module in self.modules:
             _install(info, name, module)
 
@@ -224,11 +250,21 @@ class CompiledUnits:
             # Once per step, not per unit call: dynamo reads `.grad` of each graph input as it
             # wraps it, and the unit's parameters are views of its gathered buffer, not leaves
             # (torch warns of that read); and the recompile limit raised for the step's units.
+            self.calls = 0
             with warnings.catch_warnings(), _dynamo_config().patch(recompile_limit=self.recompile_limit):
                 warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD, category=UserWarning)
                 yield
         finally:
             self.info.compiling = before
+        if self.calls == 0 and not self.warned_no_call:
+            self.warned_no_call = True
+            warnings.warn(
+                f"compile=True compiled nothing in this step: no unit's forward ran (units {[n for n, _ in self.modules][:4]}). "
+                "A unit that is a container (an nn.ModuleDict or ModuleList whose children its parent calls) has no forward "
+                "of its own to compile: name the modules that are called as units, or leave compile=False",
+                UserWarning,
+                stacklevel=4,
+            )
         self.log_compile_time()
 
 
@@ -286,6 +322,8 @@ def _install(info: Any, name: str, module: nn.Module) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         model = ref()
         units = model.compiling if model is not None else None
+        if units is not None:
+            units.calls += 1
         if units is None or not units.runs_compiled():
             return current(*args, **kwargs)
         if units.steer is not None:

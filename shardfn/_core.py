@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
 from . import _debug, _runtime, _watch
-from ._compiled import CompiledUnits
+from ._compiled import CompiledUnits, on_tensor_parallel
 from ._layouts import ActivationSpecs
 from ._buffers import ModuleBuffers
 from ._engine import GROUP_BYTES, Engine, StaleParameterError
@@ -206,6 +206,8 @@ class GradientCore:
             )
         self.layout = StepLayout(mesh, specs, strategy, self.mp, offload, compile, self.group_bytes, keep_last_unit,
                                  accumulation_steps, accumulation)
+        if compile is not None and self.layout.tp_axis is not None:
+            self.compile = on_tensor_parallel(compile, tuple(mesh.mesh_dim_names or ()))
         self.engine: Engine | None = None
         self.tp: TensorParallel | None = None
         self._tp_batch_checked = False

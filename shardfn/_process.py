@@ -38,6 +38,8 @@ returns inside a backward before it reads `_functorch._transforms`.
 | `torch.nn.functional.scaled_dot_product_attention` | torch's own: swapped for ring attention while a context-parallel step runs, put back after it (Note [context parallelism] in `_context.py`) | process |
 | `_dtensor_mends._REGISTERED` | whether the sharding strategies for CPU's fused attention are registered with DTensor (`register_sharding`, once per process) | process |
 | DTensor's op dispatcher (`_custom_op_handlers`, `_try_replicate_spec_for_scalar_tensor`) | torch's own, process-wide: the handlers `_dtensor_mends` (and `_tp`'s dropout) and `_forward_ad` add and the check `_functorch.install_mixing_check` wraps in (each idempotent) | process |
+| `_tp._LIVE` | the live `TensorParallel` steerings by id (weakly held): the graph op that counts a compiled unit's steering (`shardfn::count_steering`) takes constants, not the object (Note [compiled units]) | cache |
+| torch's op registry: `shardfn::count`, `shardfn::count_steering` (`torch.library.custom_op`, marked by `torch.fx.node.has_side_effect`) | the ops that count collectives traced into a compiled unit, on every run of its graph (registered at import) | process |
 | `_launch._BORN_ENV` | this process's environment when shardfn was imported: a rank tells from it what torch's launcher set since, and keeps that over its caller's environment (Note [warm ranks]) | process |
 | `_launch._WARM` | the process that started the warm server, and the environment it started with (Note [warm ranks]) | process |
 

@@ -625,3 +625,69 @@ def test_a_model_taking_local_tensors_of_tp_leaves_runs_eager_when_compiled_and_
         assert r["err"] < 1e-5 and r["graphs"] == (0, 0), r
         assert len(r["warned"]) == 1 and "module holding no split leaf) took the local tensor" in r["warned"][0], r
         assert "units run eager on this mesh" in r["warned"][0], r
+
+
+def rank_tp_new_length(dynamic: bool | None) -> dict:
+    """Hugging Face Llama on (dp=1, tp=2), compiled, at sequence lengths 8, 8, 12: a new length is
+    a new graph (static shapes there), equal to the eager step; `dynamic=True` is refused."""
+    import warnings
+
+    import test_tp as tpt
+
+    from reference import rel_err
+
+    mesh = sf.mesh(dp=1, tp=2)
+    out: dict = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning)
+        counters = _fresh_dynamo()
+        for compile in (False, {"backend": "aot_eager"} if dynamic is None else {"backend": "aot_eager", "dynamic": dynamic}):
+            apply, params = sf.functionalize(tpt._model("llama"), units=tpt.UNITS["llama"])
+            specs = sf.specs(params, mesh, rules=tpt.RULES["llama"])
+            try:
+                step = sf.train_step(lambda p, ids: apply(p, input_ids=ids, labels=ids, use_cache=False).loss,
+                                     sf.optim.adamw(tpt.LR, eps=tpt.EPS, weight_decay=tpt.WD), mesh, specs=specs, compile=compile)
+            except NotImplementedError as e:
+                return dict(refused=str(e))
+            state = step.init(params)
+            graphs = []
+            for s, length in enumerate((8, 8, 12)):
+                ids = torch.randint(0, tpt.VOCAB, (2, length), generator=torch.Generator().manual_seed(s))
+                state, _ = step(state, ids)
+                graphs.append(_graphs(counters))
+            out[bool(compile)] = (sf.to_state_dict(sf.gather(state.params), apply), graphs)
+    (eager, _), (compiled, graphs) = out[False], out[True]
+    return dict(params=max(rel_err(compiled[k], v) for k, v in eager.items()), graphs=graphs)
+
+
+def test_a_new_sequence_length_on_a_tensor_parallel_mesh_is_a_new_graph(pools):
+    """Dynamo's automatic dynamic shapes (at a frame's second shape) would fail in DTensor's sharding
+    propagation on symbolic sizes: on a tp mesh the units compile with static shapes."""
+    pytest.importorskip("transformers", reason="the case builds a tiny transformers Llama")
+    for r in pools(2).run(rank_tp_new_length, None):
+        assert r["params"] < 1e-5, r
+        assert r["graphs"] == [(0, 0), (1, 0), (2, 0)], r
+    for r in pools(2).run(rank_tp_new_length, True):
+        assert "'dynamic': True" in r["refused"] and "tensor-parallel mesh" in r["refused"], r
+
+
+def test_compile_warns_when_no_unit_forward_runs():
+    """Units that are containers (a ModuleDict whose children the parent calls) have no forward of
+    their own: compile=True would compile nothing; it says so."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict(dict(fc=torch.nn.Linear(4, 4))) for _ in range(2))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = x + b["fc"](x)
+            return x.pow(2).mean()
+
+    torch.manual_seed(0)
+    apply, params = sf.functionalize(Net(), units=r"blocks\.\d+")
+    step = sf.train_step(lambda p, x: apply(p, x), sf.optim.sgd(0.1), sf.mesh(dp=-1), compile={"backend": "aot_eager"})
+    state = step.init(params)
+    with pytest.warns(UserWarning, match=r"compiled nothing in this step: no unit's forward ran \(units \['blocks\.0', 'blocks\.1'\]\)"):
+        state, _ = step(state, torch.randn(3, 4))
+    state, _ = step(state, torch.randn(3, 4))  # said once
