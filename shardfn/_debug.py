@@ -211,11 +211,14 @@ def waited(work: Any) -> None:
             _IN_FLIGHT[:] = [rec for rec in _IN_FLIGHT if rec[3] is not work]
 
 
-def forget_in_flight() -> None:
+def forget_in_flight() -> list[str]:
     """Forgets every collective remembered (`_process.reset`: one test's abandoned collectives are
-    not the next one's)."""
+    not the next one's); returns what those not complete were, for a report: a message may still
+    land in their memory."""
     with _IN_FLIGHT_LOCK:
+        live = [rec[2] for rec in _IN_FLIGHT if not rec[0]()]
         _IN_FLIGHT.clear()
+    return live
 
 
 def check_not_in_flight(t: torch.Tensor, doing: str, whole_storage: bool = True) -> None:

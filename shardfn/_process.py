@@ -44,11 +44,14 @@ returns inside a backward before it reads `_functorch._transforms`.
 | `_launch._WARM` | the process that started the warm server, and the environment it started with (Note [warm ranks]) | process |
 
 `reset()` puts back what one test may leave for the next: the counters, models nobody holds, the
-collectives debug mode remembered, and the debug mode as the environment set it (tests switch it with `_debug.enable`). Process groups, the watch (whose failure flags pair with records in the job's store) and settings
+collectives debug mode remembered (those not complete are named on stderr: a message may still land
+in their memory), and the debug mode as the environment set it (tests switch it with `_debug.enable`). Process groups, the watch (whose failure flags pair with records in the job's store) and settings
 stay (tests change settings only inside context managers that restore them).
 """
 
 from __future__ import annotations
+
+import sys
 
 from . import _collectives, _debug, _functorch, _models
 
@@ -59,7 +62,9 @@ def reset() -> None:
     """Clears the collective counters, forgets models and transforms nobody holds and the
     collectives debug mode remembered, and puts the debug mode back as the environment set it."""
     _collectives.STATS.reset()
-    _debug.forget_in_flight()
+    left = _debug.forget_in_flight()
+    if left:  # debug mode only: what the previous code abandoned may still receive (Note [freed memory])
+        print(f"shardfn debug mode: {len(left)} collectives left in flight at a reset: {sorted(set(left))}", file=sys.stderr)
     _debug.enable(_debug.ENV)
     _models.REGISTRY.prune()
     _functorch._transforms[:] = [r for r in _functorch._transforms if _functorch._live(r)]
