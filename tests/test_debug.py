@@ -242,3 +242,19 @@ def test_memory_given_back_under_a_collective_in_flight_is_refused(pools, mode):
         assert out[op].startswith("a storage given back, while a " + what + " still in flight"), out
     if mode == "p2p":
         assert "posted into a buffer already given back" in out["posted"], out
+
+
+def test_a_reset_names_the_collectives_left_in_flight(capsys):
+    """What one test abandons in flight may still receive into memory the next one reuses: a reset
+    in debug mode forgets it, and names on stderr those not complete."""
+    _debug.enable(True)
+    try:
+        buf = torch.zeros(4)
+        _debug.in_flight(lambda: False, [buf], "point-to-point exchange", object())
+        _debug.in_flight(lambda: True, [buf], "all-reduce", object())  # complete: not named
+        _process.reset()
+    finally:
+        _debug.enable(_debug.ENV)
+    err = capsys.readouterr().err
+    assert "1 collectives left in flight at a reset: ['point-to-point exchange']" in err, err
+    assert not _debug._IN_FLIGHT
