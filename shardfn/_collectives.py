@@ -71,20 +71,12 @@ def local_of(x: torch.Tensor) -> torch.Tensor:
 def count(op: str, nbytes: int, x: torch.Tensor) -> None:
     """`STATS.add(op, nbytes)` for a collective of `x`. Traced into a compiled unit it is an op of the
     graph that counts on every run: dynamo would bake a Python counter's value into the graph's
-    guards (a recompile per step), and AOTAutograd records in a backward graph only ops that take
-    a tensor (Note [compiled units] in `_compiled.py`)."""
-    if traced(x):
+    guards (a recompile per step). The op takes `x` (its local tensor) so that a graph records it
+    wherever it is traced: an op without a tensor argument runs at trace time only."""
+    if torch.compiler.is_compiling():
         torch.ops.shardfn.count(local_of(x), op, nbytes)
     else:
         STATS.add(op, nbytes)
-
-
-def traced(x: torch.Tensor) -> bool:
-    """Whether code computing on `x` is being traced for a compiled graph: by dynamo, or by
-    AOTAutograd, which runs a backward's hooks on fake tensors (where `is_compiling()` is False)."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return torch.compiler.is_compiling() or is_fake(local_of(x))
 
 
 def _ring_bytes(t: torch.Tensor, world: int) -> int:
@@ -608,7 +600,7 @@ def redistribute(x, mesh, placements, what: str):
         else:
             nbytes = 0
         count("redistribute", nbytes, x)
-    if traced(x):
+    if torch.compiler.is_compiling():
         # In a compiled unit (Note [compiled units] in `_compiled.py`) DTensor's collectives are
         # traced into its graph, and waited for there: no host wait to watch.
         return x.redistribute(mesh, placements)

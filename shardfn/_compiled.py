@@ -104,10 +104,22 @@ _NON_LEAF_GRAD = r"The \.grad attribute of a Tensor that is not a leaf Tensor is
 _TORCH_COMPILE_KEYS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
 
 
-def on_tensor_parallel(options: dict, names: tuple) -> dict:
-    """`compile=` options for a (dp, tp) mesh (axes `names`): static shapes. A new input shape is a
-    new graph there: DTensor's sharding propagation fails on symbolic sizes, which dynamo's automatic
-    dynamic shapes would bring in at a frame's second shape; `dynamic=True` is refused."""
+def on_tensor_parallel(options: dict, names: tuple, tp_size: int, mp: Any) -> dict:
+    """`compile=` options for a (dp, tp) mesh (axes `names`, `tp_size` ranks on tp, mixed precision
+    `mp`): static shapes. A new input shape is a new graph there: DTensor's sharding propagation fails
+    on symbolic sizes, which dynamo's automatic dynamic shapes would bring in at a frame's second
+    shape; `dynamic=True` is refused. A `reduce_dtype` wider than the compute dtype is warned of at
+    tp > 2 (two operands round alike in either dtype)."""
+    wider = mp is not None and mp.reduce_dtype is not None and mp.reduce_dtype != (mp.param_dtype or mp.reduce_dtype)
+    if wider and tp_size > 2:
+        warnings.warn(
+            f"compile=True on a tensor-parallel mesh {names}: inside the compiled units DTensor's backward sums "
+            f"the tensor-parallel partial gradients in the compute dtype ({mp.param_dtype}), not in reduce_dtype "
+            f"({mp.reduce_dtype}); the FSDP reductions keep reduce_dtype (Note [compiled units] in "
+            "shardfn/_compiled.py). compile=False sums them in reduce_dtype",
+            UserWarning,
+            stacklevel=5,
+        )
     if options.get("dynamic"):
         raise NotImplementedError(
             f"compile={{'dynamic': True}} on a tensor-parallel mesh {names} is not supported yet (DTensor's sharding "

@@ -204,10 +204,10 @@ class GradientCore:
                 "compile=True with activation_specs (sequence parallelism) is not supported yet: leave compile=False, "
                 "or drop activation_specs to compile the units"
             )
-        self.layout = StepLayout(mesh, specs, strategy, self.mp, offload, compile, self.group_bytes, keep_last_unit,
+        self.layout = StepLayout(mesh, specs, strategy, self.mp, offload, self.group_bytes, keep_last_unit,
                                  accumulation_steps, accumulation)
         if compile is not None and self.layout.tp_axis is not None:
-            self.compile = on_tensor_parallel(compile, tuple(mesh.mesh_dim_names or ()))
+            self.compile = on_tensor_parallel(compile, tuple(mesh.mesh_dim_names or ()), self.layout.tp_size, self.mp)
         self.engine: Engine | None = None
         self.tp: TensorParallel | None = None
         self._tp_batch_checked = False

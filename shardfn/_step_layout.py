@@ -8,7 +8,6 @@ layout] in `_flat.py`, Note [unit groups] in `_engine.py`).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -44,7 +43,7 @@ class StepLayout:
             axis, over tp, whether it is FSDP'd, and this rank's tp shard's shape.
     """
 
-    def __init__(self, mesh: DeviceMesh, specs: Any, strategy: str, mp: Any, offload: str | None, compile: Any,
+    def __init__(self, mesh: DeviceMesh, specs: Any, strategy: str, mp: Any, offload: str | None,
                  group_bytes: int, keep_last_unit: bool, accumulation_steps: int, accumulation: str):
         self.mesh, self.specs, self.strategy, self.mp, self.offload = mesh, specs, strategy, mp, offload
         self.group_bytes, self.keep_last_unit = group_bytes, keep_last_unit
@@ -64,16 +63,6 @@ class StepLayout:
                 )
             if offload is not None:
                 raise NotImplementedError(f"offload={offload!r} with tensor parallel (a 2-D mesh {names}) is not supported yet")
-            reduce_wider = mp is not None and mp.reduce_dtype is not None and mp.reduce_dtype != (mp.param_dtype or mp.reduce_dtype)
-            if compile is not None and reduce_wider and mesh.size(1) > 2:  # two operands round alike in either dtype
-                warnings.warn(
-                    f"compile=True on a tensor-parallel mesh {names}: inside the compiled units DTensor's backward sums "
-                    f"the tensor-parallel partial gradients in the compute dtype ({mp.param_dtype}), not in reduce_dtype "
-                    f"({mp.reduce_dtype}); the FSDP reductions keep reduce_dtype (Note [compiled units] in "
-                    "shardfn/_compiled.py). compile=False sums them in reduce_dtype",
-                    UserWarning,
-                    stacklevel=4,
-                )
             if names[0] == "tp" or names[1] == "dp":
                 # The roles go by position; these are the names `sf.rules` and `sf.specs` use for them.
                 raise ValueError(

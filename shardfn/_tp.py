@@ -112,7 +112,7 @@ def _count_steering(tp: "TensorParallel", direction: str, x: torch.Tensor) -> No
     """Counts a collective of the steering (of `x`) in `tp.stats`; traced into a compiled unit, an op
     of its graph that counts on every run, given `tp` by its id (as `C.count`; Note [compiled units]
     in `_compiled.py`)."""
-    if C.traced(x):
+    if torch.compiler.is_compiling():
         torch.ops.shardfn.count_steering(C.local_of(x), id(tp), direction)
     else:
         tp.stats[direction] += 1
