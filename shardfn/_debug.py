@@ -69,6 +69,9 @@ code is; in debug mode each poisons and checks as listed):
    again, at most `ABORT_WAIT_S` each, before any unit is freed; one that does not complete keeps its
    buffers allocated for good and the engine refuses later steps, since a peer still alive may yet
    write into them. Checked by the in-flight record of every free above.
+9. A reduction that failed half-way (`FlatUnit.start_reduce` whose replicated leaves' all-reduce
+   failed to start after its reduce-scatter did): the schedule keeps what started in flight
+   (`ReductionStarted` in `_schedule.py`), so 8 waits for it before its input and output are freed.
 
 Not covered: a read after the step of a tensor kept from inside it (outside the step nothing
 watches the ops; storage freed by `resize_(0)` crashes the process on CPU), and compiled units

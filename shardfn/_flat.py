@@ -98,6 +98,7 @@ import torch
 from . import _collectives as C
 from . import _debug
 from ._memory import huge_pages
+from ._schedule import ReductionStarted
 
 __all__ = ["Segment", "LeafSpec", "FlatUnit", "buffer_sizes", "place"]
 
@@ -683,11 +684,17 @@ class FlatUnit:
                 del sh
             del grads  # the full gradients are spent: free them before the collectives allocate
             self._rs_inp = inp
-            if inp is not None:
-                works.append(C.reduce_scatter(out[: self.S_trained], inp, self.group, async_op=True, scratch=True))
-            if self.R_trained and self.world > 1:
-                works.append(C.all_reduce(rep, self.group, async_op=True))
-        return [works, out, direct, accumulate, self.replicate_group]
+            pending = [works, out, direct, accumulate, self.replicate_group]
+            try:
+                if inp is not None:
+                    works.append(C.reduce_scatter(out[: self.S_trained], inp, self.group, async_op=True, scratch=True))
+                if self.R_trained and self.world > 1:
+                    works.append(C.all_reduce(rep, self.group, async_op=True))
+            except Exception as e:
+                if works:  # the reduce-scatter writes `out` and reads `inp` until it completes
+                    raise ReductionStarted(pending) from e
+                raise
+        return pending
 
     def finish_reduce(self, pending, timeout: float | None = None) -> list | None:
         """Waits for a reduction. Returns a new pending state if a hybrid all-reduce was started."""

@@ -37,7 +37,8 @@ from typing import Any, Hashable, Iterable, Mapping, Protocol, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["ArenaPlan", "Buffers", "BusyLog", "Phase", "ROOT", "Schedule", "ScheduleStats", "UnitState", "arena_plan", "cast_floating",
+__all__ = ["ArenaPlan", "Buffers", "BusyLog", "Phase", "ROOT", "ReductionStarted", "Schedule", "ScheduleStats", "UnitState", "arena_plan",
+           "cast_floating",
            "evictions", "forward_order", "keeps_for_backward", "last_of_slot", "plan_slots", "prefetch_waits",
            "reductions_in_flight", "slot_holder"]
 
@@ -246,6 +247,17 @@ class UnitState(str, enum.Enum):
     REDUCED = "reduced"  # its gradient shard is final for this backward
 
 
+class ReductionStarted(Exception):
+    """Raised by `Buffers.start_reduce` that failed after some of its collectives started; `pending`
+    holds those (what `finish_reduce` waits for), and `__cause__` is the failure. The schedule keeps
+    them in flight, so that `abort` waits for them before their memory is given back (Note [freed
+    memory] 9 in `_debug.py`), and raises the failure itself."""
+
+    def __init__(self, pending: Any):
+        super().__init__("a reduction failed after some of its collectives started")
+        self.pending = pending
+
+
 def previous_ran(order: Sequence[int], i: int | None, ran: set[int]) -> int | None:
     """The unit of `order` before position `i` (None: no position) that is in `ran`, or None."""
     while i is not None and i > 0:
@@ -317,7 +329,8 @@ class Buffers(Protocol):
         whose data it holds is gathered: `live`, and the root, gathered for the whole step)."""
 
     def start_reduce(self, u: int, pair: int, in_slot: bool, accumulate: bool) -> Any:
-        """Starts reducing `u`'s full gradients into its shard, with reduction arenas `pair`."""
+        """Starts reducing `u`'s full gradients into its shard, with reduction arenas `pair`. If it
+        fails after a collective started, it raises `ReductionStarted` with what started."""
 
     def finish_reduce(self, u: int, pending: Any, timeout: float | None = None) -> Any | None:
         """Waits for a reduction; returns a new pending one if another phase started (hybrid)."""
@@ -685,14 +698,17 @@ class Schedule:
             b.keep_grads(u)
         if self.trained.get(u, 0) and self.reduce_now:
             self.note("reduce", u)
-            # Their full-size inputs are memory too: wait for the oldest before this one takes a free pair.
-            while len(self.in_flight) >= self.max_reductions:
+            while len(self.in_flight) >= self.max_reductions:  # their inputs are memory too: the oldest ends first
                 self.finish_oldest()
             pair = min(set(range(self.max_reductions)) - {p for _, _, p, _ in self.in_flight})
             in_slot = b.reduces_in_slot(u, self.live)
             if in_slot:
                 self._drain(u)
-            self.in_flight.append((u, b.start_reduce(u, pair, in_slot, self.accumulate), pair, in_slot))
+            try:
+                self.in_flight.append((u, b.start_reduce(u, pair, in_slot, self.accumulate), pair, in_slot))
+            except ReductionStarted as e:  # what started stays in flight until `abort` waits for it
+                self.in_flight.append((u, e.pending, pair, in_slot))
+                raise e.__cause__ from None
         if u != ROOT:
             self.free(u)
             self._release_spent_slot(u)

@@ -4,7 +4,7 @@ recording `Buffers`: the moves of a 3-unit full_shard step and each unit's state
 from __future__ import annotations
 
 from shardfn._engine import Policy
-from shardfn._schedule import ROOT, Schedule, UnitState
+from shardfn._schedule import ROOT, ReductionStarted, Schedule, UnitState
 
 
 class _Recorder:
@@ -162,3 +162,78 @@ def test_a_gather_whose_wait_raised_stays_in_flight_until_abort_waits_for_it():
             else:
                 raise AssertionError("abort did not report a gather that failed again")
             assert 0 in s.works
+
+
+class _ReduceFailsHalfWay(_Recorder):
+    """A `Buffers` whose reduction of one unit fails after its first collective started."""
+
+    def __init__(self, unit: int):
+        super().__init__()
+        self.unit = unit
+
+    def start_reduce(self, u, pair, in_slot, accumulate):
+        if u == self.unit:
+            try:
+                raise RuntimeError("the all-reduce could not be issued")
+            except RuntimeError as e:
+                raise ReductionStarted(("reduction", u)) from e
+        return super().start_reduce(u, pair, in_slot, accumulate)
+
+    def finish_reduce(self, u, pending, timeout=None):
+        assert pending == ("reduction", u), pending
+        super().finish_reduce(u, pending, timeout)
+
+
+def test_a_reduction_that_failed_half_way_stays_in_flight_until_abort_waits_for_it():
+    # Its reduce-scatter still writes the gradient shard and reads its input: nothing may free
+    # them before it completes (Note [freed memory] 9 in shardfn/_debug.py).
+    b = _ReduceFailsHalfWay(unit=0)
+    s = Schedule(Policy(reshard_after_forward=True, share_slots=False), ["u0"], {0: 1, ROOT: 1}, (), b)
+    s.begin(accumulate=False, reduce_now=True)
+    s.forward_starts(0)
+    s.forward_ends(0)
+    s.forward_over()
+    s.backward()
+    s.backward_starts(0)
+    try:
+        s.grad_ready(0)
+    except RuntimeError as e:
+        assert not isinstance(e, ReductionStarted) and "could not be issued" in str(e), repr(e)  # the failure itself
+    else:
+        raise AssertionError("the failed reduction did not raise")
+    assert [u for u, *_ in s.in_flight] == [0], "what the failed reduction started left the schedule: its buffers could be freed"
+    s.abort(timeout=1.0)
+    assert b.calls.count(("reduced", 0)) == 1 and not s.in_flight, b.calls
+
+
+def test_a_flat_unit_whose_all_reduce_fails_after_its_reduce_scatter_started_says_what_started(monkeypatch):
+    import torch
+
+    from shardfn import _collectives
+    from shardfn._flat import Arena, FlatUnit, LeafSpec
+
+    leaves = [LeafSpec(0, "w", torch.Size([4, 3]), sharded=True, trained=True), LeafSpec(1, "b", torch.Size([3]), sharded=False, trained=True)]
+    unit = FlatUnit("u", leaves, torch.float32, torch.float32, torch.float32, group=None, world=2, rank=0, device="cpu")
+    sizes = unit.sizes()
+    unit.bind({k: Arena(max(n, 1), torch.float32, "cpu", shared=False) for k, n in sizes.items()}, reduce_in_full=False)
+    for p in unit.proxies:
+        p.grad = torch.ones_like(p)
+    started = []
+
+    def reduce_scatter(out, inp, group, async_op=True, scratch=False):
+        started.append("reduce_scatter")
+        return "reduce-scatter in flight"
+
+    def all_reduce(t, group, async_op=False):
+        raise RuntimeError("the all-reduce could not be issued")
+
+    monkeypatch.setattr(_collectives, "reduce_scatter", reduce_scatter)
+    monkeypatch.setattr(_collectives, "all_reduce", all_reduce)
+    rs = [Arena(64, torch.float32, "cpu", shared=False) for _ in range(2)]
+    try:
+        unit.start_reduce(False, rs[0], rs[1])
+    except ReductionStarted as e:
+        assert started == ["reduce_scatter"] and e.pending[0] == ["reduce-scatter in flight"], e.pending
+        assert "could not be issued" in str(e.__cause__)
+    else:
+        raise AssertionError("start_reduce did not say what had started")
