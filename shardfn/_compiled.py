@@ -56,11 +56,17 @@ tensor-parallel steering inside their graphs:
 - shapes are static there (`on_tensor_parallel`): dynamo's automatic dynamic shapes, which it
   turns on at a frame's second input shape, fail in DTensor's sharding propagation on symbolic
   sizes, so a new sequence length is a new graph; `dynamic=True` is refused;
-- known to fail (Inductor's or AOTAutograd's internal errors, seen by a review, not reduced yet):
-  dropout on a tp-split activation in a process where an eager step with it ran before (an
-  AOTAutograd partitioner assertion, "Node tangents_2 was invalid, but is output"; compiled alone
-  it passes), and once, after a long sequence of other compiled and failed steps in one process,
-  Inductor's "device_mesh._get_submesh is not an OpOverload".
+- known to fail, both in torch 2.13's tracing of a `DeviceMesh` as an opaque graph input (DTensor's
+  `__tensor_flatten__` gives its mesh beside its local tensor; make_fx's `opaque_tracker` maps each
+  mesh object to one graph input): a tp unit compiled in a process where an eager tp step
+  (`compile=False`) ran before, with or without dropout, on the same mesh or a new one. Its joint
+  graph binds the mesh of the output's tangent (`tangents_2`) over the parameters' (`primals_3`),
+  and hands it on as a forward output, so the partitioner stops ("Node tangents_2 was invalid, but
+  is output"); compiled alone, or after a compiled step, the same unit's joint graph returns
+  `primals_3` there and passes. Clearing DTensor's sharding-propagation caches, its random-number
+  tracker or the garbage between the two steps changes nothing. And once, after a long sequence of
+  other compiled and failed steps in one process, Inductor's "device_mesh._get_submesh is not an
+  OpOverload", from the same machinery's submesh reconstruction (`_device_mesh_reconstruct_fn`).
 Sequence parallelism (`activation_specs`) and a mesh with tp and cp axes are refused with
 `NotImplementedError` where the step is built.
 
