@@ -19,6 +19,9 @@ units (one per `blocks.N`):
                      init_device_mesh("cpu", (world,)); torch.optim.AdamW(fused=True)
   ddp                DistributedDataParallel(forward_sync_buffers=False, gradient_as_bucket_view=True);
                      torch.optim.AdamW(fused=True)
+  step_graph         (not shardfn; opt-in) the whole step as one graph, a plain-torch prototype of
+                     SimpleFSDP's design: DTensor parameters gathered inside the compiled forward,
+                     the gathers recomputed in the backward, Inductor bucketing the collectives
 
 Three phases per model:
 
@@ -94,8 +97,9 @@ NAMES = {
     "shardfn_compile": "shardfn full_shard compile=True",
     "fsdp2_compile": "FSDP2 + per-block torch.compile",
     "ddp_compile": "DDP + torch.compile",
+    "step_graph": "whole step as one graph (prototype, plain torch)",
 }
-COMPILED = ("shardfn_compile", "fsdp2_compile", "ddp_compile")  # Inductor (C++ on CPU); the first step compiles
+COMPILED = ("shardfn_compile", "fsdp2_compile", "ddp_compile", "step_graph")  # Inductor (C++ on CPU); the first step compiles
 STRATEGY = {"shardfn": "full_shard", "shardfn_no_shard": "no_shard"}
 
 
@@ -251,7 +255,69 @@ class _ShardfnByHand(_Impl):
         return loss  # the mean over ranks
 
 
+class _StepGraph(_Impl):
+    """A prototype of the step as one graph, as SimpleFSDP (arXiv 2411.00284) builds it, in plain torch:
+    each parameter a DTensor split on dim 0 over the ranks; the forward gathers it (`redistribute`
+    to Replicate, then `to_local(grad_placements=[Partial()])`, whose backward reduce-scatters the
+    gradient); selective checkpointing recomputes the gathers in the backward (full_shard's memory:
+    no full parameter is saved for it); Inductor compiles the forward and its backward whole, and
+    buckets the all-gathers and the reduce-scatters (`bucket_all_gathers_fx`,
+    `bucket_reduce_scatters_fx`) and reorders them against compute; AdamW (fused) updates the
+    shards. Not shardfn: a measure of what a whole-step graph could gain over compiled units."""
+
+    note = ("step_graph: a prototype in plain torch (SimpleFSDP's design): its collectives are functional ones "
+            "inside the compiled graph, which no Python patch sees, so its bytes are not counted")
+
+    def __init__(self, model: str, cfg: dict):
+        import functools
+
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+        from torch.func import functional_call
+        from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+        self.kind = "step_graph"
+        net = _build(model, cfg)
+        self.crit = _criterion(model)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        self.params = {k: distribute_tensor(v.detach(), mesh, [Shard(0)]).requires_grad_() for k, v in net.named_parameters()}
+        empty: dict[int, torch.nn.Parameter] = {}  # one stand-in per parameter: tied ones stay tied
+        for mod in net.modules():  # the module keeps its buffers; its parameters come from `self.params`
+            for name, p in list(mod._parameters.items()):
+                if p is not None:
+                    mod._parameters[name] = empty.setdefault(id(p), torch.nn.Parameter(torch.empty(0), requires_grad=False))
+        gathers = (torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.wait_tensor.default)
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_RECOMPUTE if op in gathers else CheckpointPolicy.MUST_SAVE
+
+        def gathered(params, x, y):
+            full = {k: v.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()]) for k, v in params.items()}
+            return self.crit(functional_call(net, full, (x,)), y)
+
+        def loss(params, x, y):
+            return checkpoint(gathered, params, x, y, use_reentrant=False,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+
+        self.loss = torch.compile(loss, options={"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all",
+                                                 "reorder_for_compute_comm_overlap": True})
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=cfg["lr"], weight_decay=cfg["weight_decay"], fused=True)
+        self.world = dist.get_world_size()
+
+    def step(self, batch):
+        x, y = batch
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss(self.params, x, y)
+        (loss / self.world).backward()  # the reduce-scatter sums the ranks' gradients: the mean, as DDP's
+        self.opt.step()
+        return loss.detach()  # this rank's loss; the parent averages over ranks
+
+
 def _make(impl: str, model: str, cfg: dict, **kw) -> _Impl:
+    if impl == "step_graph":
+        return _StepGraph(model, cfg)
     if impl == "shardfn_vg":
         return _ShardfnByHand(model, cfg)
     if impl in STRATEGY:
@@ -657,7 +723,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--models", default=MODELS, help="comma-separated: mlp,gpt,deep")
     p.add_argument("--world", type=int, default=WORLD)
     p.add_argument("--impls", default=IMPLS, help="comma-separated: shardfn,shardfn_vg,shardfn_no_shard,fsdp2,ddp, "
-                   "and compiled: shardfn_compile,fsdp2_compile,ddp_compile")
+                   "and compiled: shardfn_compile,fsdp2_compile,ddp_compile, and step_graph (the whole step as one "
+                   "graph, a plain-torch prototype of SimpleFSDP's design)")
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--warmup", type=int, default=WARMUP)
@@ -751,6 +818,9 @@ def main() -> None:
                 r["sent_mb"] = max(o["ddp_hook_bytes_per_step"] + o["py_bytes_per_step"] for o in out) / 1e6
                 r["sent_how"] = (f"comm hook: {out[0]['ddp_buckets_per_step']} bucket(s) all-reduced "
                                  f"(+ Python-visible: {out[0]['py_names'] or 'none'})")
+            elif impl == "step_graph":
+                r["sent_mb"] = float("nan")
+                r["sent_how"] = "functional collectives inside the compiled graph: not counted"
             else:
                 r["sent_mb"] = max(o["py_bytes_per_step"] for o in out) / 1e6
                 r["sent_how"] = f"patched torch.distributed: {out[0]['py_names']}"
@@ -922,10 +992,10 @@ def _plot(args, res, floors, path) -> None:
         for j, impl in enumerate(impls):
             xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(models))]
             vals = [res[m][impl][key] for m in models]
-            ax.bar(xs, vals, width, label=NAMES[impl], color=colors[impl], alpha=0.45 if key == "hwm_mb" else 1.0)
+            ax.bar(xs, vals, width, label=NAMES[impl], color=colors.get(impl, f"C{4 + j}"), alpha=0.45 if key == "hwm_mb" else 1.0)
             if key == "hwm_mb":
                 grow = [res[m][impl]["growth_mb"] for m in models]
-                ax.bar(xs, grow, width * 0.6, color=colors[impl], edgecolor="black", linewidth=0.5)
+                ax.bar(xs, grow, width * 0.6, color=colors.get(impl, f"C{4 + j}"), edgecolor="black", linewidth=0.5)
                 for x, g in zip(xs, grow):
                     ax.text(x, g, f"{g:.0f}", ha="center", va="bottom", fontsize=7)
             for x, v in zip(xs, vals):
