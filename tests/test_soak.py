@@ -14,6 +14,7 @@ Settings (environment):
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -101,16 +102,22 @@ MULTINODE_RUN_S = 600  # one run of tests/test_multinode.py: about 150 s on 2 id
 
 
 @pytest.mark.timeout(60 + MULTINODE_RUN_S * MULTINODE_RUNS)  # the suite's 300 s per test would stop it in its second run
-def test_soak_multinode_repeatedly():
+def test_soak_multinode_repeatedly(tmp_path_factory):
+    """Runs tests/test_multinode.py again and again; a failed run keeps its temporary directory (the
+    nodes' logs), named in the failure, so that it can be explained after the soak."""
     failures = []
     t0 = time.perf_counter()
+    kept = tmp_path_factory.mktemp("multinode_runs")
     for run in range(MULTINODE_RUNS):
+        base = kept / f"run{run}"
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "test_multinode.py")],
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"--basetemp={base}", str(HERE / "test_multinode.py")],
             cwd=HERE.parent, capture_output=True, text=True, timeout=MULTINODE_RUN_S,
         )
         if proc.returncode != 0:
-            failures.append((run, proc.stdout[-3000:] + proc.stderr[-2000:]))
+            failures.append((run, f"(its logs: {base})\n" + proc.stdout[-3000:] + proc.stderr[-2000:]))
+        else:
+            shutil.rmtree(base, ignore_errors=True)
         print(f"soak multinode run {run}: {'passed' if proc.returncode == 0 else 'FAILED'} at {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"soak multinode: {MULTINODE_RUNS} runs in {time.perf_counter() - t0:.1f} s, {len(failures)} failed")
     assert not failures, "\n\n".join(f"run {run}:\n{tail}" for run, tail in failures)
