@@ -37,10 +37,9 @@ from typing import Any, Hashable, Iterable, Mapping, Protocol, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["ArenaPlan", "Buffers", "BusyLog", "Phase", "ROOT", "ReductionStarted", "Schedule", "ScheduleStats", "UnitState", "arena_plan",
-           "cast_floating",
-           "evictions", "forward_order", "keeps_for_backward", "last_of_slot", "plan_slots", "prefetch_waits",
-           "reductions_in_flight", "slot_holder"]
+__all__ = ["ArenaPlan", "Buffers", "BusyLog", "Phase", "ROOT", "ReductionStarted", "Schedule", "ScheduleStats", "UnitState",
+           "arena_plan", "cast_floating", "evictions", "forward_order", "keeps_for_backward", "last_of_slot", "plan_slots",
+           "prefetch_waits", "reductions_in_flight", "slot_holder"]
 
 ROOT = -1
 """The root unit's index: what runs outside every unit (embeddings, head), gathered for the whole step."""
