@@ -374,6 +374,8 @@ class GradientCore:
             `Gradients`: the gradients, the loss averaged over ranks, the global gradient norm, the trained leaves
             (positions among them) that got no gradient on any rank, and this rank's aux.
         """
+        if self.engine is not None:
+            self.engine.refuse_if_broken()  # before the gradient shards are given back
         if self.tp is not None and not self._tp_batch_checked:
             self._check_tp_batch(batch)
         for u in self.units.values():  # the last step's gradient shards are spent
@@ -439,6 +441,7 @@ class GradientCore:
                     f"{e}: with mixed_precision or offload, train_step cannot compute this step yet (Note [steps off "
                     "the unit schedule] in shardfn/_core.py)"
                 ) from e
+            self.engine.refuse_if_broken()  # its abort could not finish a collective: nothing is given back
             self.off_schedule = True
             for u in self.units.values():
                 u.release_grad()

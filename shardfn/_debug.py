@@ -72,6 +72,9 @@ code is; in debug mode each poisons and checks as listed):
 9. A reduction that failed half-way (`FlatUnit.start_reduce` whose replicated leaves' all-reduce
    failed to start after its reduce-scatter did): the schedule keeps what started in flight
    (`ReductionStarted` in `_schedule.py`), so 8 waits for it before its input and output are freed.
+10. The step after a broken one (8's refusal): the refusal comes first, before the step gives the
+   gradient shards back (`release_grad`, which a reduce-scatter left in flight may still write) or
+   retries off the schedule (`Engine.refuse_if_broken`, read by `GradientCore.gradients`).
 
 Not covered: a read after the step of a tensor kept from inside it (outside the step nothing
 watches the ops; storage freed by `resize_(0)` crashes the process on CPU), and compiled units

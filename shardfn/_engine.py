@@ -404,6 +404,13 @@ class Engine:
                 p.register_post_accumulate_grad_hook(hook)
 
     # -- the step -----------------------------------------------------------------------------
+    def refuse_if_broken(self) -> None:
+        """Raises the error `abort` left (a collective it could not finish), before anything of a
+        step touches a buffer: a message may still land in the gradient shards and the arenas it
+        kept (Note [freed memory] 10 in `_debug.py`)."""
+        if self.broken:
+            raise RuntimeError(self.broken)
+
     def begin(self, accumulate: bool, reduce: bool = True) -> None:
         """Starts one forward/backward: gathers the root and prefetches the first unit.
 
@@ -412,8 +419,7 @@ class Engine:
             reduce: reduce at all; False keeps the full gradients for a later backward (local
                 accumulation of micro-batches).
         """
-        if self.broken:
-            raise RuntimeError(self.broken)
+        self.refuse_if_broken()
         if self.schedule.needs_plan:
             self.schedule.needs_plan = False
             self.replan()

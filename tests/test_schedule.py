@@ -3,6 +3,8 @@ recording `Buffers`: the moves of a 3-unit full_shard step and each unit's state
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from shardfn._engine import Policy
 from shardfn._schedule import ROOT, ReductionStarted, Schedule, UnitState
 
@@ -237,3 +239,45 @@ def test_a_flat_unit_whose_all_reduce_fails_after_its_reduce_scatter_started_say
         assert "could not be issued" in str(e.__cause__)
     else:
         raise AssertionError("start_reduce did not say what had started")
+
+
+# ---- the step after a broken one (Note [freed memory] 10 in `_debug.py`) -------------------------
+
+def rank_steps_after_a_broken_step() -> dict:
+    """A step, then the engine left broken as `Engine.abort` leaves it when a collective it waits
+    for does not complete (a peer alive and silent: a message may still land in the buffers it
+    kept), then another step."""
+    import torch.nn.functional as F
+
+    import shardfn as sf
+    from reference import GPT_UNITS, global_batch, local_batch, make_model
+
+    rank = dist.get_rank()
+    apply, params = sf.functionalize(make_model("gpt"), units=GPT_UNITS)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return F.cross_entropy(apply(p, x).flatten(0, 1), y.flatten())
+
+    step = sf.train_step(loss_fn, sf.optim.adamw(1e-2), sf.mesh(dp=2))
+    state = step.init(params)
+    state, _ = step(state, local_batch(global_batch("gpt", 0, 2), rank, 2))
+    units = list(step.core.units.values())
+    held = [u.grad.untyped_storage().nbytes() for u in units]  # the reductions' outputs
+    step.core.engine.broken = "broken: restart the processes"
+    out: dict = {}
+    try:
+        step(state, local_batch(global_batch("gpt", 1, 2), rank, 2))
+    except RuntimeError as e:
+        out["error"] = str(e)
+    out["grad_bytes"] = (held, [u.grad.untyped_storage().nbytes() for u in units])
+    return out
+
+
+def test_a_step_after_a_broken_one_refuses_before_it_gives_back_any_buffer(pools):
+    """Before: the step after a broken one gave the gradient shards back (`resize_(0)`) and only then
+    refused, while a reduce-scatter its abort could not finish may still write into them."""
+    for r in pools(2).run(rank_steps_after_a_broken_step):
+        assert r["error"] == "broken: restart the processes", r
+        before, after = r["grad_bytes"]
+        assert any(before) and after == before, r
