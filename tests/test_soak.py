@@ -9,6 +9,11 @@ Settings (environment):
                                 CHUNK steps, each run bitwise the same as the first)
     SHARDFN_SOAK_MULTINODE=N    runs of tests/test_multinode.py (default 20)
     SHARDFN_SOAK_STRATEGIES=a,b only these strategies (default: all four)
+    SHARDFN_SOAK_LOW_MMAP=1     the ranks' glibc serves every block of 64 KiB or more as a mapping
+                                of its own (`mallopt(M_MMAP_THRESHOLD)`, as the suite's memory
+                                meter leaves its pools): a late write into a freed buffer then lands
+                                on the header of the block after it, and the process aborts at its
+                                free ("munmap_chunk(): invalid pointer") rather than going on
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ def rank_soak(strategy: str, opts: dict, steps: int) -> tuple[dict, list[int]]:
     data and seeds each time): the first run's errors against the reference, per model, and the
     runs whose errors differ from the first's in any bit (a result that changes from run to run)."""
     F.STEPS = CHUNK
+    if os.environ.get("SHARDFN_SOAK_LOW_MMAP") == "1":
+        from shardfn import _peak
+
+        _peak._low_mmap_threshold()
     first, differ = None, []
     for run in range(-(-steps // CHUNK)):
         got = F.rank_case(strategy, opts)
