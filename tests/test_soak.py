@@ -89,6 +89,7 @@ def soak_pools():
         pool.close(kill=True)
 
 
+@pytest.mark.timeout(3600)  # the pools' own deadline: the suite's 300 s per test stopped a debug-mode case at 200 steps under load
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_soak_train_steps(soak_pools, strategy, option):
