@@ -16,7 +16,9 @@ Two witnesses on the CPU, one on CUDA:
   sees everything the process touches, the allocator's own caching and fragmentation too, so it
   is a looser, independent check of the first. The meter sets glibc's mmap threshold to 64 KiB
   (`mallopt`), so that large buffers go back to the system when freed, as the first witness
-  assumes; that changes where memory comes from, never what is computed.
+  assumes; that changes where memory comes from, never what is computed. It stays set for the
+  rest of the process (glibc has no way back to its sliding threshold; Note [process-wide state]
+  in `_process.py`).
 - CUDA: `torch.cuda.max_memory_allocated`, reset when the section starts.
 """
 
