@@ -51,6 +51,13 @@ __all__ = ["Region", "AxisGroup", "current", "region", "step_region", "vma", "ax
 # varies over every axis of the region, which is always safe (a value typed varying that happens
 # to be equal is only refused where an out spec claims it invariant). torch.func's wrappers are
 # looked through, so a `vmap` or `grad` inside the region keeps the types of what it wraps.
+#
+# A derivative taken inside the region (`torch.func.grad`, `vjp`, `torch.autograd.grad`, a
+# `backward`) is not a computation on its arguments: nothing of them is lifted there (lifting an
+# input would hand autograd a new tensor the outputs do not depend on: a zero gradient, silently).
+# The lifts already made where the input met varying values are in the graph, so the gradient with
+# respect to an invariant input is the sum over the axes of the ranks' gradients, and it is typed as
+# its input (a cotangent has its primal's type), as JAX's `grad` inside `shard_map` gives.
 
 _RANDOM_NAMES = frozenset({
     "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli", "normal",
@@ -233,6 +240,22 @@ class Region:
                 self.types[t] = axes
 
 
+_DIFFERENTIATE = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
+
+
+def _differentiated(region: Region, func: Any, args: tuple, kwargs: dict) -> Any:
+    """A derivative taken in the region: run as it is, each gradient typed as its input (Note
+    [varying axes])."""
+    out = func(*args, **kwargs)
+    if func is torch.autograd.grad:
+        inputs = kwargs["inputs"] if "inputs" in kwargs else args[1] if len(args) > 1 else ()
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        for g, x in zip(out, inputs):
+            if isinstance(g, torch.Tensor):
+                region.types[g] = region.of(x)
+    return out
+
+
 class _Tracking(TorchFunctionMode):
     """Gives every tensor a call in the region returns the axes it varies over (Note [varying axes])."""
 
@@ -245,6 +268,8 @@ class _Tracking(TorchFunctionMode):
         region = self.region
         if region.paused or getattr(func, "__name__", "") == "__set__":  # a collective's own work; `x.data = y`
             return func(*args, **kwargs)
+        if func in _DIFFERENTIATE:
+            return _differentiated(region, func, args, kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
         found = [region.of(t) if isinstance(t, torch.Tensor) else None for t in flat]
         union = frozenset().union(*(f for f in found if f is not None))

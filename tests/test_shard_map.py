@@ -612,3 +612,61 @@ def test_refusals_vmap_and_second_derivatives(pools, world):
         assert r["jacrev"] < 1e-6, r["jacrev"]
         assert r["vmap"] < 1e-5, r["vmap"]
         assert r["hvp"] < 1e-5, r["hvp"]
+
+
+def rank_derivatives_inside() -> dict:
+    """Derivatives taken inside the per-rank function with respect to a replicated weight: JAX's
+    data-parallel recipe (`grad` of the local loss, then `pmean`)."""
+    mesh, n = sf.mesh(dp=-1), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    X, W, Y = torch.randn(4 * n, 5, generator=g), torch.randn(5, 3, generator=g), torch.randn(4 * n, 3, generator=g)
+
+    def local_loss(w, x, y):
+        return ((x @ w - y) ** 2).mean()
+
+    def by_func(w, x, y):
+        return torch.func.grad(local_loss)(w, x, y)
+
+    def by_autograd(w, x, y):
+        with torch.enable_grad():
+            w = w.detach().requires_grad_()
+            (gw,) = torch.autograd.grad(local_loss(w, x, y), w)
+        return gw
+
+    def by_backward(w, x, y):
+        with torch.enable_grad():
+            w = w.detach().requires_grad_()
+            local_loss(w, x, y).backward()
+        return w.grad
+
+    def run(fn, reduce, out):
+        mapped = sf.shard_map(lambda w, x, y: reduce(fn(w, x, y)), mesh=mesh, in_specs=(sf.P(), sf.P("dp"), sf.P("dp")), out_specs=out)
+        return sf.gather(mapped(W, X, Y))
+
+    return {
+        "func_pmean": run(by_func, lambda t: sf.pmean(t, "dp"), sf.P()),
+        "func_psum": run(by_func, lambda t: sf.psum(t, "dp"), sf.P()),
+        "func_stacked": run(by_func, lambda t: t[None], sf.P("dp")),
+        "autograd_pmean": run(by_autograd, lambda t: sf.pmean(t, "dp"), sf.P()),
+        "backward_pmean": run(by_backward, lambda t: sf.pmean(t, "dp"), sf.P()),
+        "own_block": sf.gather(sf.shard_map(lambda x: torch.func.grad(lambda x: (x**2).sum())(x), mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P("dp"))(X)),
+        "inputs": (X, W, Y),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_derivative_inside_the_function_sums_over_the_axes_its_input_is_copied_on(pools, world):
+    """As JAX's `grad` inside `shard_map`: the gradient with respect to a replicated weight is the sum
+    over the ranks of their local gradients (the transpose of the weight's implicit copy onto the
+    axis), the same on every rank. Before: `torch.func.grad` gave zeros, silently, and
+    `torch.autograd.grad` raised, since the region lifted the weight in the call itself."""
+    for r in pools(world).run(rank_derivatives_inside):
+        X, W, Y = r["inputs"]
+        local = [torch.func.grad(lambda w: ((x @ w - y) ** 2).mean())(W) for x, y in zip(X.chunk(world), Y.chunk(world))]
+        total = sum(local)
+        assert total.norm() > 0.1
+        for key in ("func_pmean", "autograd_pmean", "backward_pmean"):
+            assert rel_err(r[key], total) < 1e-6, (key, r[key], total)
+        assert rel_err(r["func_psum"], world * total) < 1e-6, r["func_psum"]
+        assert rel_err(r["func_stacked"], torch.stack([total] * world)) < 1e-6, r["func_stacked"]
+        assert rel_err(r["own_block"], 2 * X) < 1e-6, r["own_block"]
