@@ -645,6 +645,7 @@ def rank_derivatives_inside() -> dict:
 
     return {
         "func_pmean": run(by_func, lambda t: sf.pmean(t, "dp"), sf.P()),
+        "grad_of_pmean": run(lambda w, x, y: torch.func.grad(lambda w: sf.pmean(local_loss(w, x, y), "dp"))(w), lambda t: t, sf.P()),
         "func_psum": run(by_func, lambda t: sf.psum(t, "dp"), sf.P()),
         "func_stacked": run(by_func, lambda t: t[None], sf.P("dp")),
         "autograd_pmean": run(by_autograd, lambda t: sf.pmean(t, "dp"), sf.P()),
@@ -668,5 +669,6 @@ def test_a_derivative_inside_the_function_sums_over_the_axes_its_input_is_copied
         for key in ("func_pmean", "autograd_pmean", "backward_pmean"):
             assert rel_err(r[key], total) < 1e-6, (key, r[key], total)
         assert rel_err(r["func_psum"], world * total) < 1e-6, r["func_psum"]
+        assert rel_err(r["grad_of_pmean"], total / world) < 1e-6, r["grad_of_pmean"]  # the global mean's (docs/API.md)
         assert rel_err(r["func_stacked"], torch.stack([total] * world)) < 1e-6, r["func_stacked"]
         assert rel_err(r["own_block"], 2 * X) < 1e-6, r["own_block"]
