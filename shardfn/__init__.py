@@ -26,6 +26,7 @@ from ._layouts import constrain
 from ._shard_map import shard_map
 from ._simulate import simulate
 from ._spec import P, specs
+from ._context import ContextParallelWarning
 from ._tp import FallbackWarning
 from ._train import MixedPrecision, TrainState, TrainStep, train_step
 from ._tree import tree_paths
@@ -38,6 +39,7 @@ __all__ = [
     "Apply",
     "DPValueAndGrad",
     "DonatedError",
+    "ContextParallelWarning",
     "FallbackWarning",
     "LoadReport",
     "MemoryCheckError",

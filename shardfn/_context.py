@@ -26,6 +26,12 @@ it is given (`arange(T)`) would see local lengths; pass the global position ids 
 aligned with the tokens (shift them before the cut: a model that shifts labels itself shifts within
 each chunk). Attention with an explicit mask, or with dropout, is refused.
 
+Only `F.scaled_dot_product_attention` sees across the ranks' chunks: attention written out by hand
+(`softmax(q @ k.T)`), a pooling over the sequence or a shift of the labels inside the model computes
+on the local chunks alone, and the step cannot tell such an op from a per-token one. A first step
+whose forward called no `scaled_dot_product_attention` at all (a model that attends by hand, a
+sequence classifier that pools) warns once, with `ContextParallelWarning`.
+
 With tensor parallelism (`sf.mesh(dp=..., tp=..., cp=...)`) the step runs on a (dp x cp, tp) mesh:
 parameters split over tp as their specs say and sharded over dp and cp together, the forward on
 DTensors over tp (Note [tensor parallel forward] in `_tp.py`). Attention's q, k and v are then
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Any, Iterator
 
 import optree
@@ -52,7 +59,12 @@ from ._mesh import with_job_timeout
 from ._named import _Collective, _Permute
 from ._spec import P
 
-__all__ = ["ContextParallel"]
+__all__ = ["ContextParallel", "ContextParallelWarning"]
+
+
+class ContextParallelWarning(UserWarning):
+    """A context-parallel step ran no `F.scaled_dot_product_attention`: anything else that mixes
+    positions saw only this rank's chunks of the sequence (Note [context parallelism])."""
 
 
 class ContextParallel:
@@ -79,6 +91,8 @@ class ContextParallel:
         # object, it leaves dynamo's guard on `F.scaled_dot_product_attention` true from step to step.
         self._ring = torch.compiler.disable(self.attend)
         self.size = int(mesh.size(names.index("cp")))
+        self.attended = 0  # calls of the ring; a first step without one warns (`check_attended`)
+        self._checked = False
         self.group = axis_group(mesh, ("cp",))
         if "tp" in names:  # the step's mesh: (dp x cp, tp), dp and cp as one data axis
             t = mesh.mesh.permute(*(names.index(a) for a in ("dp", "cp", "tp") if a in names))
@@ -102,10 +116,16 @@ class ContextParallel:
         where = "batch leaf " + ("".join(f"[{k!r}]" for k in path) or "(the batch)")
         if not isinstance(x, torch.Tensor):
             return x
-        if not isinstance(spec, P) or any(a != "cp" for a in spec.axes) or len(spec) > x.ndim:
+        if not isinstance(spec, P) or any(a != "cp" for a in spec.axes):
             raise ValueError(
                 f"batch_specs: {where} (shape {tuple(x.shape)}) has spec {spec!r}: name only 'cp', on the sequence dims "
                 "(each rank already passes the batch of its dp coordinate), e.g. sf.P(None, 'cp')"
+            )
+        if len(spec) > x.ndim:
+            raise ValueError(
+                f"batch_specs: {where} (shape {tuple(x.shape)}) has spec {spec!r}, which names {len(spec)} dims where it has "
+                f"{x.ndim}: give each batch leaf its own spec, sf.P() for a leaf with no sequence dim, e.g. "
+                "batch_specs=(sf.P(None, 'cp'), sf.P()) for (tokens, labels per sequence)"
             )
         n, r = self.size, self.group.index
         for d in range(len(spec)):
@@ -139,9 +159,26 @@ class ContextParallel:
         finally:
             F.scaled_dot_product_attention = original
 
+    def check_attended(self) -> None:
+        """After the first step: warns if its forward called no `scaled_dot_product_attention`."""
+        if self._checked:
+            return
+        self._checked = True
+        if not self.attended:
+            warnings.warn(
+                "context parallelism: this step's forward called no torch.nn.functional.scaled_dot_product_attention, "
+                "the one op that sees across the cp ranks' chunks of the sequence. Anything else that mixes positions "
+                "(attention written out by hand, pooling over the sequence, a shift of the labels in the model) computed on "
+                "this rank's chunks alone: call F.scaled_dot_product_attention for attention, or train this model without "
+                "a cp axis (Note [context parallelism] in shardfn/_context.py)",
+                ContextParallelWarning,
+                stacklevel=4,
+            )
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
                is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
         """Exact attention of this rank's queries over the whole sequence (Note [context parallelism])."""
+        self.attended += 1
         if attn_mask is not None or dropout_p:
             raise NotImplementedError(
                 "context parallelism: scaled_dot_product_attention with an explicit attn_mask or dropout_p > 0 is not "

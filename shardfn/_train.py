@@ -138,6 +138,7 @@ class TrainStep:
         else:
             with self.context.attention():
                 g = self.core.gradients(params, self.context.cut(batch))
+            self.context.check_attended()
         self._clip(g.grad_norm)
         # Scalars of the optimizer state (its step count) are updated in place: the input state
         # keeps its own (Note [donated state]).

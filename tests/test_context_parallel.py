@@ -7,6 +7,8 @@ global batch.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -172,6 +174,29 @@ def rank_refusals() -> dict:
         out["mask"] = "not refused"
     except NotImplementedError as e:
         out["mask"] = str(e)
+
+    def by_hand(p, b):  # attention written out, not through F.scaled_dot_product_attention
+        x = b * p["w"]
+        return (torch.softmax(x @ x.transpose(-1, -2), -1) @ x).sum()
+
+    def warned(run) -> list[str]:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            run()
+        return [str(w.message) for w in seen if issubclass(w.category, sf.ContextParallelWarning)]
+
+    hand = sf.train_step(by_hand, sf.optim.sgd(0.1), mesh, batch_specs=sf.P(None, "cp"))
+    hstate = [hand.init({"w": torch.ones(4)})]
+
+    def two_steps():
+        for _ in range(2):
+            hstate[0], _ = hand(hstate[0], torch.ones(2, 8, 4))
+
+    out["by_hand"] = warned(two_steps)  # once, at the first step
+    pos_step = sf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0], pos=b[2]).flatten(0, 1), b[1].flatten()),
+                             sf.optim.sgd(0.1), mesh, batch_specs=sf.P(None, "cp"))
+    pstate = pos_step.init(params)
+    out["sdpa"] = warned(lambda: pos_step(pstate, _gpt_batch(0, 1)))
     return out
 
 
@@ -181,6 +206,8 @@ def test_context_parallel_refusals(pools):
         assert "has none" in r["no_axis"], r["no_axis"]
         assert "multiple of 2 * cp" in r["uneven"], r["uneven"]
         assert "attn_mask" in r["mask"], r["mask"]
+        assert len(r["by_hand"]) == 1 and "no torch.nn.functional.scaled_dot_product_attention" in r["by_hand"][0], r["by_hand"]
+        assert r["sdpa"] == [], r["sdpa"]
 
 
 def rank_estimate() -> dict:

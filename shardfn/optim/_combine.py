@@ -83,6 +83,11 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
     """Applies `inner` to the leaves where `mask` is True; the others pass through unchanged.
 
     Masked-out leaves get no state (they are ``None``, an empty subtree, in the inner state).
+    Their updates pass through as they came, as in optax: used as the whole optimizer
+    (``masked(adamw(...), mask)`` alone), a masked-out leaf's update is its raw gradient, and
+    ``apply_updates`` adds it (a step up the gradient, at rate 1). To train some leaves only, keep
+    the others out of training (``sf.train_step(..., frozen=...)``), or chain ``masked`` between
+    transforms that scale every leaf, as in the example.
 
     Args:
         inner: the transformation to apply.
