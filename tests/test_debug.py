@@ -258,3 +258,45 @@ def test_a_reset_names_the_collectives_left_in_flight(capsys):
     err = capsys.readouterr().err
     assert "1 collectives left in flight at a reset: ['point-to-point exchange']" in err, err
     assert not _debug._IN_FLIGHT
+
+
+GUARD_PROBE = """
+import ctypes, torch
+n = 25600  # 100 KiB: glibc serves it from its heap (under its mmap threshold), the trap maps it
+x = torch.empty(n)
+usable = ctypes.CDLL(None).malloc_usable_size
+usable.argtypes, usable.restype = [ctypes.c_void_p], ctypes.c_size_t
+print("usable", usable(x.data_ptr()), flush=True)
+p = x.data_ptr()
+del x  # given back
+y = torch.zeros(n)  # the next block of that size: glibc hands the same memory out again
+ctypes.memset(p + 2 * n, 7, 8)  # a late write into the freed block, as a message landing after the free
+print("the write went unseen; another tensor changed:", bool(y.ne(0).any()), y.data_ptr() - p, flush=True)
+"""
+
+
+def test_the_guard_allocator_stops_a_write_into_freed_memory(tmp_path):
+    """scripts/guardmalloc.c (the soak's `SOAK_GUARD=1`, docs/heap-corruption.md): a tensor's
+    memory written after it was given back faults at once, naming the freed block and the stack
+    that freed it; without the trap the same write lands, unseen, in the tensor allocated next."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    assert gcc, "a C compiler is needed (Inductor's C++ backend needs one too)"
+    lib = tmp_path / "guardmalloc.so"
+    src = Path(__file__).resolve().parents[1] / "scripts" / "guardmalloc.c"
+    subprocess.run([gcc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src), "-lpthread"], check=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    plain = subprocess.run([sys.executable, "-c", GUARD_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and "the write went unseen; another tensor changed: True" in plain.stdout, plain.stdout + plain.stderr
+    guarded = subprocess.run([sys.executable, "-c", GUARD_PROBE], env=dict(env, LD_PRELOAD=str(lib)), capture_output=True, text=True,
+                             timeout=120)
+    assert guarded.returncode == -11, (guarded.returncode, guarded.stdout, guarded.stderr[-3000:])
+    assert "usable 102400" in guarded.stdout and "the write went unseen" not in guarded.stdout, guarded.stdout
+    assert "inside a FREED block of 102400 bytes" in guarded.stderr, guarded.stderr[-3000:]
+    assert "guardmalloc: the faulting thread:" in guarded.stderr, guarded.stderr[-3000:]
