@@ -269,9 +269,13 @@ usable.argtypes, usable.restype = [ctypes.c_void_p], ctypes.c_size_t
 print("usable", usable(x.data_ptr()), flush=True)
 p = x.data_ptr()
 del x  # given back
-y = torch.zeros(n)  # the next block of that size: glibc hands the same memory out again
-ctypes.memset(p + 2 * n, 7, 8)  # a late write into the freed block, as a message landing after the free
-print("the write went unseen; another tensor changed:", bool(y.ne(0).any()), y.data_ptr() - p, flush=True)
+ys = []  # smaller tensors (an aligned block of the same size may not fit the freed one)
+for _ in range(64):  # until glibc hands the freed memory out again
+    ys.append(torch.zeros(n // 4))
+    if ys[-1].data_ptr() <= p + 1000 < ys[-1].data_ptr() + n:
+        break
+ctypes.memset(p + 1000, 7, 8)  # a late write into the freed block, as a message landing after the free
+print("the write went unseen; another tensor changed:", any(bool(y.ne(0).any()) for y in ys), flush=True)
 """
 
 
