@@ -252,6 +252,32 @@ def test_from_torch(mode):
     assert rel_err(run_ours(opt, params, grads, mode), ref) < 1e-6
 
 
+# Every elementwise optimizer of torch.optim, with hyper-parameters off their defaults (those read
+# when the optimizer is built, not only per step: Adagrad's initial accumulator).
+TORCH_OPTIMIZERS = {
+    "Adagrad": (torch.optim.Adagrad, dict(lr=1e-2, initial_accumulator_value=0.1, lr_decay=0.01, weight_decay=0.1)),
+    "Adadelta": (torch.optim.Adadelta, dict(lr=0.5, rho=0.8, weight_decay=0.1)),
+    "Adam": (torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.9), amsgrad=True)),
+    "Adamax": (torch.optim.Adamax, dict(lr=1e-2, weight_decay=0.1)),
+    "ASGD": (torch.optim.ASGD, dict(lr=1e-2, t0=1.0, weight_decay=0.1)),
+    "NAdam": (torch.optim.NAdam, dict(lr=1e-2, momentum_decay=1e-3, decoupled_weight_decay=True, weight_decay=0.1)),
+    "RAdam": (torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.1)),
+    "RMSprop": (torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5, centered=True)),
+    "Rprop": (torch.optim.Rprop, dict(lr=1e-2, etas=(0.4, 1.3))),
+    "SGD": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("mode", ["update", "step_"])
+@pytest.mark.parametrize("name", list(TORCH_OPTIMIZERS))
+def test_from_torch_equals_each_torch_optimizer(name, mode):
+    cls, kwargs = TORCH_OPTIMIZERS[name]
+    params = make_tree(5)
+    grads = grads_seq(params)
+    ref = run_torch(cls, kwargs, params, grads)
+    assert rel_err(run_ours(O.from_torch(cls, **kwargs), params, grads, mode), ref) < 1e-6
+
+
 def test_from_torch_is_pure():
     opt = O.from_torch(torch.optim.Adam, lr=1e-2)
     params = make_tree(4)

@@ -27,8 +27,9 @@ class TorchOptimizerState(NamedTuple):
 def from_torch(optimizer_class: type, **kwargs: Any) -> GradientTransformation:
     """Wraps a ``torch.optim.Optimizer`` class functionally.
 
-    Each update builds the optimizer over the local tensors of the params (one param group with
-    `kwargs`), loads the per-leaf state, takes one ``step()`` and reads the state back. ``update``
+    Each update builds the optimizer over the local tensors of the params
+    (``optimizer_class(params, **kwargs)``: one param group), loads the per-leaf state, takes one
+    ``step()`` and reads the state back. ``update``
     works on copies, so it never mutates its inputs; ``step_`` steps the params in place.
     `lr` may be a schedule ``step -> float``.
 
@@ -79,7 +80,10 @@ def from_torch(optimizer_class: type, **kwargs: Any) -> GradientTransformation:
         group = dict(kwargs)
         if callable(lr):
             group["lr"] = float(lr(int(state.count)))
-        opt = optimizer_class([{"params": ps, **group}])
+        # The hyper-parameters go to the constructor, not only into the param group: an optimizer
+        # may read them as it is built (Adagrad fills its accumulators with
+        # `initial_accumulator_value` there; a group's copy of it is never read).
+        opt = optimizer_class(ps, **group)
         saved = [p.grad for p in ps]
         for p, g, d in zip(ps, gs, dicts):
             p.grad = g
