@@ -20,19 +20,32 @@ __all__ = ["LLAMA", "LLAMA_SP", "QWEN2", "MISTRAL", "GPT2", "GPT2_SP", "GPT", "G
 COLUMN = P("tp", None)  # an nn.Linear weight [out, in] split on its outputs
 ROW = P(None, "tp")  # ... split on its inputs: each rank computes a partial sum
 
+# peft's LoRA wraps a linear layer: its weight moves to `<layer>.base_layer.weight`, beside
+# `<layer>.lora_A.<adapter>.weight` [r, in] and `<layer>.lora_B.<adapter>.weight` [out, r]. The rules
+# split the base weight as the plain layer's, and the adapter on the same side: a column-parallel
+# layer's B on its outputs (A whole), a row-parallel layer's A on its inputs (B whole), so the
+# adapter's output is laid out as the base layer's.
+_BASE = r"(\.base_layer)?"
+_LORA_A, _LORA_B = r"\.lora_A\.[^.]+\.weight", r"\.lora_B\.[^.]+\.weight"
+
 LLAMA: list[tuple[str, P]] = [
     # Attention: q/k/v column-parallel (heads split over tp), o row-parallel.
-    (r".*\.self_attn\.(q_proj|k_proj|v_proj)\.weight", COLUMN),
-    (r".*\.self_attn\.(q_proj|k_proj|v_proj)\.bias", P("tp")),  # Qwen2's q/k/v biases
-    (r".*\.self_attn\.o_proj\.weight", ROW),
+    (r".*\.self_attn\.(q_proj|k_proj|v_proj)" + _BASE + r"\.weight", COLUMN),
+    (r".*\.self_attn\.(q_proj|k_proj|v_proj)" + _BASE + r"\.bias", P("tp")),  # Qwen2's q/k/v biases
+    (r".*\.self_attn\.(q_proj|k_proj|v_proj)" + _LORA_B, COLUMN),
+    (r".*\.self_attn\.o_proj" + _BASE + r"\.weight", ROW),
+    (r".*\.self_attn\.o_proj" + _LORA_A, ROW),
     # MLP: gate/up column-parallel, down row-parallel.
-    (r".*\.mlp\.(gate_proj|up_proj)\.weight", COLUMN),
-    (r".*\.mlp\.down_proj\.weight", ROW),
+    (r".*\.mlp\.(gate_proj|up_proj)" + _BASE + r"\.weight", COLUMN),
+    (r".*\.mlp\.(gate_proj|up_proj)" + _LORA_B, COLUMN),
+    (r".*\.mlp\.down_proj" + _BASE + r"\.weight", ROW),
+    (r".*\.mlp\.down_proj" + _LORA_A, ROW),
     # Vocabulary-parallel embedding and head (tied or not); the cross-entropy stays on the shards.
     (r".*embed_tokens\.weight", P("tp", None)),
-    (r"lm_head\.weight", P("tp", None)),
+    (r"(.*\.)?lm_head\.weight", P("tp", None)),  # `base_model.model.lm_head.weight` under peft
 ]
-"""Hugging Face Llama (`LlamaForCausalLM`): heads and key/value heads must divide by tp."""
+"""Hugging Face Llama (`LlamaForCausalLM`), plain or with peft's LoRA adapters: heads and key/value
+heads must divide by tp."""
 
 LLAMA_SP: list[tuple[str, P]] = [
     *LLAMA,

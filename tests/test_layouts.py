@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import optree
 import pytest
 import torch
 import shardfn as sf
@@ -326,3 +327,51 @@ def test_constrain_lays_out_the_activation_and_changes_no_value(pools):
         assert "tensor-parallel axis" in r["no_tp"], r["no_tp"]
         assert "['mlp\\\\.up'] match no module" in r["unmatched"], r["unmatched"]
         assert "list of (regex, sf.P) pairs" in r["not_pairs"], r["not_pairs"]
+
+
+def rank_peft_llama_tensor_parallel() -> dict:
+    """3 SGD steps of a tiny Llama with peft's LoRA on every projection, on (dp=2, tp=2) with
+    `sf.rules.LLAMA`; the reference trains the same model on the global batch in this process."""
+    import peft
+
+    mesh = sf.mesh(dp=2, tp=2)
+    dp = mesh.get_coordinate()[0]
+    model = _llama()
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, cfg)
+    ref = copy.deepcopy(model)
+    apply, params = sf.functionalize(model, units=r".*\.layers\.\d+")
+    specs = sf.specs(params, mesh, rules=sf.rules.LLAMA, default=sf.P("dp"))
+    on_tp = {path for path, spec in zip(sf.tree_paths(params), optree.tree_leaves(specs, is_leaf=lambda x: isinstance(x, sf.P)))
+             if "tp" in [a for part in spec for a in (part if isinstance(part, tuple) else (part,))]}
+
+    def loss_fn(p, ids):
+        return apply(p, input_ids=ids, labels=ids, use_cache=False).loss
+
+    step = sf.train_step(loss_fn, sf.optim.sgd(LR, momentum=0.9), mesh, specs=specs)
+    state, losses, fallbacks = _train_against_one_process(
+        step, params, ref, lambda ids: ref(input_ids=ids, labels=ids, use_cache=False).loss, 16, dp)
+    full = sf.to_state_dict(sf.gather(state.params), apply)
+    err = max(rel_err(full[k], v) for k, v in ref.state_dict().items())
+    return dict(params=err, loss=max(losses), on_tp=sorted(on_tp), fallbacks=fallbacks)
+
+
+def test_the_llama_rules_split_peft_lora_layers_on_tp_exactly(pools):
+    """`sf.rules.LLAMA` on a peft model: every projection's base weight is split as the plain
+    layer's, the adapter on the same side (column-parallel: B on its outputs; row-parallel: A on
+    its inputs), the head too; 3 steps equal one process."""
+    pytest.importorskip("peft")
+    out = pools(4).run(rank_peft_llama_tensor_parallel)[0]
+    on_tp = out["on_tp"]
+    for layer in range(2):
+        for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                     "mlp.down_proj"):
+            base = f"base_model.model.model.layers.{layer}.{proj}"
+            assert f"{base}.base_layer.weight" in on_tp, (base, on_tp)
+            side = "lora_A" if proj.endswith(("o_proj", "down_proj")) else "lora_B"
+            other = "lora_B" if side == "lora_A" else "lora_A"
+            assert f"{base}.{side}.default.weight" in on_tp and f"{base}.{other}.default.weight" not in on_tp, (base, on_tp)
+    assert "base_model.model.lm_head.weight" in on_tp and "base_model.model.model.embed_tokens.weight" in on_tp, on_tp
+    assert out["params"] < 1e-5 and out["loss"] < 1e-5, out
