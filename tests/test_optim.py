@@ -278,6 +278,20 @@ def test_from_torch_equals_each_torch_optimizer(name, mode):
     assert rel_err(run_ours(O.from_torch(cls, **kwargs), params, grads, mode), ref) < 1e-6
 
 
+def test_from_torch_steps_a_tree_with_no_leaf():
+    """An empty tree, or a mask that selects no leaf: nothing to step (torch refuses an optimizer
+    over no parameter), the leaves left out keep their values."""
+    opt = O.from_torch(torch.optim.Adagrad, lr=1e-2, initial_accumulator_value=0.1)
+    state = opt.init({})
+    updates, state = opt.update({}, state, {})
+    assert updates == {} and int(state.count) == 1
+    assert int(opt.step_({}, state, {}).count) == 2
+    params = {"a": torch.ones(2)}
+    masked = O.masked(opt, {"a": False})
+    updates, _ = masked.update({"a": torch.full((2,), 3.0)}, masked.init(params), params)
+    assert torch.equal(updates["a"], torch.full((2,), 3.0))  # a masked-out leaf's update is its gradient, as optax
+
+
 def test_from_torch_is_pure():
     opt = O.from_torch(torch.optim.Adam, lr=1e-2)
     params = make_tree(4)

@@ -83,6 +83,10 @@ def from_torch(optimizer_class: type, **kwargs: Any) -> GradientTransformation:
         # The hyper-parameters go to the constructor, not only into the param group: an optimizer
         # may read them as it is built (Adagrad fills its accumulators with
         # `initial_accumulator_value` there; a group's copy of it is never read).
+        # No leaf (an empty tree, a mask that selects none): nothing to step, and torch refuses an
+        # optimizer over no parameter.
+        if not ps:
+            return ps, p_loc, p_leaves, spec, TorchOptimizerState(count=bump(state.count, inplace), per_leaf=spec.unflatten([]))
         opt = optimizer_class(ps, **group)
         saved = [p.grad for p in ps]
         for p, g, d in zip(ps, gs, dicts):
