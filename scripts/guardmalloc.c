@@ -72,8 +72,7 @@ static int ours(void *p) {
     return h->magic2 == MAGIC && h->magic == MAGIC;
 }
 
-static void *guard_alloc(size_t size, size_t align, int zero) {
-    (void)zero; /* fresh anonymous pages are zero */
+static void *guard_alloc(size_t size, size_t align) { /* fresh anonymous pages are zero: calloc's too */
     if (align < 64) align = 64;
     size_t need = size + sizeof(struct header) + 2 * align;
     size_t data = (need + page - 1) & ~(page - 1);
@@ -165,7 +164,7 @@ __attribute__((constructor)) static void init(void) {
     pthread_atfork(before_fork, after_fork, after_fork);
 }
 
-void *malloc(size_t n) { return n >= min_size ? guard_alloc(n, 64, 0) : __libc_malloc(n); }
+void *malloc(size_t n) { return n >= min_size ? guard_alloc(n, 64) : __libc_malloc(n); }
 
 void *calloc(size_t k, size_t n) {
     size_t t;
@@ -173,7 +172,7 @@ void *calloc(size_t k, size_t n) {
         errno = ENOMEM;
         return NULL;
     }
-    return t >= min_size ? guard_alloc(t, 64, 1) : __libc_calloc(k, n);
+    return t >= min_size ? guard_alloc(t, 64) : __libc_calloc(k, n);
 }
 
 void free(void *p) {
@@ -187,7 +186,7 @@ void *realloc(void *p, size_t n) {
     if (!ours(p)) {
         if (p != NULL && n >= min_size) {
             size_t old = malloc_usable_size(p);
-            void *q = guard_alloc(n, 64, 0);
+            void *q = guard_alloc(n, 64);
             if (q == NULL) return NULL;
             memcpy(q, p, old < n ? old : n);
             __libc_free(p);
@@ -208,7 +207,7 @@ void *realloc(void *p, size_t n) {
 }
 
 /* Alignments above 2 KiB (pages) stay with glibc: a block of ours never starts its page. */
-void *memalign(size_t align, size_t n) { return n >= min_size && align <= 2048 ? guard_alloc(n, align, 0) : __libc_memalign(align, n); }
+void *memalign(size_t align, size_t n) { return n >= min_size && align <= 2048 ? guard_alloc(n, align) : __libc_memalign(align, n); }
 void *aligned_alloc(size_t align, size_t n) { return memalign(align, n); }
 void *valloc(size_t n) { return memalign(page, n); }
 void *pvalloc(size_t n) { return memalign(page, (n + page - 1) & ~(page - 1)); }

@@ -345,7 +345,7 @@ def rank_peft_llama_tensor_parallel() -> dict:
     apply, params = sf.functionalize(model, units=r".*\.layers\.\d+")
     specs = sf.specs(params, mesh, rules=sf.rules.LLAMA, default=sf.P("dp"))
     on_tp = {path for path, spec in zip(sf.tree_paths(params), optree.tree_leaves(specs, is_leaf=lambda x: isinstance(x, sf.P)))
-             if "tp" in [a for part in spec for a in (part if isinstance(part, tuple) else (part,))]}
+             if "tp" in spec.axes}
 
     def loss_fn(p, ids):
         return apply(p, input_ids=ids, labels=ids, use_cache=False).loss
@@ -361,7 +361,7 @@ def rank_peft_llama_tensor_parallel() -> dict:
 def test_the_llama_rules_split_peft_lora_layers_on_tp_exactly(pools):
     """`sf.rules.LLAMA` on a peft model: every projection's base weight is split as the plain
     layer's, the adapter on the same side (column-parallel: B on its outputs; row-parallel: A on
-    its inputs), the head too; 3 steps equal one process."""
+    its inputs), the head too; 3 steps equal one process, and no layer falls back to a gather."""
     pytest.importorskip("peft")
     out = pools(4).run(rank_peft_llama_tensor_parallel)[0]
     on_tp = out["on_tp"]
@@ -375,3 +375,4 @@ def test_the_llama_rules_split_peft_lora_layers_on_tp_exactly(pools):
             assert f"{base}.{side}.default.weight" in on_tp and f"{base}.{other}.default.weight" not in on_tp, (base, on_tp)
     assert "base_model.model.lm_head.weight" in on_tp and "base_model.model.model.embed_tokens.weight" in on_tp, on_tp
     assert out["params"] < 1e-5 and out["loss"] < 1e-5, out
+    assert out["fallbacks"] == [], out["fallbacks"]  # every LoRA layer runs on its shards (before: a gather per layer)
