@@ -10,6 +10,15 @@
  * the address, the freed block it falls in, the stack of the thread that freed it and the stack
  * of the thread that faulted, then lets the process die as it would have.
  *
+ * What a guard page cannot catch, canaries do, checked when the block is freed: the bytes between
+ * the block's end and the guard page (under 128) and the 16 bytes just before its start hold a
+ * pattern, and the header before those carries a checksum of itself. A write past the end that
+ * stops short of the guard page, or up to 56 bytes before the start (an underrun: where glibc keeps
+ * the chunk header its free reads), is reported with the block and the freeing stack, and aborts.
+ * GUARDMALLOC_FRAMES (default 24) is how many frames of the freeing stack each free records; 0
+ * records none, for a free as fast as the trap allows (a race between a free and a late write
+ * depends on timing, and a backtrace per free changes it).
+ *
  * Smaller blocks go to glibc's own malloc. glibc's MALLOC_CHECK_ (libc_malloc_debug.so) does not
  * reach a Python process on this machine (docs/heap-corruption.md); this does.
  *
@@ -38,6 +47,7 @@ extern void __libc_free(void *);
 
 #define MAGIC 0x6775617264626c6bULL /* "guardblk" */
 #define FRAMES 24
+#define CANARY 0xa5 /* the pattern around each block */
 
 struct header { /* the 64 bytes just before the block */
     uint64_t magic;
@@ -45,7 +55,8 @@ struct header { /* the 64 bytes just before the block */
     size_t maplen;
     size_t size;
     uint64_t magic2;
-    uint64_t pad[3];
+    uint64_t check; /* MAGIC ^ base ^ maplen ^ size: the fields above as written */
+    unsigned char before[16]; /* canary: an underrun of up to 16 bytes lands here */
 };
 
 struct freed {
@@ -57,7 +68,7 @@ struct freed {
     void *frames[FRAMES];
 };
 
-static size_t min_size = 65536, page = 4096, qcap = 4096;
+static size_t min_size = 65536, page = 4096, qcap = 4096, nframes = FRAMES;
 static struct freed *quarantine;
 static size_t qnext, qcount;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -89,13 +100,56 @@ static void *guard_alloc(size_t size, size_t align) { /* fresh anonymous pages a
     h->base = base;
     h->maplen = maplen;
     h->size = size;
+    h->check = MAGIC ^ (uint64_t)(uintptr_t)base ^ maplen ^ size;
+    memset(h->before, CANARY, sizeof h->before);
+    memset((char *)p + size, CANARY, (size_t)(end - (p + size))); /* the tail, up to the guard page */
     return (void *)p;
+}
+
+/* A block of ours whose header's second magic was overwritten (an underrun of 25 to 32 bytes);
+ * one that reaches the first magic too is beyond telling, and glibc's free will refuse it. */
+static int overwritten(void *p) {
+    if (p == NULL || ((uintptr_t)p & 63) != 0 || ((uintptr_t)p & (page - 1)) < 64) return 0;
+    const struct header *h = (const struct header *)p - 1;
+    return h->magic == MAGIC && h->magic2 != MAGIC;
+}
+
+/* A canary found changed: say where and what, with the freeing stack, and abort. */
+static void report_canary(const struct header *h, int past_end, size_t offset, unsigned char found) {
+    char msg[320];
+    int n = snprintf(msg, sizeof msg,
+                     "\nguardmalloc: a write %s a block of %zu bytes at %p (the byte at %s%zu from its %s reads 0x%02x), found at its free in thread %d:\n",
+                     past_end ? "past the end of" : "before the start of", h->size, (void *)(h + 1), past_end ? "+" : "-", offset,
+                     past_end ? "end" : "start", found, gettid());
+    write(2, msg, n);
+    void *frames[FRAMES];
+    backtrace_symbols_fd(frames, backtrace(frames, FRAMES), 2);
+    abort();
+}
+
+static void check_canaries(const struct header *h) {
+    const unsigned char *p = (const unsigned char *)(h + 1);
+    if (h->check != (MAGIC ^ (uint64_t)(uintptr_t)h->base ^ h->maplen ^ h->size)) {
+        char msg[200];
+        int n = snprintf(msg, sizeof msg, "\nguardmalloc: the header before the block at %p was overwritten (a write before its start), found at its free in thread %d:\n",
+                         (void *)p, gettid());
+        write(2, msg, n);
+        void *frames[FRAMES];
+        backtrace_symbols_fd(frames, backtrace(frames, FRAMES), 2);
+        abort();
+    }
+    for (size_t i = 0; i < sizeof h->before; i++)
+        if (h->before[i] != CANARY) report_canary(h, 0, sizeof h->before - i, h->before[i]);
+    const unsigned char *end = (const unsigned char *)(h->base + h->maplen - page);
+    for (const unsigned char *q = p + h->size; q < end; q++)
+        if (*q != CANARY) report_canary(h, 1, (size_t)(q - (p + h->size)), *q);
 }
 
 static void guard_free(void *p) {
     struct header *h = (struct header *)p - 1;
     char *base = h->base;
     size_t maplen = h->maplen, size = h->size;
+    check_canaries(h);
     h->magic = h->magic2 = 0;
     madvise(base, maplen, MADV_DONTNEED);
     mprotect(base, maplen, PROT_NONE);
@@ -116,7 +170,7 @@ static void guard_free(void *p) {
     q->maplen = maplen;
     q->size = size;
     q->tid = gettid();
-    q->nframes = backtrace(q->frames, FRAMES);
+    q->nframes = nframes ? backtrace(q->frames, (int)nframes) : 0;
     qnext = (qnext + 1) % qcap;
     pthread_mutex_unlock(&lock);
 }
@@ -152,6 +206,8 @@ __attribute__((constructor)) static void init(void) {
     if (s) min_size = strtoull(s, NULL, 10);
     s = getenv("GUARDMALLOC_QUARANTINE");
     if (s && strtoull(s, NULL, 10) > 0) qcap = strtoull(s, NULL, 10);
+    s = getenv("GUARDMALLOC_FRAMES");
+    if (s) nframes = strtoull(s, NULL, 10) < FRAMES ? strtoull(s, NULL, 10) : FRAMES;
     page = (size_t)sysconf(_SC_PAGESIZE);
     void *warm[1];
     backtrace(warm, 1); /* loads libgcc before any fault or lock */
@@ -177,6 +233,7 @@ void *calloc(size_t k, size_t n) {
 
 void free(void *p) {
     if (ours(p)) guard_free(p);
+    else if (overwritten(p)) report_canary((const struct header *)p - 1, 0, 32, (unsigned char)((const struct header *)p - 1)->magic2);
     else __libc_free(p);
 }
 

@@ -279,14 +279,9 @@ print("the write went unseen; another tensor changed:", any(bool(y.ne(0).any()) 
 """
 
 
-def test_the_guard_allocator_stops_a_write_into_freed_memory(tmp_path):
-    """scripts/guardmalloc.c (the soak's `SOAK_GUARD=1`, docs/heap-corruption.md): a tensor's
-    memory written after it was given back faults at once, naming the freed block and the stack
-    that freed it; without the trap the same write lands, unseen, in the tensor allocated next."""
-    import os
+def _build_guardmalloc(tmp_path) -> str:
     import shutil
     import subprocess
-    import sys
 
     from pathlib import Path
 
@@ -295,6 +290,18 @@ def test_the_guard_allocator_stops_a_write_into_freed_memory(tmp_path):
     lib = tmp_path / "guardmalloc.so"
     src = Path(__file__).resolve().parents[1] / "scripts" / "guardmalloc.c"
     subprocess.run([gcc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src), "-lpthread"], check=True, timeout=60)
+    return str(lib)
+
+
+def test_the_guard_allocator_stops_a_write_into_freed_memory(tmp_path):
+    """scripts/guardmalloc.c (the soak's `SOAK_GUARD=1`, docs/heap-corruption.md): a tensor's
+    memory written after it was given back faults at once, naming the freed block and the stack
+    that freed it; without the trap the same write lands, unseen, in the tensor allocated next."""
+    import os
+    import subprocess
+    import sys
+
+    lib = _build_guardmalloc(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     plain = subprocess.run([sys.executable, "-c", GUARD_PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert plain.returncode == 0 and "the write went unseen; another tensor changed: True" in plain.stdout, plain.stdout + plain.stderr
@@ -304,3 +311,37 @@ def test_the_guard_allocator_stops_a_write_into_freed_memory(tmp_path):
     assert "usable 102400" in guarded.stdout and "the write went unseen" not in guarded.stdout, guarded.stdout
     assert "inside a FREED block of 102400 bytes" in guarded.stderr, guarded.stderr[-3000:]
     assert "guardmalloc: the faulting thread:" in guarded.stderr, guarded.stderr[-3000:]
+
+
+CANARY_PROBE = """
+import ctypes, sys
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+p = libc.malloc(102404)  # 60 bytes short of the guard page that follows it
+offset = {"end": 102404 + 10, "start": -8, "header": -40, "none": 0}[sys.argv[1]]
+ctypes.memset(p + offset, 7, 1)
+libc.free(p)
+print("freed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("where,message", [("end", "a write past the end of a block of 102404 bytes"),
+                                           ("start", "a write before the start of a block of 102404 bytes"),
+                                           ("header", "the header before the block at"),
+                                           ("none", None)])
+def test_the_guard_allocator_names_a_write_just_outside_a_block(tmp_path, where, message):
+    """Writes that stop short of the guard page (past a block's end) or land just before a block's
+    start (over the header glibc's free reads, as in `munmap_chunk(): invalid pointer`) change a
+    canary, and the block's free aborts naming them; a write inside the block changes none."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    out = subprocess.run([sys.executable, "-c", CANARY_PROBE, where], env=dict(env, LD_PRELOAD=_build_guardmalloc(tmp_path)),
+                         capture_output=True, text=True, timeout=60)
+    if message is None:
+        assert out.returncode == 0 and "freed" in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
+    else:
+        assert out.returncode == -6 and "freed" not in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
+        assert message in out.stderr and "found at its free" in out.stderr, out.stderr[-2000:]
