@@ -27,10 +27,11 @@ aligned with the tokens (shift them before the cut: a model that shifts labels i
 each chunk). Attention with an explicit mask, or with dropout, is refused.
 
 Only `F.scaled_dot_product_attention` sees across the ranks' chunks: attention written out by hand
-(`softmax(q @ k.T)`), a pooling over the sequence or a shift of the labels inside the model computes
-on the local chunks alone, and the step cannot tell such an op from a per-token one. A first step
-whose forward called no `scaled_dot_product_attention` at all (a model that attends by hand, a
-sequence classifier that pools) warns once, with `ContextParallelWarning`.
+(`softmax(q @ k.T)`), a pooling over the sequence or a shift of the labels inside the model would
+compute on the local chunks alone. The first step follows the sequence through its forward and
+refuses such ops before anything is applied (Note [positions mixed outside attention] in
+`_positions.py`). A first step whose forward called no `scaled_dot_product_attention` at all warns
+once, with `ContextParallelWarning`.
 
 With tensor parallelism (`sf.mesh(dp=..., tp=..., cp=...)`) the step runs on a (dp x cp, tp) mesh:
 parameters split over tp as their specs say and sharded over dp and cp together, the forward on
@@ -57,6 +58,7 @@ from . import _collectives as C
 from ._manual import axis_group
 from ._mesh import with_job_timeout
 from ._named import _Collective, _Permute
+from ._positions import PositionWatch
 from ._spec import P
 
 __all__ = ["ContextParallel", "ContextParallelWarning"]
@@ -93,6 +95,8 @@ class ContextParallel:
         self.size = int(mesh.size(names.index("cp")))
         self.attended = 0  # calls of the ring; a first step without one warns (`check_attended`)
         self._checked = False
+        self.watch: PositionWatch | None = None  # the first step's (Note [positions mixed outside attention])
+        self.positions_checked = False
         self.group = axis_group(mesh, ("cp",))
         if "tp" in names:  # the step's mesh: (dp x cp, tp), dp and cp as one data axis
             t = mesh.mesh.permute(*(names.index(a) for a in ("dp", "cp", "tp") if a in names))
@@ -102,7 +106,8 @@ class ContextParallel:
 
     # -- the batch ------------------------------------------------------------------------------
     def cut(self, batch: Any) -> Any:
-        """This rank's head and tail chunks of every batch dim whose spec names "cp"."""
+        """This rank's head and tail chunks of every batch dim whose spec names "cp" (marked as the
+        sequence for the step's `watch`, if it has one)."""
         try:
             specs = optree.tree_broadcast_prefix(self.batch_specs, batch, is_leaf=lambda x: isinstance(x, P), none_is_leaf=True)
         except ValueError as e:
@@ -137,6 +142,8 @@ class ContextParallel:
                     )
                 chunks = x.chunk(2 * n, d)
                 x = torch.cat([chunks[r], chunks[2 * n - 1 - r]], d)
+        if self.watch is not None:
+            self.watch.mark(x, tuple(d for d in range(len(spec)) if spec.axes_of(d)))
         return x
 
     def positions(self, t_local: int, rank: int) -> torch.Tensor:
@@ -146,18 +153,36 @@ class ContextParallel:
 
     # -- attention ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def attention(self) -> Iterator[None]:
-        """`F.scaled_dot_product_attention` as ring attention over cp for the block.
+    def attention(self, watch: bool = False) -> Iterator[None]:
+        """`F.scaled_dot_product_attention` as ring attention over cp for the block; with `watch`,
+        and until a step has passed it, the block's forward is checked for ops that mix positions
+        outside attention (Note [positions mixed outside attention] in `_positions.py`).
 
         Swapped in `torch.nn.functional` itself, for the step (its forward, and its backward, where
         remat recomputes the forward: a torch function mode is not active there), then put back.
         """
         original = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = self._ring
+        self.watch = PositionWatch() if watch and not self.positions_checked else None
         try:
-            yield
+            with self.watch if self.watch is not None else contextlib.nullcontext():
+                yield
         finally:
             F.scaled_dot_product_attention = original
+
+    def check_positions(self) -> None:
+        """After a watched step: refuses it if an op other than attention mixed positions."""
+        watch, self.watch = self.watch, None
+        if watch is None:
+            return
+        if watch.found is not None:
+            raise ValueError(
+                f"context parallelism: {watch.found}. Each cp rank holds 2 of the 2 * cp chunks of every sequence, and "
+                "only torch.nn.functional.scaled_dot_product_attention sees across them, so this step would compute "
+                "something else than one process on the whole sequence; nothing was applied (Note [positions mixed "
+                "outside attention] in shardfn/_positions.py)"
+            )
+        self.positions_checked = True
 
     def check_attended(self) -> None:
         """After the first step: warns if its forward called no `scaled_dot_product_attention`."""
@@ -178,6 +203,15 @@ class ContextParallel:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
                is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
         """Exact attention of this rank's queries over the whole sequence (Note [context parallelism])."""
+        watch = self.watch
+        if watch is None:
+            return self._attend(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        with watch.paused():  # the ring mixes positions across the ranks, as it should
+            out = self._attend(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        watch.attended(q, out)
+        return out
+
+    def _attend(self, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor:
         self.attended += 1
         if attn_mask is not None or dropout_p:
             raise NotImplementedError(
@@ -212,7 +246,7 @@ class ContextParallel:
                 f"{getattr(k, 'placements', None)}, {getattr(v, 'placements', None)} over tp; split them on their heads (as "
                 "sf.rules.LLAMA does) or keep them whole on tp, the same for all three"
             )
-        out = self.attend(q.to_local(), k.to_local(), v.to_local(), is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        out = self._attend(q.to_local(), k.to_local(), v.to_local(), None, 0.0, is_causal, scale, enable_gqa)
         shape = (*q.shape[:-1], v.shape[-1])
         stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
         return DTensor.from_local(out, q.device_mesh, pl, run_check=False, shape=torch.Size(shape), stride=stride)

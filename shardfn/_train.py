@@ -136,9 +136,12 @@ class TrainStep:
         if self.context is None:
             g = self.core.gradients(params, batch)
         else:
-            with self.context.attention():
+            # The first step's forward is watched for positions mixed outside attention, in eager
+            # mode (Note [positions mixed outside attention] in `_positions.py`).
+            with self.context.attention(watch=self.core.compiled is None):
                 g = self.core.gradients(params, self.context.cut(batch))
             self.context.check_attended()
+            self.context.check_positions()
         self._clip(g.grad_norm)
         # Scalars of the optimizer state (its step count) are updated in place: the input state
         # keeps its own (Note [donated state]).

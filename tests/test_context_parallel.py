@@ -175,9 +175,8 @@ def rank_refusals() -> dict:
     except NotImplementedError as e:
         out["mask"] = str(e)
 
-    def by_hand(p, b):  # attention written out, not through F.scaled_dot_product_attention
-        x = b * p["w"]
-        return (torch.softmax(x @ x.transpose(-1, -2), -1) @ x).sum()
+    def per_token(p, b):  # no attention at all: exact, but the step cannot know the model needs none
+        return (b * p["w"]).square().sum()
 
     def warned(run) -> list[str]:
         with warnings.catch_warnings(record=True) as seen:
@@ -185,14 +184,14 @@ def rank_refusals() -> dict:
             run()
         return [str(w.message) for w in seen if issubclass(w.category, sf.ContextParallelWarning)]
 
-    hand = sf.train_step(by_hand, sf.optim.sgd(0.1), mesh, batch_specs=sf.P(None, "cp"))
-    hstate = [hand.init({"w": torch.ones(4)})]
+    plain = sf.train_step(per_token, sf.optim.sgd(0.1), mesh, batch_specs=sf.P(None, "cp"))
+    hstate = [plain.init({"w": torch.ones(4)})]
 
     def two_steps():
         for _ in range(2):
-            hstate[0], _ = hand(hstate[0], torch.ones(2, 8, 4))
+            hstate[0], _ = plain(hstate[0], torch.ones(2, 8, 4))
 
-    out["by_hand"] = warned(two_steps)  # once, at the first step
+    out["no_attention"] = warned(two_steps)  # once, at the first step
     pos_step = sf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0], pos=b[2]).flatten(0, 1), b[1].flatten()),
                              sf.optim.sgd(0.1), mesh, batch_specs=sf.P(None, "cp"))
     pstate = pos_step.init(params)
@@ -206,8 +205,130 @@ def test_context_parallel_refusals(pools):
         assert "has none" in r["no_axis"], r["no_axis"]
         assert "multiple of 2 * cp" in r["uneven"], r["uneven"]
         assert "attn_mask" in r["mask"], r["mask"]
-        assert len(r["by_hand"]) == 1 and "no torch.nn.functional.scaled_dot_product_attention" in r["by_hand"][0], r["by_hand"]
+        assert len(r["no_attention"]) == 1 and "no torch.nn.functional.scaled_dot_product_attention" in r["no_attention"][0], r
+
         assert r["sdpa"] == [], r["sdpa"]
+
+
+def _pooled_classifier(p, b):  # a sequence classifier that mean-pools its tokens
+    h = torch.tanh(b[0] @ p["w"])
+    return F.cross_entropy(h.mean(1) @ p["head"], b[2])
+
+
+def _pooled_then_psum(p, b):  # the same pooling, its sums combined across the ranks first: exact
+    h = torch.tanh(b[0] @ p["w"])
+    pooled = sf.psum(h.sum(1), "dp") / sf.psum(torch.tensor(float(h.shape[1])), "dp")
+    return F.cross_entropy(pooled @ p["head"], b[2])
+
+
+def _last_token(p, b):  # a classifier that reads the last token
+    return F.cross_entropy(torch.tanh(b[0] @ p["w"])[:, -1] @ p["head"], b[2])
+
+
+def _shift_inside(p, b):  # next-token labels shifted inside the loss, after the cut
+    logits = torch.tanh(b[0] @ p["w"]) @ p["head"]
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), b[1][:, 1:].flatten())
+
+
+def _by_hand(p, b):  # attention written out, not through F.scaled_dot_product_attention
+    x = b[0] @ p["w"]
+    return (torch.softmax(x @ x.transpose(-1, -2), -1) @ x).square().mean()
+
+
+def _sdpa(p, b):  # per-token work around F.scaled_dot_product_attention: nothing else mixes positions
+    x = (b[0] @ p["w"])[:, None]
+    y = F.scaled_dot_product_attention(x, x, x, is_causal=True)[:, 0]
+    return F.cross_entropy(y.flatten(0, 1) @ p["head"], b[1].flatten())
+
+
+POSITION_CASES = {  # loss_fn, the words its refusal must hold (None: it trains)
+    "pooled": (_pooled_classifier, ["aten.mean.dim pooled dim 1", "aten._log_softmax", "h.mean(1)", "sf.psum"]),
+    "pooled_then_psum": (_pooled_then_psum, None),
+    "last_token": (_last_token, ["aten.select.int cut dim 1", "[:, -1]", "a pick of one position"]),
+    "shift_inside": (_shift_inside, ["aten.slice.Tensor cut dim 1", "logits[:, :-1]", "shift the labels before the cut"]),
+    "by_hand": (_by_hand, ["aten._softmax.default ran over dim 2", "torch.softmax(x @ x.transpose(-1, -2), -1)",
+                           "scaled_dot_product_attention"]),
+    "sdpa": (_sdpa, None),
+}
+
+
+def rank_positions_mixed_outside_attention(case: str) -> dict:
+    """One loss_fn of `POSITION_CASES` on cp=2: its first step refused before anything is applied,
+    or, where nothing but attention mixes positions, two steps trained as one process would."""
+    fn, _ = POSITION_CASES[case]
+    mesh = sf.mesh(cp=-1)
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 6) * 0.5, "head": torch.randn(6, 3) * 0.5}
+    g = torch.Generator().manual_seed(1)
+    # tokens' features, a label per token and one per sequence (not cut)
+    batch = (torch.randn(2, 8, 4, generator=g), torch.randint(0, 3, (2, 8), generator=g), torch.randint(0, 3, (2,), generator=g))
+    step = sf.train_step(fn, sf.optim.sgd(0.1), mesh, batch_specs=(sf.P(None, "cp"), sf.P(None, "cp"), sf.P()))
+    state = step.init(params)
+    before = {k: v.clone() for k, v in sf.gather(state.params).items()}
+    out: dict = {}
+    try:
+        state, m = step(state, batch)
+        state, m = step(state, batch)
+    except ValueError as e:
+        out["refused"] = str(e)
+        out["unchanged"] = all(torch.equal(before[k], v) for k, v in sf.gather(state.params).items())
+        return out
+    ref = {k: v.clone().requires_grad_() for k, v in params.items()}
+    original = F.scaled_dot_product_attention  # the reference: the whole sequence, in this process
+    whole = _pooled_classifier if fn is _pooled_then_psum else fn  # psum's sums: the whole sequence's
+    for _ in range(2):
+        loss = whole(ref, batch)
+        grads = torch.autograd.grad(loss, list(ref.values()))
+        with torch.no_grad():
+            for v, gr in zip(ref.values(), grads):
+                v -= 0.1 * gr
+    assert F.scaled_dot_product_attention is original  # the step put it back
+    full = sf.gather(state.params)
+    out["err"] = max(rel_err(full[k], ref[k].detach()) for k in ref)
+    return out
+
+
+@pytest.mark.parametrize("case", list(POSITION_CASES))
+def test_positions_mixed_outside_attention_are_refused(pools, case):
+    """Note [positions mixed outside attention]: a pooling fed on into the model, a pick of the last
+    token, labels shifted after the cut and attention by hand each compute on this rank's chunks
+    alone; the first step refuses them, naming the op and the line, with the state untouched. The
+    same pooling combined across the ranks by `sf.psum`, and per-token work around the ring, train
+    exactly."""
+    _, words = POSITION_CASES[case]
+    for r in pools(2).run(rank_positions_mixed_outside_attention, case):
+        if words is None:
+            assert "refused" not in r and r["err"] < 1e-5, r
+        else:
+            assert "refused" in r and r["unchanged"], r
+            for w in words:
+                assert w in r["refused"], (w, r["refused"])
+
+
+def rank_hugging_face_labels() -> dict:
+    """Hugging Face's causal-LM loss shifts `labels` itself, after the cut: refused, naming
+    `shift_labels=`."""
+    mesh = sf.mesh(cp=-1)
+    model = _llama()
+    apply, params = sf.functionalize(model, units=r"model\.layers\.\d+")
+
+    def loss_fn(p, b):
+        ids, pos = b
+        return apply(p, input_ids=ids, labels=ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False).loss
+
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.1), mesh, batch_specs=sf.P(None, "cp"))
+    state = step.init(params)
+    ids, _, pos = _gpt_batch(0, 1)
+    try:
+        step(state, (ids, pos))
+    except ValueError as e:
+        return {"refused": str(e)}
+    return {"refused": None}
+
+
+def test_hugging_face_labels_shifted_inside_the_model_are_refused(pools):
+    for r in pools(2).run(rank_hugging_face_labels):
+        assert r["refused"] is not None and "shift_labels=" in r["refused"] and "loss_utils.py" in r["refused"], r
 
 
 def rank_estimate() -> dict:
@@ -410,3 +531,77 @@ def test_a_context_parallel_state_reshards_exports_and_describes(pools, tmp_path
     text = saved[0]["described"]
     assert text.startswith("mesh dp=4, rank 0"), text
     assert "blocks.0.fc.weight         (128, 32)     P('dp')  (32, 32)" in text, text
+
+
+def _watched_forward(model, kwargs: dict) -> str | None:
+    """`model(**kwargs)` under the first step's watch, in this process, with attention standing in
+    for the ring as the step runs it (unwatched, its output keeping the queries' sequence dims);
+    the batch leaves' dim 1 marked as the sequence. What the watch found, or None."""
+    from shardfn._positions import PositionWatch
+
+    watch = PositionWatch()
+    original = F.scaled_dot_product_attention
+
+    def ring(q, k, v, *args, **kw):
+        with watch.paused():
+            out = original(q, k, v, *args, **kw)
+        watch.attended(q, out)
+        return out
+
+    F.scaled_dot_product_attention = ring
+    try:
+        with watch:
+            for v in kwargs.values():
+                if isinstance(v, torch.Tensor):
+                    watch.mark(v, (1,))
+            model(**kwargs)
+    finally:
+        F.scaled_dot_product_attention = original
+    return watch.found
+
+
+def test_the_watch_passes_per_token_models_and_finds_what_mixes_positions():
+    """Note [positions mixed outside attention] on Hugging Face models as they are: the decoders
+    (Llama, Qwen2, Mistral, GPT-2) and BERT's masked LM run per position around attention; a
+    classifier's pick of the last or [CLS] token, Llama's loss shifting `labels=` itself, and
+    Llama without an attention mask (it compares neighbouring position ids to find packed
+    sequences) are found, each at its line."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
+    gpt2 = dict(vocab_size=50, n_positions=64, n_embd=32, n_layer=2, n_head=4, attn_implementation="sdpa", pad_token_id=0)
+    bert = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                attn_implementation="sdpa", pad_token_id=0)
+    ids = torch.randint(1, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(8).expand(2, 8)
+    mask = torch.ones_like(ids)
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(**small))
+    clean = {
+        "llama": (llama, dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)),
+        "llama shift_labels=": (llama, dict(input_ids=ids, position_ids=pos, attention_mask=mask, labels=ids, shift_labels=ids,
+                                            use_cache=False)),
+        "qwen2": (tf.Qwen2ForCausalLM(tf.Qwen2Config(**small)), dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)),
+        "mistral": (tf.MistralForCausalLM(tf.MistralConfig(**small)), dict(input_ids=ids, position_ids=pos, attention_mask=mask,
+                                                                            use_cache=False)),
+        "gpt2": (tf.GPT2LMHeadModel(tf.GPT2Config(**gpt2)), dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)),
+        "bert mlm": (tf.BertForMaskedLM(tf.BertConfig(**bert)), dict(input_ids=ids, position_ids=pos, attention_mask=mask, labels=ids)),
+    }
+    for name, (model, kwargs) in clean.items():
+        assert _watched_forward(model, kwargs) is None, (name, _watched_forward(model, kwargs))
+    found = {
+        "llama labels=": (llama, dict(input_ids=ids, position_ids=pos, attention_mask=mask, labels=ids, use_cache=False),
+                          ["aten.slice.Tensor", "loss_utils.py", "shift_labels = labels[..., 1:]"]),
+        "llama without a mask": (llama, dict(input_ids=ids, position_ids=pos, use_cache=False),
+                                 ["aten.slice.Tensor", "find_packed_sequence_indices"]),
+        "gpt2 classifier": (tf.GPT2ForSequenceClassification(tf.GPT2Config(**gpt2)),
+                            dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False),
+                            ["aten.argmax.default ran over dim 1", "modeling_gpt2.py"]),
+        "bert classifier": (tf.BertForSequenceClassification(tf.BertConfig(**bert)), dict(input_ids=ids, position_ids=pos,
+                                                                                          attention_mask=mask),
+                            ["aten.select.int cut dim 1", "first_token_tensor"]),
+    }
+    for name, (model, kwargs, words) in found.items():
+        got = _watched_forward(model, kwargs)
+        assert got is not None and all(w in got for w in words), (name, got)

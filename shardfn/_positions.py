@@ -1,0 +1,398 @@
+"""Context parallelism's first-step check: nothing but attention mixes the positions of the sequence.
+
+Note [positions mixed outside attention]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under context parallelism every rank holds two chunks of each sequence, and only
+`F.scaled_dot_product_attention`, swapped for the ring, sees across ranks (Note [context
+parallelism] in `_context.py`). Any other op that combines positions computes on this rank's
+chunks alone, and the result differs from one process's without a word: a shift of the labels
+inside the model (Hugging Face's causal-LM loss pads and slices `labels`), a pick of one position
+(the last token, a [CLS] token), attention written out by hand (a softmax over the keys), a max,
+a cumulative op or a pooling over the sequence fed on into the model.
+
+So the first step follows the sequence through its forward. A `TorchDispatchMode` marks the batch
+leaves' dims that `batch_specs` names "cp", and carries the marks through the ops that keep
+positions apart: pointwise ops (by broadcasting), views and reshapes (by grouping the dims whose
+sizes multiply alike), transposes, slices of other dims, matrix products over other dims, an
+embedding or index lookup by a marked tensor, and the reductions and norms over other dims. The
+ring carries the queries' marks to its output. What it then refuses, naming the op and the line
+of the model that called it:
+
+- a slice, select, narrow or split of a marked dim that does not keep it whole (a shift, a crop,
+  a pick of one position), and an index or gather along it;
+- a softmax, log-softmax, log-sum-exp, max, min, sort, norm, product or cumulative op over a marked
+  dim, unless it reduces everything to one number;
+- an attention op that reaches the dispatcher itself (not through `F.scaled_dot_product_attention`);
+- a sum, mean or matrix product over a marked dim that keeps other dims (a pooling) whose result
+  then goes through anything but linear ops (add, multiply, matrix products, views, sums) before it
+  is one number, or crosses the ranks in a collective (`sf.psum` over "dp" in `loss_fn`).
+
+What reduces to one number is the loss, whose meaning the step defines (the mean over the ranks
+of each rank's loss, as under data parallelism). Ops the rules do not know lose the marks, so the
+check can miss a mixing op past them, never refuse one it cannot see. It runs on the first step
+only (until one passes), in eager mode (not inside `compile=True`'s compiled units), and not in
+the backward, where a gradient's sum over positions is the point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from typing import Any, Iterator
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["PositionWatch"]
+
+_aten = torch.ops.aten
+
+# Reductions whose value over several positions is linear in them: a pooling, not yet an error.
+_LINEAR_REDUCTIONS = {"sum", "mean"}
+# Reductions and scans that mix positions non-linearly: an error over a marked dim.
+_MIXING = {"amax", "amin", "max", "min", "logsumexp", "_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax",
+           "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "prod", "var", "std", "var_mean", "std_mean",
+           "linalg_vector_norm", "norm", "argmax", "argmin", "sort", "topk", "median", "mode", "kthvalue", "any", "all"}
+_SCALAR_OK = {"amax", "amin", "max", "min", "any", "all", "argmax", "argmin", "linalg_vector_norm", "norm", "prod"}
+# Ops linear in each input (a pooled value may go through them).
+_LINEAR = {"add", "sub", "rsub", "mul", "div", "neg", "clone", "_to_copy", "copy", "copy_", "where", "masked_fill", "detach",
+           "alias", "lift_fresh", "contiguous", "zeros_like", "ones_like", "empty_like", "full_like"}
+_VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias", "unsqueeze", "squeeze", "view_as", "flatten", "unflatten"}
+_SAME = {"clone", "_to_copy", "detach", "alias", "lift_fresh", "contiguous", "native_dropout", "dropout", "repeat_interleave",
+         "constant_pad_nd"}  # outputs with the input's dims where they were
+_CUTS = {"slice", "select", "narrow", "split", "split_with_sizes", "unbind", "chunk", "unsafe_split", "tensor_split"}
+_ATTENTION = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention",
+              "_scaled_dot_product_attention_math", "_scaled_dot_product_fused_attention_overrideable"}
+_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_OWN_MODELS = (_OWN_DIR + "models.py", _OWN_DIR + "_models.py", _OWN_DIR + "demo.py")
+
+
+def _caller() -> str:
+    """The innermost frame outside torch and shardfn (its models aside): the model's line."""
+    for frame in reversed(traceback.extract_stack()):
+        f = frame.filename
+        if f.startswith(_TORCH_DIR) or (f.startswith(_OWN_DIR) and f not in _OWN_MODELS):
+            continue
+        return f"{f}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+    return "(no frame outside torch)"
+
+
+def _norm(d: int, n: int) -> int:
+    return d % n if n else 0
+
+
+def _dims_arg(func, args, kwargs, ndim: int) -> list[int] | None:
+    """The dims a reduction or scan runs over (None: every dim)."""
+    schema = func._schema
+    names = [a.name for a in schema.arguments]
+    if "dim" not in names:
+        return None
+    i = names.index("dim")
+    d = args[i] if i < len(args) else kwargs.get("dim", schema.arguments[i].default_value)
+    if d is None or (isinstance(d, (list, tuple)) and len(d) == 0 and func._overloadpacket.__name__ not in ("amax", "amin")):
+        return None
+    if isinstance(d, (list, tuple)):
+        if not d:
+            return None  # amax/amin: [] is every dim
+        return [_norm(x, ndim) for x in d]
+    return [_norm(int(d), ndim)]
+
+
+def _keepdim(func, args, kwargs) -> bool:
+    names = [a.name for a in func._schema.arguments]
+    if "keepdim" not in names:
+        return func._overloadpacket.__name__ in ("_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax", "cumsum",
+                                                 "cumprod", "cummax", "cummin", "logcumsumexp", "sort")
+    i = names.index("keepdim")
+    return bool(args[i] if i < len(args) else kwargs.get("keepdim", False))
+
+
+def _after_reduction(dims: frozenset, reduced: list[int], keepdim: bool) -> frozenset:
+    if keepdim:
+        return frozenset(d for d in dims if d not in reduced)
+    return frozenset(d - sum(1 for r in reduced if r < d) for d in dims if d not in reduced)
+
+
+def _view_dims(src: tuple, dst: tuple, dims: frozenset, lengths: set) -> frozenset:
+    """The dims of `dst` that `src`'s marked dims become under a view (sizes grouped by product);
+    where a group of dims that holds the sequence splits (the batch and sequence merged by a
+    linear layer, unmerged after it), the dims as long as a sequence (`lengths`) are marked."""
+    src, dst = [s for s in src], [s for s in dst]
+    if 0 in src or 0 in dst:
+        return frozenset()
+    out: set[int] = set()
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        a0, b0 = i, j
+        pa, pb = src[i], dst[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(src):
+                pa *= src[i]
+                i += 1
+            elif pb < pa and j < len(dst):
+                pb *= dst[j]
+                j += 1
+            else:
+                return frozenset()
+        group = [b for b in range(b0, j) if dst[b] != 1] or list(range(b0, j))
+        if any(a in dims and src[a] != 1 for a in range(a0, i)):
+            if len(group) > 1:
+                group = [b for b in group if dst[b] in lengths] or group
+            out.update(group)
+    return frozenset(out)
+
+
+class PositionWatch(TorchDispatchMode):
+    """Follows the sequence dims of a context-parallel step's forward (Note [positions mixed outside
+    attention]); `found` is the first op that mixed positions, as a message, or None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dims = WeakIdKeyDictionary()  # tensor -> frozenset of its sequence dims
+        self.pooled = WeakIdKeyDictionary()  # tensor -> where a pooling over the sequence made it
+        self.found: str | None = None
+        self.lengths: set[int] = set()  # the sequence's lengths on this rank
+        self._paused = 0
+
+    # -- what the step tells it ---------------------------------------------------------------
+    def mark(self, t: torch.Tensor, dims: tuple[int, ...]) -> None:
+        """`t`'s `dims` are the sequence (a batch leaf the step cut)."""
+        if dims:
+            self.dims[t] = frozenset(_norm(d, t.ndim) for d in dims)
+            self.lengths.update(int(t.shape[d]) for d in dims)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The ring's own ops, which mix positions across ranks as they should, go unwatched."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def attended(self, q: torch.Tensor, out: torch.Tensor) -> None:
+        """The ring's output keeps the queries' sequence dims."""
+        if q in self.dims and out.ndim == q.ndim:
+            self.dims[out] = self.dims[q]
+
+    # -- the dispatcher -----------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._paused or self.found is not None or torch._C._current_graph_task_id() != -1:
+            return out
+        ins = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if any(x in self.dims or x in self.pooled for x in ins):
+            self._follow(func, args, kwargs, ins, out)
+        return out
+
+    def _refuse(self, what: str, hint: str) -> None:
+        self.found = f"{what}, at {_caller()}. {hint}"
+
+    def _follow(self, func, args, kwargs, ins: list, out: Any) -> None:
+        name = func._overloadpacket.__name__
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        if func.namespace in _COLLECTIVE_NAMESPACES:  # across ranks: no longer this rank's alone
+            for t in ins + outs:
+                self.dims.pop(t, None)
+                self.pooled.pop(t, None)
+            return
+        a = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        dims = self.dims.get(a, frozenset()) if a is not None else frozenset()
+        pooled = next((self.pooled[x] for x in ins if x in self.pooled), None)
+        if name in _ATTENTION:
+            if any(x in self.dims for x in ins):
+                self._refuse(f"{func} attended over this rank's chunks of the sequence alone",
+                             "Call torch.nn.functional.scaled_dot_product_attention, which the step runs as a ring over cp")
+            return
+        if name in _CUTS and a is not None:
+            self._cut(func, name, args, kwargs, a, dims, outs, pooled)
+            return
+        if name in _SAME and a is not None:
+            self._set(outs[0], dims, pooled)
+            return
+        if name in _VIEWS and a is not None:
+            for o in outs:
+                self._set(o, _view_dims(tuple(a.shape), tuple(o.shape), dims, self.lengths), pooled)
+            return
+        if name in ("transpose", "t", "permute", "expand", "expand_as") and a is not None:
+            self._set(outs[0], self._moved(name, args, a, dims, outs[0]), pooled)
+            return
+        if torch.Tag.pointwise in func.tags or name in _LINEAR:
+            if pooled is not None and name not in _LINEAR and any(o.numel() > 1 for o in outs):
+                return self._refuse_pooled(func, pooled)
+            if pooled is not None and name in ("mul", "div") and sum(1 for x in ins if x in self.pooled) > 1:
+                return self._refuse_pooled(func, pooled)
+            for o in outs:
+                marked: set[int] = set()
+                for x in ins:
+                    for d in self.dims.get(x, ()):
+                        marked.add(d + o.ndim - x.ndim)
+                self._set(o, frozenset(d for d in marked if 0 <= d < o.ndim), pooled)
+            return
+        if name in _LINEAR_REDUCTIONS or name in _MIXING:
+            self._reduce(func, name, args, kwargs, a, dims, outs, pooled)
+            return
+        if name in ("mm", "addmm", "bmm", "baddbmm", "matmul", "mv", "dot", "vdot"):
+            self._matmul(func, name, args, outs, pooled)
+            return
+        if name in ("embedding", "index", "index_select", "gather", "take_along_dim"):
+            self._lookup(func, name, args, kwargs, outs)
+            return
+        if name in ("native_layer_norm", "_fused_rms_norm", "rms_norm") and a is not None:
+            n = len(args[1])
+            if any(d >= a.ndim - n for d in dims):
+                self._refuse(f"{func} normalized over the sequence dim of a {tuple(a.shape)} tensor",
+                             "A norm over positions sees this rank's chunks alone")
+                return
+            self._set(outs[0], dims, pooled)
+            return
+        if name in ("cat", "stack"):
+            self._concat(name, args, kwargs, outs, pooled)
+            return
+        if name == "nll_loss_forward" and a is not None:
+            if outs[0].numel() > 1:  # reduction="none": per position
+                target = args[1]
+                self._set(outs[0], frozenset(d for d in dims | self.dims.get(target, frozenset()) if d == 0), None)
+            return
+        # Any other op: its outputs lose the marks (the check cannot tell what it does with positions).
+
+    @staticmethod
+    def _moved(name, args, a, dims, o) -> frozenset:
+        if name in ("expand", "expand_as"):  # broadcast: dims counted from the right
+            return frozenset(d + o.ndim - a.ndim for d in dims)
+        if name == "permute":
+            perm = [_norm(int(x), a.ndim) for x in args[1]]
+            return frozenset(i for i, src in enumerate(perm) if src in dims)
+        if name == "t":
+            d0, d1 = 0, 1
+        else:
+            d0, d1 = _norm(int(args[1]), a.ndim), _norm(int(args[2]), a.ndim)
+        swap = {d0: d1, d1: d0}
+        return frozenset(swap.get(d, d) for d in dims)
+
+    def _set(self, t: torch.Tensor, dims: frozenset, pooled: str | None) -> None:
+        if dims:
+            self.dims[t] = dims
+        else:
+            self.dims.pop(t, None)
+        if pooled is not None and t.numel() > 1:
+            self.pooled[t] = pooled
+        else:
+            self.pooled.pop(t, None)
+
+    def _refuse_pooled(self, func, pooled: str) -> None:
+        self.found = (f"{pooled}, and the pooled value then went through {func}, which is not linear in it. A pooling over "
+                      "the sequence sees this rank's chunks alone: combine the pooled sums across the ranks in loss_fn "
+                      "(sf.psum(x, 'dp') under cp spans the dp x cp ranks) before anything else uses them")
+
+    def _cut(self, func, name, args, kwargs, a, dims, outs, pooled) -> None:
+        if name in ("split", "split_with_sizes", "unbind", "chunk", "unsafe_split", "tensor_split"):
+            d = _norm(int(args[2] if len(args) > 2 else kwargs.get("dim", 0)), a.ndim) if name != "unbind" else _norm(
+                int(args[1] if len(args) > 1 else kwargs.get("dim", 0)), a.ndim)
+        else:
+            d = _norm(int(args[1] if len(args) > 1 else kwargs.get("dim", 0)), a.ndim)
+        if d in dims and (name in ("select", "unbind") or any(o.shape[d] != a.shape[d] for o in outs)):
+            self._refuse(f"{func} cut dim {d} of a {tuple(a.shape)} tensor, a sequence dim, to part of this rank's chunks",
+                         "A shift along the sequence (labels shifted inside the model, neighbouring positions compared) or a "
+                         "pick of one position (the last token, a [CLS] token) reads this rank's chunks as if they were the "
+                         "whole sequence: shift the labels before the cut, in the batch (Hugging Face's causal-LM models: "
+                         "pass them shifted as shift_labels=, beside labels=; and an attention_mask of ones, without which "
+                         "they compare neighbouring position_ids to find packed sequences), or train this model without a "
+                         "cp axis")
+            return
+        for o in outs:
+            self._set(o, dims if name != "select" else _after_reduction(dims, [d], False), pooled)
+
+    def _reduce(self, func, name, args, kwargs, a, dims, outs, pooled) -> None:
+        if a is None:
+            return
+        over = _dims_arg(func, args, kwargs, a.ndim)
+        reduced = list(range(a.ndim)) if over is None else over
+        whole = all(o.numel() <= 1 for o in outs) or len(reduced) == a.ndim and not _keepdim(func, args, kwargs) or name in (
+            "any", "all") and over is None
+        hit = [d for d in reduced if d in dims]
+        if pooled is not None and name in _MIXING and not whole:
+            return self._refuse_pooled(func, pooled)
+        if not hit:
+            keep = _keepdim(func, args, kwargs)
+            for o in outs:
+                self._set(o, dims if o.ndim == a.ndim else _after_reduction(dims, reduced, keep), pooled)
+            return
+        if name in _MIXING and not (whole and name in _SCALAR_OK):
+            self._refuse(f"{func} ran over dim {hit[0]} of a {tuple(a.shape)} tensor, a sequence dim",
+                         "Attention written out by hand (a softmax over the keys), or a max, a norm or a cumulative op over the "
+                         "positions, sees this rank's chunks alone: call torch.nn.functional.scaled_dot_product_attention for "
+                         "attention, or train this model without a cp axis")
+            return
+        if whole:  # the loss, or a count: its meaning is the step's mean over ranks
+            for o in outs:
+                self._set(o, frozenset(), None)
+            return
+        keep = _keepdim(func, args, kwargs)
+        where = f"{func} pooled dim {hit[0]} of a {tuple(a.shape)} tensor, a sequence dim, over this rank's chunks at {_caller()}"
+        for o in outs:
+            self._set(o, _after_reduction(dims, reduced, keep), where)
+
+    def _matmul(self, func, name, args, outs, pooled) -> None:
+        ts = [x for x in args if isinstance(x, torch.Tensor)]
+        if name in ("addmm", "baddbmm"):
+            ts = ts[1:]
+        if len(ts) < 2 or not outs:
+            return
+        a, b = ts[0], ts[1]
+        da, db = self.dims.get(a, frozenset()), self.dims.get(b, frozenset())
+        if sum(1 for x in (a, b) if x in self.pooled) > 1:
+            return self._refuse_pooled(func, pooled)
+        o = outs[0]
+        contracted = (a.ndim - 1 in da) or (b.ndim >= 2 and b.ndim - 2 in db) or (b.ndim == 1 and 0 in db)
+        marked = {d + o.ndim - a.ndim for d in da if d < a.ndim - 1}
+        if b.ndim >= 2:
+            marked |= {d + o.ndim - b.ndim for d in db if d != b.ndim - 2}
+        marked = {d for d in marked if 0 <= d < o.ndim}
+        if contracted and o.numel() > 1:
+            shape = tuple(a.shape) if a.ndim - 1 in da else tuple(b.shape)
+            pooled = pooled or f"{func} summed over the sequence dim of a {shape} tensor (this rank's chunks) at {_caller()}"
+        self._set(o, frozenset(marked), pooled if o.numel() > 1 else None)
+
+    def _lookup(self, func, name, args, kwargs, outs) -> None:
+        src = args[0]
+        sdims = self.dims.get(src, frozenset())
+        if name == "embedding":  # (weight, indices): the indices' dims lead
+            self._set(outs[0], self.dims.get(args[1], frozenset()), None)
+            return
+        if name == "index":
+            idx = [i for i in args[1]]
+            if sdims and any(i is not None for k, i in enumerate(idx) if k in sdims):
+                return self._refuse(f"{func} indexed dim {min(sdims)} of a {tuple(src.shape)} tensor, a sequence dim",
+                                    "A pick of positions by index (the last token of each sequence) reads this rank's chunks "
+                                    "alone: pick them in loss_fn on the whole sequence, or train this model without a cp axis")
+            if not sdims and len(idx) == 1 and idx[0] is not None:  # a table looked up by a marked index (positions)
+                self._set(outs[0], self.dims.get(idx[0], frozenset()), None)
+            return
+        d = _norm(int(args[1]), src.ndim)
+        if d in sdims:
+            return self._refuse(f"{func} gathered along dim {d} of a {tuple(src.shape)} tensor, a sequence dim",
+                                "A gather of positions reads this rank's chunks alone: train this model without a cp axis")
+        self._set(outs[0], sdims, self.pooled.get(src))
+
+    def _concat(self, name, args, kwargs, outs, pooled) -> None:
+        ts = [t for t in args[0] if isinstance(t, torch.Tensor)]
+        if not ts:
+            return
+        d = int(args[1] if len(args) > 1 else kwargs.get("dim", 0))
+        marked: set[int] = set()
+        for t in ts:
+            for x in self.dims.get(t, ()):
+                if name == "stack":
+                    x = x + 1 if x >= _norm(d, t.ndim + 1) else x
+                marked.add(x)
+        self._set(outs[0], frozenset(marked), pooled)
