@@ -19,7 +19,9 @@ ring carries the queries' marks to its output. What it then refuses, naming the 
 of the model that called it:
 
 - a slice, select, narrow or split of a marked dim that does not keep it whole (a shift, a crop,
-  a pick of one position), and an index or gather along it;
+  a pick of one position), an index or gather along it, a roll, flip, window (`unfold`) or
+  convolution (a kernel longer than one) over it, and a `cat` that joins something that is not
+  the sequence to it (a prompt);
 - a softmax, log-softmax, log-sum-exp, max, min, sort, norm, product or cumulative op over a marked
   dim, unless it reduces everything to one number;
 - an attention op that reaches the dispatcher itself (not through `F.scaled_dot_product_attention`);
@@ -258,6 +260,34 @@ class PositionWatch(TorchDispatchMode):
         if name in ("cat", "stack"):
             self._concat(name, args, kwargs, outs, pooled)
             return
+        if name in ("convolution", "_convolution", "convolution_overrideable") and a is not None:
+            k = args[1]
+            spatial = [d for d in dims if d >= 2 and k.shape[d] > 1]
+            if spatial:
+                return self._refuse(f"{func} convolved dim {spatial[0]} of a {tuple(a.shape)} tensor, a sequence dim, with a "
+                                    f"kernel of {k.shape[spatial[0]]}",
+                                    "A convolution over positions reads its neighbours across the chunks' edges: train this "
+                                    "model without a cp axis")
+            if 1 in dims:  # the sequence as the input's channels: summed over by the kernel
+                pooled = pooled or f"{func} summed over dim 1 of a {tuple(a.shape)} tensor, a sequence dim, as channels, at {_caller()}"
+            self._set(outs[0], frozenset(d for d in dims if d != 1), pooled)
+            return
+        if name in ("roll", "flip", "unfold", "diff") and a is not None:
+            if name == "roll":  # no dims: the flattened tensor rolls
+                over = [_norm(int(x), a.ndim) for x in (args[2] if len(args) > 2 else kwargs.get("dims", []))] or None
+            elif name == "flip":
+                over = [_norm(int(x), a.ndim) for x in (args[1] if len(args) > 1 else kwargs["dims"])]
+            elif name == "unfold":
+                over = [_norm(int(args[1]), a.ndim)]
+            else:
+                over = _dims_arg(func, args, kwargs, a.ndim)
+            hit = [d for d in (range(a.ndim) if over is None else over) if d in dims]
+            if hit:
+                return self._refuse(f"{func} moved positions along dim {hit[0]} of a {tuple(a.shape)} tensor, a sequence dim",
+                                    "A roll, flip, window or difference along the sequence reads this rank's chunks as if they "
+                                    "were the whole sequence: train this model without a cp axis")
+            self._set(outs[0], dims, pooled)
+            return
         if name == "nll_loss_forward" and a is not None:
             if outs[0].numel() > 1:  # reduction="none": per position
                 target = args[1]
@@ -384,11 +414,24 @@ class PositionWatch(TorchDispatchMode):
                                 "A gather of positions reads this rank's chunks alone: train this model without a cp axis")
         self._set(outs[0], sdims, self.pooled.get(src))
 
+    @staticmethod
+    def _op(name: str) -> str:
+        return f"aten.{name}"
+
     def _concat(self, name, args, kwargs, outs, pooled) -> None:
         ts = [t for t in args[0] if isinstance(t, torch.Tensor)]
         if not ts:
             return
         d = int(args[1] if len(args) > 1 else kwargs.get("dim", 0))
+        if name == "cat":
+            d = _norm(d, ts[0].ndim)
+            along = [t for t in ts if d in self.dims.get(t, ())]
+            if along and len(along) < len(ts):
+                return self._refuse(f"{self._op(name)} joined a tensor that is not the sequence to dim {d} of a "
+                                    f"{tuple(along[0].shape)} tensor, a sequence dim",
+                                    "Tokens put before or after this rank's chunks (a prompt, a shift written with a cat) "
+                                    "land in every rank's part of the sequence: add them to the batch before the cut, or "
+                                    "train this model without a cp axis")
         marked: set[int] = set()
         for t in ts:
             for x in self.dims.get(t, ()):

@@ -605,3 +605,51 @@ def test_the_watch_passes_per_token_models_and_finds_what_mixes_positions():
     for name, (model, kwargs, words) in found.items():
         got = _watched_forward(model, kwargs)
         assert got is not None and all(w in got for w in words), (name, got)
+
+
+_LIN = torch.nn.Linear(4, 4)
+_CONV3, _CONV1, _CONV_SEQ = torch.nn.Conv1d(4, 4, 3, padding=1), torch.nn.Conv1d(4, 4, 1), torch.nn.Conv1d(8, 8, 1)
+SINGLE_OPS = {  # a function of x (batch, sequence, features), the start of what the watch says (None: nothing)
+    "per token": (lambda x: torch.relu(_LIN(x)).sum(), None),
+    "layer norm": (lambda x: F.layer_norm(_LIN(x), (4,)).mean(), None),
+    "max over features": (lambda x: x.amax(-1).sum(), None),
+    "the whole max": (lambda x: x.amax() * x.sum(), None),
+    "a mean pooled, then linear": (lambda x: _LIN(x.mean(1)).sum(), None),
+    "per-sequence means": (lambda x: (x.sum(-1).sum(1) / 8).mean(), None),
+    "a kernel of one": (lambda x: torch.tanh(_CONV1(x.transpose(1, 2))).sum(), None),
+    "roll of features": (lambda x: x.roll(1, 2).sum(), None),
+    "flip of features": (lambda x: x.flip(2).sum(), None),
+    "cat of features": (lambda x: torch.cat([torch.zeros(2, 8, 4), x], 2).sum(), None),
+    "shift": (lambda x: x[:, 1:].sum(), "aten.slice.Tensor cut dim 1"),
+    "last token": (lambda x: x[:, -1].sum(), "aten.select.int cut dim 1"),
+    "attention by hand": (lambda x: (torch.softmax(x @ x.transpose(-1, -2), -1) @ x).sum(), "aten._softmax.default ran over dim 2"),
+    "pooled into tanh": (lambda x: torch.tanh(_LIN(x.mean(1))).sum(), "aten.mean.dim pooled dim 1"),
+    "cumsum": (lambda x: x.cumsum(1).sum(), "aten.cumsum.default ran over dim 1"),
+    "max over positions": (lambda x: x.amax(1).sum(), "aten.amax.default ran over dim 1"),
+    "attention op": (lambda x: F.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None]).sum(), "aten._scaled_dot_product"),
+    "convolution": (lambda x: _CONV3(x.transpose(1, 2)).sum(), "aten.convolution.default convolved dim 2"),
+    "sequence as channels": (lambda x: torch.tanh(_CONV_SEQ(x)).sum(), "aten.convolution.default summed over dim 1"),
+    "roll": (lambda x: x.roll(1, 1).sum(), "aten.roll.default moved positions along dim 1"),
+    "flip": (lambda x: x.flip(1).sum(), "aten.flip.default moved positions along dim 1"),
+    "window": (lambda x: x.unfold(1, 2, 1).sum(), "aten.unfold.default moved positions along dim 1"),
+    "difference": (lambda x: x.diff(dim=1).sum(), "aten.slice.Tensor cut dim 1"),
+    "a prompt": (lambda x: torch.cat([torch.zeros(2, 3, 4), x], 1).sum(), "aten.cat joined a tensor that is not the sequence"),
+}
+
+
+@pytest.mark.parametrize("case", list(SINGLE_OPS))
+def test_the_watch_on_single_ops(case):
+    """The rules of Note [positions mixed outside attention], op by op, on a (2, 8, 4) tensor whose
+    dim 1 is the sequence (the sequence as a conv's channels: an (2, 8, 4) input read as (N, C, L))."""
+    from shardfn._positions import PositionWatch
+
+    fn, want = SINGLE_OPS[case]
+    watch = PositionWatch()
+    x = torch.randn(2, 8, 4, requires_grad=True)
+    with watch:
+        watch.mark(x, (1,))
+        fn(x).backward()  # the backward's sums over positions are not the forward's
+    if want is None:
+        assert watch.found is None, watch.found
+    else:
+        assert watch.found is not None and watch.found.startswith(want), watch.found
