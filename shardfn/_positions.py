@@ -18,16 +18,25 @@ embedding or index lookup by a marked tensor, and the reductions and norms over 
 ring carries the queries' marks to its output. What it then refuses, naming the op and the line
 of the model that called it:
 
-- a slice, select, narrow or split of a marked dim that does not keep it whole (a shift, a crop,
-  a pick of one position), an index or gather along it, a roll, flip, window (`unfold`) or
-  convolution (a kernel longer than one) over it, and a `cat` that joins something that is not
-  the sequence to it (a prompt);
+- a slice, select, narrow, split or pad of a marked dim that does not keep it whole (a shift, a
+  crop, a pick of one position), an index or gather along it, a roll, flip, window (`unfold`),
+  FFT, pooling op, group norm or convolution (a kernel longer than one) over it, and a `cat` that
+  joins something that is not the sequence to it (a prompt);
 - a softmax, log-softmax, log-sum-exp, max, min, sort, norm, product or cumulative op over a marked
-  dim, unless it reduces everything to one number;
+  dim, unless it reduces everything to one number; and such a number (a max of the position ids)
+  read into Python, where it steers the model by this rank's positions alone (Hugging Face's
+  dynamic RoPE scaling);
 - an attention op that reaches the dispatcher itself (not through `F.scaled_dot_product_attention`);
 - a sum, mean or matrix product over a marked dim that keeps other dims (a pooling) whose result
-  then goes through anything but linear ops (add, multiply, matrix products, views, sums) before it
-  is one number, or crosses the ranks in a collective (`sf.psum` over "dp" in `loss_fn`).
+  then goes through anything but linear ops (add, multiply by what is not the sequence, matrix
+  products with weights, views, sums), an op the rules do not know included, before it crosses the
+  ranks in a collective (`sf.psum` over "dp" in `loss_fn`).
+
+A marked dim that holds the sequence merged with the batch (tokens flattened to rows: its length
+is not a chunk's) is cut, indexed, gathered and sorted freely: those ops move whole tokens (a
+chunked loss, the tokens a mask keeps, a mixture of experts routing tokens to experts and back)
+and mix no positions. Where such a dim is unflattened again, the innermost dim as long as a chunk
+is the sequence (batch-major layout).
 
 What reduces to one number is the loss, whose meaning the step defines (the mean over the ranks
 of each rank's loss, as under data parallelism). Ops the rules do not know lose the marks, so the
@@ -63,13 +72,24 @@ _SCALAR_OK = {"amax", "amin", "max", "min", "any", "all", "argmax", "argmin", "l
 _LINEAR = {"add", "sub", "rsub", "mul", "div", "neg", "clone", "_to_copy", "copy", "copy_", "where", "masked_fill", "detach",
            "alias", "lift_fresh", "contiguous", "zeros_like", "ones_like", "empty_like", "full_like"}
 _VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias", "unsqueeze", "squeeze", "view_as", "flatten", "unflatten"}
-_SAME = {"clone", "_to_copy", "detach", "alias", "lift_fresh", "contiguous", "native_dropout", "dropout", "repeat_interleave",
-         "constant_pad_nd"}  # outputs with the input's dims where they were
+_SAME = {"clone", "_to_copy", "detach", "alias", "lift_fresh", "contiguous", "native_dropout", "dropout", "repeat_interleave"}
+_POOLING_OPS = {"adaptive_max_pool2d", "adaptive_max_pool1d", "_adaptive_avg_pool2d", "adaptive_avg_pool1d", "max_pool2d_with_indices",
+                "max_pool1d", "avg_pool2d", "avg_pool1d", "native_group_norm", "max_pool3d_with_indices", "avg_pool3d",
+                "_adaptive_avg_pool3d", "adaptive_max_pool3d"}  # outputs with the input's dims where they were
 _CUTS = {"slice", "select", "narrow", "split", "split_with_sizes", "unbind", "chunk", "unsafe_split", "tensor_split"}
 _ATTENTION = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention",
               "_scaled_dot_product_attention_math", "_scaled_dot_product_fused_attention_overrideable"}
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
+
+_SHIFT_HINT = ("A shift along the sequence (labels shifted inside the model, neighbouring positions compared) or a pick of "
+               "one position (the last token, a [CLS] token) reads this rank's chunks as if they were the whole sequence: "
+               "shift the labels before the cut, in the batch (Hugging Face's causal-LM models: pass them shifted as "
+               "shift_labels=, beside labels=, and compute the global token mean in loss_fn as sf.psum of the sums over "
+               "sf.psum of the counts, since the -100 labels land on some ranks only; and an attention_mask of ones, "
+               "without which they compare neighbouring position_ids to find packed sequences), or train this model "
+               "without a cp axis")
+_ROUTING = {"sort", "argsort", "topk", "kthvalue", "argmax", "argmin", "median", "mode"}  # order statistics: routing tokens
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -147,7 +167,8 @@ def _view_dims(src: tuple, dst: tuple, dims: frozenset, lengths: set) -> frozens
         group = [b for b in range(b0, j) if dst[b] != 1] or list(range(b0, j))
         if any(a in dims and src[a] != 1 for a in range(a0, i)):
             if len(group) > 1:
-                group = [b for b in group if dst[b] in lengths] or group
+                # batch-major (batch, sequence): the innermost dim as long as a sequence
+                group = [b for b in group if dst[b] in lengths][-1:] or group
             out.update(group)
     return frozenset(out)
 
@@ -160,6 +181,7 @@ class PositionWatch(TorchDispatchMode):
         super().__init__()
         self.dims = WeakIdKeyDictionary()  # tensor -> frozenset of its sequence dims
         self.pooled = WeakIdKeyDictionary()  # tensor -> where a pooling over the sequence made it
+        self.local = WeakIdKeyDictionary()  # one number -> where a max (min, norm) over this rank's positions made it
         self.found: str | None = None
         self.lengths: set[int] = set()  # the sequence's lengths on this rank
         self._paused = 0
@@ -192,9 +214,14 @@ class PositionWatch(TorchDispatchMode):
         if self._paused or self.found is not None or torch._C._current_graph_task_id() != -1:
             return out
         ins = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        if any(x in self.dims or x in self.pooled for x in ins):
+        if any(x in self.dims or x in self.pooled or x in self.local for x in ins):
             self._follow(func, args, kwargs, ins, out)
         return out
+
+    def _merged(self, a: torch.Tensor, d: int) -> bool:
+        """Whether marked dim `d` of `a` holds the sequence merged with other dims (tokens flattened
+        across the batch: a token's row moves, its position does not mix with others)."""
+        return int(a.shape[d]) not in self.lengths
 
     def _refuse(self, what: str, hint: str) -> None:
         self.found = f"{what}, at {_caller()}. {hint}"
@@ -207,6 +234,16 @@ class PositionWatch(TorchDispatchMode):
                 self.dims.pop(t, None)
                 self.pooled.pop(t, None)
             return
+        local = next((self.local[x] for x in ins if x in self.local), None)
+        if local is not None:
+            if name == "_local_scalar_dense":  # read into Python: steers the model by this rank's positions alone
+                return self._refuse(f"{local}, and its value was read into Python ({func})",
+                                    "A value that steers the model (a length found as the largest position id, as Hugging "
+                                    "Face's dynamic RoPE scaling does) differs from rank to rank under cp: pass a fixed "
+                                    "length, or train this model without a cp axis")
+            if all(o.numel() <= 1 for o in outs):
+                for o in outs:
+                    self.local[o] = local
         a = args[0] if args and isinstance(args[0], torch.Tensor) else None
         dims = self.dims.get(a, frozenset()) if a is not None else frozenset()
         pooled = next((self.pooled[x] for x in ins if x in self.pooled), None)
@@ -221,6 +258,14 @@ class PositionWatch(TorchDispatchMode):
         if name in _SAME and a is not None:
             self._set(outs[0], dims, pooled)
             return
+        if name == "constant_pad_nd" and a is not None:
+            pads = list(args[1])
+            moved = [a.ndim - 1 - i // 2 for i in range(len(pads)) if pads[i] and a.ndim - 1 - i // 2 in dims]
+            if moved and not self._merged(a, moved[0]):
+                return self._refuse(f"{func} padded dim {moved[0]} of a {tuple(a.shape)} tensor, a sequence dim, by {pads}",
+                                    _SHIFT_HINT)
+            self._set(outs[0], dims, pooled)
+            return
         if name in _VIEWS and a is not None:
             for o in outs:
                 self._set(o, _view_dims(tuple(a.shape), tuple(o.shape), dims, self.lengths), pooled)
@@ -231,8 +276,9 @@ class PositionWatch(TorchDispatchMode):
         if torch.Tag.pointwise in func.tags or name in _LINEAR:
             if pooled is not None and name not in _LINEAR and any(o.numel() > 1 for o in outs):
                 return self._refuse_pooled(func, pooled)
-            if pooled is not None and name in ("mul", "div") and sum(1 for x in ins if x in self.pooled) > 1:
-                return self._refuse_pooled(func, pooled)
+            if pooled is not None and name in ("mul", "div") and (sum(1 for x in ins if x in self.pooled) > 1 or any(
+                    x in self.dims and x not in self.pooled for x in ins)):
+                return self._refuse_pooled(func, pooled)  # a product of two values of the sequence
             for o in outs:
                 marked: set[int] = set()
                 for x in ins:
@@ -255,6 +301,8 @@ class PositionWatch(TorchDispatchMode):
                 self._refuse(f"{func} normalized over the sequence dim of a {tuple(a.shape)} tensor",
                              "A norm over positions sees this rank's chunks alone")
                 return
+            if pooled is not None:
+                return self._refuse_pooled(func, pooled)
             self._set(outs[0], dims, pooled)
             return
         if name in ("cat", "stack"):
@@ -293,6 +341,19 @@ class PositionWatch(TorchDispatchMode):
                 target = args[1]
                 self._set(outs[0], frozenset(d for d in dims | self.dims.get(target, frozenset()) if d == 0), None)
             return
+        if pooled is not None:  # an op the rules do not know, on a pooled value: not known to be linear
+            return self._refuse_pooled(func, pooled)
+        if name in _POOLING_OPS and a is not None:
+            hit = [d for d in dims if d >= 2]
+            if hit:
+                return self._refuse(f"{func} ran over dim {hit[0]} of a {tuple(a.shape)} tensor, a sequence dim",
+                                    "A pooling, transform or norm over the positions (a max-pool, an FFT, a group norm) sees "
+                                    "this rank's chunks alone: train this model without a cp axis")
+        if name in ("_fft_r2c", "_fft_c2c", "_fft_c2r") and a is not None:
+            hit = [_norm(int(x), a.ndim) for x in args[1] if _norm(int(x), a.ndim) in dims]
+            if hit:
+                return self._refuse(f"{func} transformed dim {hit[0]} of a {tuple(a.shape)} tensor, a sequence dim",
+                                    "An FFT over the positions sees this rank's chunks alone: train this model without a cp axis")
         # Any other op: its outputs lose the marks (the check cannot tell what it does with positions).
 
     @staticmethod
@@ -330,14 +391,13 @@ class PositionWatch(TorchDispatchMode):
                 int(args[1] if len(args) > 1 else kwargs.get("dim", 0)), a.ndim)
         else:
             d = _norm(int(args[1] if len(args) > 1 else kwargs.get("dim", 0)), a.ndim)
+        if d in dims and self._merged(a, d):  # tokens flattened across the batch: a cut of rows, not of a sequence
+            for o in outs:
+                self._set(o, frozenset() if name in ("select", "unbind") else dims, pooled)
+            return
         if d in dims and (name in ("select", "unbind") or any(o.shape[d] != a.shape[d] for o in outs)):
             self._refuse(f"{func} cut dim {d} of a {tuple(a.shape)} tensor, a sequence dim, to part of this rank's chunks",
-                         "A shift along the sequence (labels shifted inside the model, neighbouring positions compared) or a "
-                         "pick of one position (the last token, a [CLS] token) reads this rank's chunks as if they were the "
-                         "whole sequence: shift the labels before the cut, in the batch (Hugging Face's causal-LM models: "
-                         "pass them shifted as shift_labels=, beside labels=; and an attention_mask of ones, without which "
-                         "they compare neighbouring position_ids to find packed sequences), or train this model without a "
-                         "cp axis")
+                         _SHIFT_HINT)
             return
         for o in outs:
             self._set(o, dims if name != "select" else _after_reduction(dims, [d], False), pooled)
@@ -350,7 +410,11 @@ class PositionWatch(TorchDispatchMode):
         whole = all(o.numel() <= 1 for o in outs) or len(reduced) == a.ndim and not _keepdim(func, args, kwargs) or name in (
             "any", "all") and over is None
         hit = [d for d in reduced if d in dims]
-        if pooled is not None and name in _MIXING and not whole:
+        if hit and name in _ROUTING and all(self._merged(a, d) for d in hit):  # tokens ranked across the batch (MoE routing)
+            for o in outs:
+                self._set(o, frozenset(), None)
+            return
+        if pooled is not None and name in _MIXING:
             return self._refuse_pooled(func, pooled)
         if not hit:
             keep = _keepdim(func, args, kwargs)
@@ -359,13 +423,16 @@ class PositionWatch(TorchDispatchMode):
             return
         if name in _MIXING and not (whole and name in _SCALAR_OK):
             self._refuse(f"{func} ran over dim {hit[0]} of a {tuple(a.shape)} tensor, a sequence dim",
-                         "Attention written out by hand (a softmax over the keys), or a max, a norm or a cumulative op over the "
-                         "positions, sees this rank's chunks alone: call torch.nn.functional.scaled_dot_product_attention for "
-                         "attention, or train this model without a cp axis")
+                         "Attention written out by hand (a softmax over the keys; torch.nn.MultiheadAttention with its default "
+                         "need_weights=True), or a max, a sort, a norm or a cumulative op over the positions, sees this rank's "
+                         "chunks alone: call torch.nn.functional.scaled_dot_product_attention for attention (MultiheadAttention: "
+                         "need_weights=False), or train this model without a cp axis")
             return
         if whole:  # the loss, or a count: its meaning is the step's mean over ranks
             for o in outs:
                 self._set(o, frozenset(), None)
+                if name in _SCALAR_OK and name not in ("any", "all"):  # a max, min or norm of this rank's positions alone
+                    self.local[o] = f"{func} took dim {hit[0]} of a {tuple(a.shape)} tensor, a sequence dim, to one number at {_caller()}"
             return
         keep = _keepdim(func, args, kwargs)
         where = f"{func} pooled dim {hit[0]} of a {tuple(a.shape)} tensor, a sequence dim, over this rank's chunks at {_caller()}"
@@ -380,8 +447,9 @@ class PositionWatch(TorchDispatchMode):
             return
         a, b = ts[0], ts[1]
         da, db = self.dims.get(a, frozenset()), self.dims.get(b, frozenset())
-        if sum(1 for x in (a, b) if x in self.pooled) > 1:
-            return self._refuse_pooled(func, pooled)
+        if (a in self.pooled or b in self.pooled) and (sum(1 for x in (a, b) if x in self.pooled) > 1 or any(
+                x in self.dims and x not in self.pooled for x in (a, b))):
+            return self._refuse_pooled(func, pooled)  # a product of two values of the sequence
         o = outs[0]
         contracted = (a.ndim - 1 in da) or (b.ndim >= 2 and b.ndim - 2 in db) or (b.ndim == 1 and 0 in db)
         marked = {d + o.ndim - a.ndim for d in da if d < a.ndim - 1}
@@ -401,14 +469,17 @@ class PositionWatch(TorchDispatchMode):
             return
         if name == "index":
             idx = [i for i in args[1]]
-            if sdims and any(i is not None for k, i in enumerate(idx) if k in sdims):
+            if sdims and any(i is not None and not self._merged(src, k) for k, i in enumerate(idx) if k in sdims):
                 return self._refuse(f"{func} indexed dim {min(sdims)} of a {tuple(src.shape)} tensor, a sequence dim",
                                     "A pick of positions by index (the last token of each sequence) reads this rank's chunks "
-                                    "alone: pick them in loss_fn on the whole sequence, or train this model without a cp axis")
+                                    "alone, in the model and in loss_fn alike: train this model without a cp axis")
             if not sdims and len(idx) == 1 and idx[0] is not None:  # a table looked up by a marked index (positions)
                 self._set(outs[0], self.dims.get(idx[0], frozenset()), None)
             return
         d = _norm(int(args[1]), src.ndim)
+        if d in sdims and self._merged(src, d):  # rows of flattened tokens picked (MoE dispatch)
+            self._set(outs[0], frozenset(), None)
+            return
         if d in sdims:
             return self._refuse(f"{func} gathered along dim {d} of a {tuple(src.shape)} tensor, a sequence dim",
                                 "A gather of positions reads this rank's chunks alone: train this model without a cp axis")

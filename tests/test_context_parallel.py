@@ -592,7 +592,7 @@ def test_the_watch_passes_per_token_models_and_finds_what_mixes_positions():
         assert _watched_forward(model, kwargs) is None, (name, _watched_forward(model, kwargs))
     found = {
         "llama labels=": (llama, dict(input_ids=ids, position_ids=pos, attention_mask=mask, labels=ids, use_cache=False),
-                          ["aten.slice.Tensor", "loss_utils.py", "shift_labels = labels[..., 1:]"]),
+                          ["aten.constant_pad_nd", "loss_utils.py", "nn.functional.pad(labels"]),
         "llama without a mask": (llama, dict(input_ids=ids, position_ids=pos, use_cache=False),
                                  ["aten.slice.Tensor", "find_packed_sequence_indices"]),
         "gpt2 classifier": (tf.GPT2ForSequenceClassification(tf.GPT2Config(**gpt2)),
@@ -634,7 +634,33 @@ SINGLE_OPS = {  # a function of x (batch, sequence, features), the start of what
     "window": (lambda x: x.unfold(1, 2, 1).sum(), "aten.unfold.default moved positions along dim 1"),
     "difference": (lambda x: x.diff(dim=1).sum(), "aten.slice.Tensor cut dim 1"),
     "a prompt": (lambda x: torch.cat([torch.zeros(2, 3, 4), x], 1).sum(), "aten.cat joined a tensor that is not the sequence"),
+    # tokens flattened across the batch: rows routed, split or picked, not positions mixed
+    "tokens routed by index": (lambda x: _routed(x.reshape(-1, 4)), None),
+    "tokens sorted by expert": (lambda x: x.reshape(-1, 4)[_LIN(x.reshape(-1, 4)).argmax(-1).argsort()].square().sum(), None),
+    "a chunked loss": (lambda x: sum(c.square().sum() for c in x.reshape(-1, 4).split(3)), None),
+    "tokens kept by a mask": (lambda x: x.reshape(-1, 4)[x.reshape(-1, 4)[:, 0] > 0].square().sum(), None),
+    "a batch as long as the chunks": (lambda x: _LIN(torch.cat([x, x], 0)).reshape(4, 8, 4)[:2].square().sum(), None),
+    "a pad": (lambda x: F.pad(x, (0, 0, 1, -1)).square().sum(), "aten.constant_pad_nd.default padded dim 1"),
+    "an FFT": (lambda x: torch.fft.fft(x, dim=1).abs().sum(), "aten._fft"),
+    "a max-pool": (lambda x: F.adaptive_max_pool1d(x.transpose(1, 2), 1).sum(), "aten.adaptive_max_pool"),
+    "a group norm": (lambda x: F.group_norm(x.transpose(1, 2), 2).square().sum(), "aten.native_group_norm.default ran over dim 2"),
+    "pooled into a loss op": (lambda x: F.mse_loss(x.mean(1), torch.ones(2, 4)), "aten.mean.dim pooled dim 1"),
+    "pooled into a layer norm": (lambda x: F.layer_norm(x.mean(1), (4,)).sum(), "aten.mean.dim pooled dim 1"),
+    "pooled times the sequence": (lambda x: (x * x.mean(1, keepdim=True)).sum(), "aten.mean.dim pooled dim 1"),
+    "pooled into a log-sigmoid": (lambda x: -F.logsigmoid(x.sum(1)).mean(), "aten.sum.dim_IntList pooled dim 1"),
+    "a mask checked whole": (lambda x: x.sum() if bool((x > -100).all()) else x.mean(), None),
+    "a largest position read": (lambda x: x.sum() * (2.0 if int(x.amax() + 1) > 100 else 1.0), "aten.amax.default took dim 1"),
 }
+
+
+def _routed(tokens: torch.Tensor) -> torch.Tensor:
+    """Top-1 routing of flattened tokens to two experts, by index, and back (per token)."""
+    choice = _LIN(tokens).argmax(-1) % 2
+    out = torch.zeros_like(tokens)
+    for e in range(2):
+        rows = (choice == e).nonzero().flatten()
+        out = out.index_add(0, rows, torch.tanh(tokens[rows] * (e + 1)))
+    return out.square().sum()
 
 
 @pytest.mark.parametrize("case", list(SINGLE_OPS))
