@@ -562,10 +562,11 @@ def _watched_forward(model, kwargs: dict) -> str | None:
 
 def test_the_watch_passes_per_token_models_and_finds_what_mixes_positions():
     """Note [positions mixed outside attention] on Hugging Face models as they are: the decoders
-    (Llama, Qwen2, Mistral, GPT-2) and BERT's masked LM run per position around attention; a
-    classifier's pick of the last or [CLS] token, Llama's loss shifting `labels=` itself, and
-    Llama without an attention mask (it compares neighbouring position ids to find packed
-    sequences) are found, each at its line."""
+    (Llama, Qwen2, Mistral, GPT-2, Mixtral's routing) and BERT's masked LM run per position around
+    attention; a classifier's pick of the last or [CLS] token, Llama's loss shifting `labels=`
+    itself, Llama without an attention mask (it compares neighbouring position ids to find packed
+    sequences) and dynamic RoPE scaling (its length the largest position id of this rank's chunks)
+    are found, each at its line."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -587,6 +588,9 @@ def test_the_watch_passes_per_token_models_and_finds_what_mixes_positions():
                                                                             use_cache=False)),
         "gpt2": (tf.GPT2LMHeadModel(tf.GPT2Config(**gpt2)), dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)),
         "bert mlm": (tf.BertForMaskedLM(tf.BertConfig(**bert)), dict(input_ids=ids, position_ids=pos, attention_mask=mask, labels=ids)),
+        # tokens routed to experts across the flattened batch: rows move, positions do not mix
+        "mixtral": (tf.MixtralForCausalLM(tf.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2)),
+                    dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)),
     }
     for name, (model, kwargs) in clean.items():
         assert _watched_forward(model, kwargs) is None, (name, _watched_forward(model, kwargs))
@@ -598,6 +602,10 @@ def test_the_watch_passes_per_token_models_and_finds_what_mixes_positions():
         "gpt2 classifier": (tf.GPT2ForSequenceClassification(tf.GPT2Config(**gpt2)),
                             dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False),
                             ["aten.argmax.default ran over dim 1", "modeling_gpt2.py"]),
+        "llama, dynamic RoPE": (tf.LlamaForCausalLM(tf.LlamaConfig(**{**small, "max_position_embeddings": 4},
+                                                                   rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+                                dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False),
+                                ["aten.max.default took dim 1", "torch.max(position_ids)", "read into Python"]),
         "bert classifier": (tf.BertForSequenceClassification(tf.BertConfig(**bert)), dict(input_ids=ids, position_ids=pos,
                                                                                           attention_mask=mask),
                             ["aten.select.int cut dim 1", "first_token_tensor"]),
