@@ -163,7 +163,8 @@ class ContextParallel:
         """
         original = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = self._ring
-        self.watch = PositionWatch() if watch and not self.positions_checked else None
+        dp = int(self.mesh.size(self.mesh.mesh_dim_names.index("dp"))) if "dp" in self.mesh.mesh_dim_names else 1
+        self.watch = PositionWatch(dp) if watch and not self.positions_checked else None
         try:
             with self.watch if self.watch is not None else contextlib.nullcontext():
                 yield

@@ -30,7 +30,8 @@ of the model that called it:
 - a sum, mean or matrix product over a marked dim that keeps other dims (a pooling) whose result
   then goes through anything but linear ops (add, multiply by what is not the sequence, matrix
   products with weights, views, sums), an op the rules do not know included, before it crosses the
-  ranks in a collective (`sf.psum` over "dp" in `loss_fn`).
+  ranks in a collective (`sf.psum` over "dp" in `loss_fn`); at dp > 1 that collective is refused
+  too, since under cp the data axis spans dp x cp and the sum would add other sequences.
 
 A marked dim that holds the sequence merged with the batch (tokens flattened to rows: its length
 is not a chunk's) is cut, indexed, gathered and sorted freely: those ops move whole tokens (a
@@ -177,8 +178,9 @@ class PositionWatch(TorchDispatchMode):
     """Follows the sequence dims of a context-parallel step's forward (Note [positions mixed outside
     attention]); `found` is the first op that mixed positions, as a message, or None."""
 
-    def __init__(self) -> None:
+    def __init__(self, data_parallel: int = 1) -> None:
         super().__init__()
+        self.data_parallel = data_parallel  # the dp size beside cp: a psum over "dp" adds other sequences too
         self.dims = WeakIdKeyDictionary()  # tensor -> frozenset of its sequence dims
         self.pooled = WeakIdKeyDictionary()  # tensor -> where a pooling over the sequence made it
         self.local = WeakIdKeyDictionary()  # one number -> where a max (min, norm) over this rank's positions made it
@@ -230,6 +232,13 @@ class PositionWatch(TorchDispatchMode):
         name = func._overloadpacket.__name__
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         if func.namespace in _COLLECTIVE_NAMESPACES:  # across ranks: no longer this rank's alone
+            pooled_in = next((self.pooled[x] for x in ins if x in self.pooled), None)
+            if pooled_in is not None and self.data_parallel > 1:
+                return self._refuse(f"{pooled_in}, and the pooled value was combined across the ranks by {func}",
+                                    f"Under cp the step's data axis 'dp' spans the dp x cp ranks; at dp = {self.data_parallel} "
+                                    "it also adds the pooled values of other sequences, held by the other dp ranks. A "
+                                    "pooling over the sequence trains under cp at dp = 1 only (sf.psum(x, 'dp') in loss_fn), "
+                                    "or without a cp axis")
             for t in ins + outs:
                 self.dims.pop(t, None)
                 self.pooled.pop(t, None)
@@ -383,7 +392,8 @@ class PositionWatch(TorchDispatchMode):
     def _refuse_pooled(self, func, pooled: str) -> None:
         self.found = (f"{pooled}, and the pooled value then went through {func}, which is not linear in it. A pooling over "
                       "the sequence sees this rank's chunks alone: combine the pooled sums across the ranks in loss_fn "
-                      "(sf.psum(x, 'dp') under cp spans the dp x cp ranks) before anything else uses them")
+                      "before anything else uses them (at dp = 1, sf.psum(x, 'dp'): under cp the step's data axis spans "
+                      "the dp x cp ranks, so at dp > 1 it would add other sequences too), or train without a cp axis")
 
     def _cut(self, func, name, args, kwargs, a, dims, outs, pooled) -> None:
         if name in ("split", "split_with_sizes", "unbind", "chunk", "unsafe_split", "tensor_split"):

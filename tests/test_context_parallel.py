@@ -252,11 +252,11 @@ POSITION_CASES = {  # loss_fn, the words its refusal must hold (None: it trains)
 }
 
 
-def rank_positions_mixed_outside_attention(case: str) -> dict:
+def rank_positions_mixed_outside_attention(case: str, dims: dict | None = None) -> dict:
     """One loss_fn of `POSITION_CASES` on cp=2: its first step refused before anything is applied,
     or, where nothing but attention mixes positions, two steps trained as one process would."""
     fn, _ = POSITION_CASES[case]
-    mesh = sf.mesh(cp=-1)
+    mesh = sf.mesh(**(dims or dict(cp=-1)))
     torch.manual_seed(0)
     params = {"w": torch.randn(4, 6) * 0.5, "head": torch.randn(6, 3) * 0.5}
     g = torch.Generator().manual_seed(1)
@@ -303,6 +303,14 @@ def test_positions_mixed_outside_attention_are_refused(pools, case):
             assert "refused" in r and r["unchanged"], r
             for w in words:
                 assert w in r["refused"], (w, r["refused"])
+
+
+def test_a_pooling_summed_over_dp_beside_cp_is_refused(pools):
+    """At (dp=2, cp=2) the step's data axis spans all four ranks: `sf.psum(x, "dp")` of a pooled
+    value would add two different sequences' pools, so it is refused too."""
+    for r in pools(4).run(rank_positions_mixed_outside_attention, "pooled_then_psum", dict(dp=2, cp=2)):
+        assert "refused" in r and r["unchanged"], r
+        assert "combined across the ranks" in r["refused"] and "at dp = 2" in r["refused"], r["refused"]
 
 
 def rank_hugging_face_labels() -> dict:
