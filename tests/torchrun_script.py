@@ -2,7 +2,10 @@
 
 MODE: "ok" (prints every rank's result through sf.launch), "raise" (rank 1 raises at step 2),
 "exit" (rank 1 calls os._exit at step 2), "stall" (rank 1 starts its process group 10 s after rank
-0, more than the job's collective timeout, which is no stall, then sleeps at step 2, which is one),
+0, more than the job's collective timeout, which is no stall, then sleeps at step 2, which is one;
+torch._dynamo is imported up front, where start-up has its own bound: imported lazily by
+`step.init`, after the ranks met, it took rank 1 past the 4 s timeout under load, and rank 1 was
+named stalled before step 2),
 "subset" (only rank 0 calls sf.gather, then every rank ends).
 """
 
@@ -13,6 +16,7 @@ import sys
 import time
 
 import torch
+import torch._dynamo  # noqa: F401  imported by the first DTensor.from_local of step.init otherwise
 import torch.distributed as dist
 
 import shardfn as sf
