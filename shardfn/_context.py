@@ -51,12 +51,12 @@ from typing import Any, Iterator
 import optree
 import torch
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
 from ._manual import axis_group
-from ._mesh import with_job_timeout
+from ._mesh import device_mesh
 from ._named import _Collective, _Permute
 from ._positions import PositionWatch
 from ._spec import P
@@ -100,9 +100,9 @@ class ContextParallel:
         self.group = axis_group(mesh, ("cp",))
         if "tp" in names:  # the step's mesh: (dp x cp, tp), dp and cp as one data axis
             t = mesh.mesh.permute(*(names.index(a) for a in ("dp", "cp", "tp") if a in names))
-            self.flat = with_job_timeout(DeviceMesh(mesh.device_type, t.reshape(-1, mesh.size(names.index("tp"))), mesh_dim_names=("dp", "tp")))
+            self.flat = device_mesh(mesh.device_type, t.reshape(-1, mesh.size(names.index("tp"))), ("dp", "tp"))
         else:
-            self.flat = with_job_timeout(init_device_mesh(mesh.device_type, (mesh.size(),), mesh_dim_names=("dp",)))
+            self.flat = device_mesh(mesh.device_type, torch.arange(mesh.size()), ("dp",))
 
     # -- the batch ------------------------------------------------------------------------------
     def cut(self, batch: Any) -> Any:

@@ -231,9 +231,44 @@ def mesh(**axes: int) -> DeviceMesh:
         ensure_process_group()
         layout = None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if layout is None or torch.equal(layout.flatten(), torch.arange(layout.numel())):
-        return with_job_timeout(init_device_mesh(device, tuple(sizes), mesh_dim_names=tuple(axes)))
-    return with_job_timeout(DeviceMesh(device, layout, mesh_dim_names=tuple(axes)))
+    return device_mesh(device, torch.arange(math.prod(sizes)).reshape(sizes) if layout is None else layout, tuple(axes))
+
+
+# Note [one mesh per layout]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A DeviceMesh of two or more axes makes new process groups (`dist.new_group`) for its axes, and
+# torch keeps every process group until the default one is destroyed: a mesh that is garbage
+# collected leaves its groups behind. Each gloo group holds a connection to every peer and an
+# event-loop thread that wakes while idle; a process that builds the same mesh again and again (a
+# notebook cell run again, a loop over configurations, a test suite on one pool of ranks) slows
+# down with every one: 120 leftover groups cost each idle rank of four 18% of a core, 360 made an
+# all-reduce 5x slower. So the meshes shardfn builds (`sf.mesh`, the context-parallel step's
+# data mesh) are made once per layout and axis names, while the default group lives, and handed
+# out again: `sf.mesh(dp=2, tp=2)` twice is the same mesh, with the same groups. That is safe
+# where a map by equality of live meshes is not (Note [mesh groups]): the map holds its meshes,
+# so what a call returns depends only on the calls before it, which every rank makes in the same
+# order (a mesh is made collectively); the default group's end (`destroy_process_group`, also
+# collective) forgets them all.
+_MESHES: dict[tuple, tuple[Any, DeviceMesh]] = {}
+
+
+def device_mesh(device: str, layout: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
+    """The mesh of `layout` (ranks, one dim per axis) named `names`, made on the first call while
+    the default process group lives and the same object after (Note [one mesh per layout]); its
+    axes' groups take the job's timeout (Note [one collective timeout])."""
+    world = dist.group.WORLD
+    key = (device, tuple(layout.shape), tuple(int(r) for r in layout.flatten()), tuple(names))
+    for k in [k for k, (w, _) in _MESHES.items() if w is not world]:
+        del _MESHES[k]  # made under a default group that has ended: their groups are gone with it
+    hit = _MESHES.get(key)
+    if hit is not None:
+        return with_job_timeout(hit[1])  # the timeout as the job sets it now
+    if torch.equal(layout.flatten(), torch.arange(layout.numel())):
+        made = init_device_mesh(device, tuple(layout.shape), mesh_dim_names=tuple(names))
+    else:
+        made = DeviceMesh(device, layout, mesh_dim_names=tuple(names))
+    _MESHES[key] = (world, made)
+    return with_job_timeout(made)
 
 
 # Note [one collective timeout]

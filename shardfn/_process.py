@@ -24,6 +24,7 @@ returns inside a backward before it reads `_functorch._transforms`.
 | `_collectives.STATS` | collective counts and bytes since the last reset | counters |
 | `_collectives.GLOO_COLLECTIVES`, `POST_FROM_THREAD` | how gloo collectives run | settings |
 | `_collectives.GATHER_BUCKET_BYTES`, `_flat.SMALL_SEGMENT` | the bytes one packed all-gather of `full_tensors` receives at most; which sharded leaves count as small (gathered together, Note [flat unit layout]) | settings |
+| `_mesh._MESHES` | the meshes `sf.mesh` and the context-parallel step built, one per layout and axis names, with the default group they were made under (Note [one mesh per layout]) | process groups |
 | `_mesh._AXES_GROUPS` | per mesh (by identity, `ByMesh`): the process group over several of its axes | process groups |
 | `_manual._GROUPS` | per mesh (by identity) and axes named in `sf.shard_map` collectives: the process group over them | process groups |
 | `_checkpoint._background_group`, `_in_flight` | background saves' group, the save running | process groups, process |

@@ -377,13 +377,16 @@ def rank_equal_meshes_keep_their_own_groups() -> dict:
 
     from shardfn._manual import axis_group
 
-    old = sf.mesh(dp=2, tp=2)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # Meshes the user builds (sf.mesh hands out one mesh per layout: Note [one mesh per layout]).
+    old = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     axis_group(old, ("tp",))  # what a collective over tp of `old` keeps (DTensor's caches would keep `old` alive)
     kept = [old] if rank % 2 == 0 else []
     gone = weakref.ref(old)
     del old
     gc.collect()
-    new = sf.mesh(dp=2, tp=2)
+    new = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     got = run(new)
     want = torch.arange(8.0).view(2, 2, 2).flip(1).flatten() * 2  # each dp pair's two tp blocks swapped
     return {"equal": kept[0] == new if kept else gone() is None, "value": torch.equal(got, want) or (got, want)}
@@ -394,6 +397,61 @@ def test_equal_meshes_keep_their_own_process_groups(pools):
     the dead-on-1-and-3 mesh's tp groups, and the ring waited on two process groups forever."""
     for r in pools(4).run(rank_equal_meshes_keep_their_own_groups):
         assert r == {"equal": True, "value": True}, r
+
+
+def _gloo_loops() -> int:
+    """The gloo event-loop threads of this process: one per process group it holds a connection of."""
+    import os
+
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue  # a thread that ended meanwhile
+    return names.count("gloo_tcp_loop")
+
+
+def rank_meshes_asked_for_again() -> dict:
+    import shardfn as sf
+    from shardfn._context import ContextParallel
+
+    mesh = sf.mesh(dp=2, tp=2)
+    flat = ContextParallel(sf.mesh(dp=2, cp=2), sf.P(None, "cp")).flat  # the cp step's data mesh
+    before = _gloo_loops()
+    again = [sf.mesh(dp=2, tp=2) for _ in range(5)]
+    again_flat = [ContextParallel(sf.mesh(dp=2, cp=2), sf.P(None, "cp")).flat for _ in range(3)]
+    same = _gloo_loops()
+    other = sf.mesh(tp=2, dp=2)  # another layout: a mesh, and groups, of its own
+    return {
+        "same mesh": all(m is mesh for m in again) and all(f is flat for f in again_flat),
+        "same groups": all(m.get_group("tp") is mesh.get_group("tp") for m in again),
+        "no new groups": same == before or (before, same),
+        "a new layout is new": (other is not mesh and _gloo_loops() > same) or (same, _gloo_loops()),
+    }
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in Linux's /proc")
+def test_a_mesh_asked_for_again_is_the_same_and_makes_no_process_group(pools):
+    """Note [one mesh per layout]: each DeviceMesh of two axes made new gloo groups, kept by torch
+    until the job ends, each with a thread that wakes while idle: 120 of them cost each idle rank of
+    four 18% of a core, and 360 made an all-reduce 5x slower (the suite's pools slowed down 3x)."""
+    for r in pools(4).run(rank_meshes_asked_for_again):
+        assert all(v is True for v in r.values()), r
+
+
+def test_a_mesh_is_made_anew_once_the_default_group_has_ended():
+    import shardfn as sf
+
+    a = sf.mesh(x=1, y=1)
+    assert sf.mesh(x=1, y=1) is a and sf.mesh(y=1, x=1) is not a
+    dist.destroy_process_group()
+    b = sf.mesh(x=1, y=1)  # a new default group: the old mesh's groups ended with the old one
+    assert b is not a and sf.mesh(x=1, y=1) is b
+    t = torch.ones(3)
+    dist.all_reduce(t, group=b.get_group("x"))
+    assert torch.equal(t, torch.ones(3))
 
 
 def test_a_map_by_mesh_is_by_identity():
