@@ -16,9 +16,12 @@ Two witnesses on the CPU, one on CUDA:
   sees everything the process touches, the allocator's own caching and fragmentation too, so it
   is a looser, independent check of the first. The meter sets glibc's mmap threshold to 64 KiB
   (`mallopt`), so that large buffers go back to the system when freed, as the first witness
-  assumes; that changes where memory comes from, never what is computed. It stays set for the
-  rest of the process (glibc has no way back to its sliding threshold; Note [process-wide state]
-  in `_process.py`).
+  assumes; that changes where memory comes from, never what is computed. glibc has no way back to
+  its own sliding threshold, and left at 64 KiB every later step of the process maps and unmaps
+  its buffers (a small GPT's step took 1.4-1.7x as long): so when the meter exits, the threshold
+  goes to what the environment asks for (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`), else
+  to the top of the sliding range, 32 MiB (trim 64 MiB), where a long-running process's threshold
+  ends up anyway (Note [process-wide state] in `_process.py`).
 - CUDA: `torch.cuda.max_memory_allocated`, reset when the section starts.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -35,6 +39,7 @@ from torch._C._profiler import _EventType
 
 __all__ = ["PeakMeter", "Section", "rss_bytes", "step_peak"]
 
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 
@@ -63,12 +68,31 @@ def _reset_hwm() -> bool:
         return False
 
 
-def _low_mmap_threshold() -> None:
+def _mallopt(settings: dict[int, int]) -> None:
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 65536)
+            mallopt = ctypes.CDLL(None).mallopt
         except (OSError, AttributeError):
-            pass
+            return
+        for param, value in settings.items():
+            mallopt(param, value)
+
+
+def _low_mmap_threshold() -> None:
+    _mallopt({_M_MMAP_THRESHOLD: 65536})
+
+
+def _env_bytes(name: str, default: int) -> int:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return default
+
+
+def _usual_mmap_threshold() -> None:
+    """Note [measured peak]: the environment's thresholds, else the top of glibc's sliding range."""
+    _mallopt({_M_MMAP_THRESHOLD: _env_bytes("MALLOC_MMAP_THRESHOLD_", 32 << 20),
+              _M_TRIM_THRESHOLD: _env_bytes("MALLOC_TRIM_THRESHOLD_", 64 << 20)})
 
 
 @dataclass
@@ -127,6 +151,7 @@ class PeakMeter:
     def __exit__(self, *exc) -> None:
         prof, self._prof = self._prof, None
         prof.__exit__(*exc)
+        _usual_mmap_threshold()
         if exc[0] is None:
             self._settle(prof)
 
