@@ -175,6 +175,13 @@ def mesh(**axes: int) -> DeviceMesh:
     layout for `strategy="hybrid_shard"` on several nodes. The mesh is on CUDA (NCCL) when GPUs are
     present, else on CPU (gloo).
 
+    The same sizes and names give the same mesh object, with the same process groups, for as long
+    as the default process group lives (Note [one mesh per layout]): treat it as shared and do not
+    change it (its groups' timeouts are set to the job's on every call; names given to flattened
+    axes, `mesh["a", "b"]._flatten("ab")`, stay registered on it). After a collective failed or
+    timed out, its groups are as broken as the default one: recover with
+    `torch.distributed.destroy_process_group()` on every rank, which forgets every mesh made here.
+
     Args:
         **axes: axis name -> size, e.g. `dp=-1`, or `replicate=-1, shard=-1` for hybrid sharding.
 

@@ -41,6 +41,7 @@ __all__ = ["PeakMeter", "Section", "rss_bytes", "step_peak"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_METERS_OPEN = [0]  # meters entered and not exited, in this process: the thresholds go back when none is
 
 
 def _status(key: str) -> int | None:
@@ -79,7 +80,9 @@ def _mallopt(settings: dict[int, int]) -> None:
 
 
 def _low_mmap_threshold() -> None:
-    _mallopt({_M_MMAP_THRESHOLD: 65536})
+    # glibc's default trim threshold too, whatever an earlier meter's exit left: every measurement
+    # starts from the same settings, so freed heap at the top goes back as it would in the first.
+    _mallopt({_M_MMAP_THRESHOLD: 65536, _M_TRIM_THRESHOLD: 128 << 10})
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -142,18 +145,32 @@ class PeakMeter:
     def __enter__(self) -> "PeakMeter":
         from torch.profiler import ProfilerActivity, profile
 
-        _low_mmap_threshold()
-        self.cuda = torch.cuda.is_available()
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
-        self._prof.__enter__()
+        if not _METERS_OPEN[0]:
+            _low_mmap_threshold()
+        _METERS_OPEN[0] += 1
+        try:
+            self.cuda = torch.cuda.is_available()
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+            self._prof.__enter__()
+        except BaseException:
+            self._closed()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
         prof, self._prof = self._prof, None
-        prof.__exit__(*exc)
-        _usual_mmap_threshold()
+        try:
+            prof.__exit__(*exc)
+        finally:
+            self._closed()
         if exc[0] is None:
             self._settle(prof)
+
+    @staticmethod
+    def _closed() -> None:
+        _METERS_OPEN[0] -= 1
+        if not _METERS_OPEN[0]:  # the last meter open: the thresholds go back (Note [measured peak])
+            _usual_mmap_threshold()
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[Section]:

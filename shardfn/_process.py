@@ -43,7 +43,7 @@ returns inside a backward before it reads `_functorch._transforms`.
 | torch's op registry: `shardfn::count`, `shardfn::count_steering` (`torch.library.custom_op`, marked by `torch.fx.node.has_side_effect`) | the ops that count collectives traced into a compiled unit, on every run of its graph (registered at import) | process |
 | `_launch._BORN_ENV` | this process's environment when shardfn was imported: a rank tells from it what torch's launcher set since, and keeps that over its caller's environment (Note [warm ranks]) | process |
 | `_launch._WARM` | the process that started the warm server, and the environment it started with (Note [warm ranks]) | process |
-| glibc's `M_MMAP_THRESHOLD`, `M_TRIM_THRESHOLD` (`mallopt`, by `_peak.PeakMeter`) | 64 KiB while a meter runs; after the first measurement, fixed at the environment's `MALLOC_MMAP_THRESHOLD_` (`MALLOC_TRIM_THRESHOLD_`), else 32 MiB (64 MiB): glibc offers no way back to its own sliding threshold (Note [measured peak] in `_peak.py`; the heap-corruption notes in `docs/heap-corruption.md`) | process |
+| glibc's `M_MMAP_THRESHOLD`, `M_TRIM_THRESHOLD` (`mallopt`, by `_peak.PeakMeter`) | 64 KiB (trim 128 KiB) while a meter runs (`_peak._METERS_OPEN` counts them); after the first measurement, fixed at the environment's `MALLOC_MMAP_THRESHOLD_` (`MALLOC_TRIM_THRESHOLD_`), else 32 MiB (64 MiB): glibc offers no way back to its own sliding threshold (Note [measured peak] in `_peak.py`; the heap-corruption notes in `docs/heap-corruption.md`) | process |
 
 `reset()` puts back what one test may leave for the next: the counters, models nobody holds, the
 collectives debug mode remembered (those not complete are named on stderr: a message may still land

@@ -444,14 +444,19 @@ def test_a_mesh_asked_for_again_is_the_same_and_makes_no_process_group(pools):
 def test_a_mesh_is_made_anew_once_the_default_group_has_ended():
     import shardfn as sf
 
-    a = sf.mesh(x=1, y=1)
-    assert sf.mesh(x=1, y=1) is a and sf.mesh(y=1, x=1) is not a
-    dist.destroy_process_group()
-    b = sf.mesh(x=1, y=1)  # a new default group: the old mesh's groups ended with the old one
-    assert b is not a and sf.mesh(x=1, y=1) is b
-    t = torch.ones(3)
-    dist.all_reduce(t, group=b.get_group("x"))
-    assert torch.equal(t, torch.ones(3))
+    was = dist.is_initialized()  # a one-process group in this process, as a notebook's
+    try:
+        a = sf.mesh(x=1, y=1)
+        assert sf.mesh(x=1, y=1) is a and sf.mesh(y=1, x=1) is not a
+        dist.destroy_process_group()
+        b = sf.mesh(x=1, y=1)  # a new default group: the old mesh's groups ended with the old one
+        assert b is not a and sf.mesh(x=1, y=1) is b
+        t = torch.ones(3)
+        dist.all_reduce(t, group=b.get_group("x"))
+        assert torch.equal(t, torch.ones(3))
+    finally:
+        if not was and dist.is_initialized():
+            dist.destroy_process_group()  # later test modules expect no group here
 
 
 def test_a_map_by_mesh_is_by_identity():
