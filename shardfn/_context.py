@@ -183,6 +183,11 @@ class ContextParallel:
                 "something else than one process on the whole sequence; nothing was applied (Note [positions mixed "
                 "outside attention] in shardfn/_positions.py)"
             )
+        if watch.stopped is not None:
+            warnings.warn(
+                f"context parallelism: the check for ops that mix positions outside attention stopped at {watch.stopped}, "
+                "a form of that op it does not follow; what the forward did after it was not checked (Note [positions "
+                "mixed outside attention] in shardfn/_positions.py)", ContextParallelWarning, stacklevel=3)
         self.positions_checked = True
 
     def check_attended(self) -> None:

@@ -187,6 +187,7 @@ class PositionWatch(TorchDispatchMode):
         self.found: str | None = None
         self.lengths: set[int] = set()  # the sequence's lengths on this rank
         self._paused = 0
+        self.stopped: str | None = None  # the op whose form stopped the watch (the step warns of it)
 
     # -- what the step tells it ---------------------------------------------------------------
     def mark(self, t: torch.Tensor, dims: tuple[int, ...]) -> None:
@@ -219,7 +220,8 @@ class PositionWatch(TorchDispatchMode):
         if any(x in self.dims or x in self.pooled or x in self.local for x in ins):
             try:
                 self._follow(func, args, kwargs, ins, out)
-            except Exception:  # an op of a form the rules did not foresee: stop watching, never break the step
+            except Exception as e:  # noqa: BLE001 - an op of a form the rules did not foresee: stop watching, never break the step
+                self.stopped = f"{func} ({type(e).__name__}: {e}), at {_caller()}"
                 self._paused += 1
         return out
 

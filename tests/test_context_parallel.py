@@ -695,3 +695,27 @@ def test_the_watch_on_single_ops(case):
         assert watch.found is None, watch.found
     else:
         assert watch.found is not None and watch.found.startswith(want), watch.found
+
+
+def test_a_watch_stopped_by_an_op_it_cannot_follow_says_so(monkeypatch):
+    """An op of a form the rules did not foresee stops the watch rather than break the step; the
+    step then warns, naming the op, since what the forward did after it was not checked."""
+    from shardfn import _context
+    from shardfn._positions import PositionWatch
+
+    def unforeseen(self, func, *args):
+        raise IndexError("a form the rules did not foresee")
+
+    monkeypatch.setattr(PositionWatch, "_follow", unforeseen)
+    watch = PositionWatch()
+    x = torch.randn(2, 8, 4)
+    with watch:
+        watch.mark(x, (1,))
+        y = (x * 2).sum()
+    assert watch.found is None and watch.stopped is not None and "aten.mul" in watch.stopped, watch.stopped
+    assert y.item() == pytest.approx(2 * x.sum().item())  # the step's numbers are untouched
+    owner = _context.ContextParallel.__new__(_context.ContextParallel)
+    owner.watch, owner.positions_checked = watch, False
+    with pytest.warns(_context.ContextParallelWarning, match="stopped at aten.mul"):
+        owner.check_positions()
+    assert owner.positions_checked
