@@ -19,7 +19,8 @@ Two witnesses on the CPU, one on CUDA:
   assumes; that changes where memory comes from, never what is computed. glibc has no way back to
   its own sliding threshold, and left at 64 KiB every later step of the process maps and unmaps
   its buffers (a small GPT's step took 1.4-1.7x as long): so when the meter exits, the threshold
-  goes to what the environment asks for (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`), else
+  goes to what the environment asks for (`GLIBC_TUNABLES`' `glibc.malloc.mmap_threshold` and
+  `trim_threshold`, else `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`), else
   to the top of the sliding range, 32 MiB (trim 64 MiB), where a long-running process's threshold
   ends up anyway (Note [process-wide state] in `_process.py`).
 - CUDA: `torch.cuda.max_memory_allocated`, reset when the section starts.
@@ -85,17 +86,22 @@ def _low_mmap_threshold() -> None:
     _mallopt({_M_MMAP_THRESHOLD: 65536, _M_TRIM_THRESHOLD: 128 << 10})
 
 
-def _env_bytes(name: str, default: int) -> int:
-    try:
-        return int(os.environ[name])
-    except (KeyError, ValueError):
-        return default
+def _env_bytes(tunable: str, alias: str, default: int) -> int:
+    """A malloc setting as the environment gives it to glibc: `GLIBC_TUNABLES`'s
+    `glibc.malloc.<tunable>=N` (colon-separated), else the alias variable (`MALLOC_..._`), else the
+    default. A value that is not a whole number counts as not given, as glibc ignores it."""
+    for item in os.environ.get("GLIBC_TUNABLES", "").split(":"):
+        name, _, value = item.partition("=")
+        if name.strip() == f"glibc.malloc.{tunable}" and value.strip().isdigit():
+            return int(value)
+    value = os.environ.get(alias, "").strip()
+    return int(value) if value.isdigit() else default
 
 
 def _usual_mmap_threshold() -> None:
     """Note [measured peak]: the environment's thresholds, else the top of glibc's sliding range."""
-    _mallopt({_M_MMAP_THRESHOLD: _env_bytes("MALLOC_MMAP_THRESHOLD_", 32 << 20),
-              _M_TRIM_THRESHOLD: _env_bytes("MALLOC_TRIM_THRESHOLD_", 64 << 20)})
+    _mallopt({_M_MMAP_THRESHOLD: _env_bytes("mmap_threshold", "MALLOC_MMAP_THRESHOLD_", 32 << 20),
+              _M_TRIM_THRESHOLD: _env_bytes("trim_threshold", "MALLOC_TRIM_THRESHOLD_", 64 << 20)})
 
 
 @dataclass

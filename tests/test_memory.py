@@ -202,11 +202,16 @@ with PeakMeter():
     pass
 kept = mapped_by_one_buffer()
 del os.environ["MALLOC_MMAP_THRESHOLD_"]
+os.environ["GLIBC_TUNABLES"] = "glibc.malloc.check=0:glibc.malloc.mmap_threshold=65536"  # the same, as a tunable
+with PeakMeter():
+    pass
+tuned = mapped_by_one_buffer()
+del os.environ["GLIBC_TUNABLES"]
 with PeakMeter():
     with PeakMeter():  # an inner meter's exit leaves the outer one measuring as it began
         pass
     nested = mapped_by_one_buffer()
-print(inside, after, kept, nested, mapped_by_one_buffer())
+print(inside, after, kept, tuned, nested, mapped_by_one_buffer())
 """
 
 
@@ -219,8 +224,9 @@ def test_the_meter_gives_the_malloc_threshold_back_when_it_exits():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     out = subprocess.run([sys.executable, "-c", _THRESHOLD_CHECK], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    inside, after, kept, nested, again = (int(v) for v in out.stdout.split()[-5:])
-    assert inside >= 1 << 20 and after == 0 and kept >= 1 << 20 and nested >= 1 << 20 and again == 0, out.stdout
+    inside, after, kept, tuned, nested, again = (int(v) for v in out.stdout.split()[-6:])
+    assert inside >= 1 << 20 and after == 0 and nested >= 1 << 20 and again == 0, out.stdout
+    assert kept >= 1 << 20 and tuned >= 1 << 20, out.stdout  # MALLOC_MMAP_THRESHOLD_, GLIBC_TUNABLES: kept
