@@ -19,7 +19,7 @@ ring carries the queries' marks to its output. What it then refuses, naming the 
 of the model that called it:
 
 - a slice, select, narrow, split or pad of a marked dim that does not keep it whole (a shift, a
-  crop, a pick of one position), an index or gather along it, a roll, flip, window (`unfold`),
+  crop, a pick of one position), an index or gather along it, a roll, window (`unfold`),
   FFT, pooling op, group norm or convolution (a kernel longer than one) over it, and a `cat` that
   joins something that is not the sequence to it (a prompt);
 - a softmax, log-softmax, log-sum-exp, max, min, sort, norm, product or cumulative op over a marked
@@ -32,6 +32,11 @@ of the model that called it:
   products with weights, views, sums), an op the rules do not know included, before it crosses the
   ranks in a collective (`sf.psum` over "dp" in `loss_fn`); at dp > 1 that collective is refused
   too, since under cp the data axis spans dp x cp and the sum would add other sequences.
+
+A flip of the sequence is exact: cp rank r holds chunks r and 2 * cp - 1 - r, head then tail, and
+flipped they are the flipped sequence's chunks r and 2 * cp - 1 - r, in that order; positions
+then pair across the sequence (`x + x.flip(1)`) as in one process. A flip of tokens merged with
+other dims is refused.
 
 A marked dim that holds the sequence merged with the batch (tokens flattened to rows: its length
 is not a chunk's) is cut, indexed, gathered and sorted freely: those ops move whole tokens (a
@@ -344,6 +349,8 @@ class PositionWatch(TorchDispatchMode):
             else:
                 over = _dims_arg(func, args, kwargs, a.ndim)
             hit = [d for d in (range(a.ndim) if over is None else over) if d in dims]
+            if name == "flip" and hit and not any(self._merged(a, d) for d in hit):
+                hit = []  # the head and tail cut, flipped, is the flipped sequence's head and tail (Note above)
             if hit:
                 return self._refuse(f"{func} moved positions along dim {hit[0]} of a {tuple(a.shape)} tensor, a sequence dim",
                                     "A roll, flip, window or difference along the sequence reads this rank's chunks as if they "

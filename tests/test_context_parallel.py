@@ -241,6 +241,13 @@ def _sdpa(p, b):  # per-token work around F.scaled_dot_product_attention: nothin
     return F.cross_entropy(y.flatten(0, 1) @ p["head"], b[1].flatten())
 
 
+def _both_ways(p, b):  # causal attention read forwards and backwards (flipped), per-token loss
+    x = (b[0] @ p["w"])[:, None]
+    back = x.flip(2)
+    y = F.scaled_dot_product_attention(x, x, x, is_causal=True) + F.scaled_dot_product_attention(back, back, back, is_causal=True).flip(2)
+    return F.cross_entropy(y[:, 0].flatten(0, 1) @ p["head"], b[1].flatten())
+
+
 POSITION_CASES = {  # loss_fn, the words its refusal must hold (None: it trains)
     "pooled": (_pooled_classifier, ["aten.mean.dim pooled dim 1", "aten._log_softmax", "h.mean(1)", "sf.psum"]),
     "pooled_then_psum": (_pooled_then_psum, None),
@@ -249,6 +256,7 @@ POSITION_CASES = {  # loss_fn, the words its refusal must hold (None: it trains)
     "by_hand": (_by_hand, ["aten._softmax.default ran over dim 2", "torch.softmax(x @ x.transpose(-1, -2), -1)",
                            "scaled_dot_product_attention"]),
     "sdpa": (_sdpa, None),
+    "both_ways": (_both_ways, None),
 }
 
 
@@ -646,7 +654,8 @@ SINGLE_OPS = {  # a function of x (batch, sequence, features), the start of what
     "convolution": (lambda x: _CONV3(x.transpose(1, 2)).sum(), "aten.convolution.default convolved dim 2"),
     "sequence as channels": (lambda x: torch.tanh(_CONV_SEQ(x)).sum(), "aten.convolution.default summed over dim 1"),
     "roll": (lambda x: x.roll(1, 1).sum(), "aten.roll.default moved positions along dim 1"),
-    "flip": (lambda x: x.flip(1).sum(), "aten.flip.default moved positions along dim 1"),
+    "flip, paired across the sequence": (lambda x: torch.tanh(x * x.flip(1)).sum(), None),  # the cut, flipped, is the flip's
+    "flip of tokens flattened": (lambda x: x.reshape(-1, 4).flip(0).cumsum(1).sum(), "aten.flip.default moved positions along dim 0"),
     "window": (lambda x: x.unfold(1, 2, 1).sum(), "aten.unfold.default moved positions along dim 1"),
     "difference": (lambda x: x.diff(dim=1).sum(), "aten.slice.Tensor cut dim 1"),
     "a prompt": (lambda x: torch.cat([torch.zeros(2, 3, 4), x], 1).sum(), "aten.cat joined a tensor that is not the sequence"),
