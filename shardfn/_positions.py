@@ -38,6 +38,11 @@ flipped they are the flipped sequence's chunks r and 2 * cp - 1 - r, in that ord
 then pair across the sequence (`x + x.flip(1)`) as in one process. A flip of tokens merged with
 other dims is refused.
 
+An index that leaves every position where it was (`arange` over the whole marked dim, spread over
+other dims: Hugging Face's `padding_mask[batch_idx, kv_idx]`) keeps the marks where the positions
+land; a mask built that way and handed to attention is refused by the ring (Note [context
+parallelism]), and one never used (Qwen2-MoE's sliding-window mask) costs nothing.
+
 A marked dim that holds the sequence merged with the batch (tokens flattened to rows: its length
 is not a chunk's) is cut, indexed, gathered and sorted freely: those ops move whole tokens (a
 chunked loss, the tokens a mask keeps, a mixture of experts routing tokens to experts and back)
@@ -176,6 +181,39 @@ def _view_dims(src: tuple, dst: tuple, dims: frozenset, lengths: set) -> frozens
                 # batch-major (batch, sequence): the innermost dim as long as a sequence
                 group = [b for b in group if dst[b] in lengths][-1:] or group
             out.update(group)
+    return frozenset(out)
+
+
+def _index_in_place(src: torch.Tensor, idx: list, sdims: frozenset) -> frozenset | None:
+    """The marked dims of `src[idx]` (`aten.index.Tensor`) where every index of a marked dim is
+    `arange` over that whole dim along one dim of the indices' broadcast shape, and no other index
+    varies along that one: each position then lands where it was, spread over the other dims
+    (`padding_mask[batch_idx, kv_idx]`, Hugging Face's masks). None where positions are picked."""
+    adv = [k for k, i in enumerate(idx) if i is not None]
+    if any(idx[k].dtype in (torch.bool, torch.uint8) for k in adv):
+        return None
+    shape = torch.broadcast_shapes(*(idx[k].shape for k in adv))
+    nb = len(shape)
+
+    def varies(i: torch.Tensor, j: int) -> bool:  # index `i`, aligned right in the broadcast shape, along dim j
+        k = j - (nb - i.ndim)
+        return k >= 0 and i.shape[k] != 1
+
+    # Indices next to each other put their broadcast dims where they were; apart, in front.
+    lead = adv[0] if adv == list(range(adv[0], adv[-1] + 1)) else 0
+    rest = [d for d in range(src.ndim) if d not in adv]  # the dims taken whole, in order after them
+    out: set[int] = set()
+    for d in sdims:
+        if d not in adv:
+            out.add(d if d < lead else nb + rest.index(d))
+            continue
+        i, n = idx[d], int(src.shape[d])
+        along = [j for j in range(nb) if varies(i, j)]
+        if n < 2 or len(along) != 1 or i.numel() != n or not torch.equal(i.reshape(-1), torch.arange(n, device=i.device)):
+            return None
+        if any(k != d and varies(idx[k], along[0]) for k in adv):
+            return None  # another index varies along the same dim: a diagonal, positions picked
+        out.add(lead + along[0])
     return frozenset(out)
 
 
@@ -491,6 +529,10 @@ class PositionWatch(TorchDispatchMode):
             return
         if name == "index":
             idx = [i for i in args[1]]
+            kept = _index_in_place(src, idx, sdims) if sdims else None
+            if kept is not None:  # every position where it was: a mask expanded (Hugging Face's padding mask)
+                self._set(outs[0], kept, self.pooled.get(src))
+                return
             if sdims and any(i is not None and not self._merged(src, k) for k, i in enumerate(idx) if k in sdims):
                 return self._refuse(f"{func} indexed dim {min(sdims)} of a {tuple(src.shape)} tensor, a sequence dim",
                                     "A pick of positions by index (the last token of each sequence) reads this rank's chunks "

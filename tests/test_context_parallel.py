@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,13 +35,16 @@ def _gpt_batch(step: int, dp: int, dp_rank: int | None = None):
     return ids[rows], y[rows], pos[rows]
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _llama(kind: str = "llama"):
+    import transformers as tf
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=T, attention_dropout=0.0, attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg)
+    small = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=T, attention_dropout=0.0, attn_implementation="sdpa")
+    if kind == "qwen2_moe":  # builds a sliding-window mask it does not use, by indexing the attention mask
+        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                        shared_expert_intermediate_size=16))
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**small))
 
 
 def _shifted(ids: torch.Tensor) -> torch.Tensor:
@@ -59,9 +63,9 @@ def rank_context_parallel(dims: dict, kind: str, options: dict) -> dict:
         model = GPT(CFG)
         units = r"blocks\.\d+"
     else:
-        model = _llama()
+        model = _llama(kind)
         units = r"model\.layers\.\d+"
-    ref = GPT(CFG) if kind == "gpt" else _llama()
+    ref = GPT(CFG) if kind == "gpt" else _llama(kind)
     ref.load_state_dict(model.state_dict())
     apply, params = sf.functionalize(model, units=units)
 
@@ -88,7 +92,7 @@ def rank_context_parallel(dims: dict, kind: str, options: dict) -> dict:
     losses, calls = [], []
     for s in range(3):
         ids, y, pos = _gpt_batch(s, dp, dp_rank)
-        if kind == "llama":
+        if kind != "gpt":
             y = _shifted(ids)
         C.STATS.reset()
         state, metrics = step(state, (ids, y, pos))
@@ -121,6 +125,7 @@ CASES = [
     (4, dict(dp=2, cp=2), "llama", {}),
     (4, dict(dp=1, cp=4), "llama", dict(accumulation_steps=2)),
     (2, dict(cp=2), "llama", dict(remat=True, strategy="no_shard")),
+    (2, dict(cp=2), "qwen2_moe", {}),  # tokens routed to experts; a mask built and never used
     # with tensor parallelism: (dp x cp, tp), the ring on each tp rank's heads (whole on tp for the GPT)
     (4, dict(dp=1, tp=2, cp=2), "gpt", dict(tp_rules="GPT")),
     (4, dict(dp=1, tp=2, cp=2), "llama", dict(tp_rules="LLAMA", remat=True)),
@@ -323,7 +328,9 @@ def test_a_pooling_summed_over_dp_beside_cp_is_refused(pools):
 
 def rank_hugging_face_labels() -> dict:
     """Hugging Face's causal-LM loss shifts `labels` itself, after the cut: refused, naming
-    `shift_labels=`."""
+    `shift_labels=`. A padding mask with zeros: the model spreads it over (batch, heads, queries,
+    keys) by index, which the watch lets pass (every key where it was, as for Qwen2-MoE's unused
+    sliding-window mask), and attention refuses the mask it is given, before anything is applied."""
     mesh = sf.mesh(cp=-1)
     model = _llama()
     apply, params = sf.functionalize(model, units=r"model\.layers\.\d+")
@@ -332,19 +339,33 @@ def rank_hugging_face_labels() -> dict:
         ids, pos = b
         return apply(p, input_ids=ids, labels=ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False).loss
 
-    step = sf.train_step(loss_fn, sf.optim.sgd(0.1), mesh, batch_specs=sf.P(None, "cp"))
-    state = step.init(params)
+    def padded(p, b):
+        ids, pos = b
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0  # left padding, cut with the sequence
+        logits = apply(p, input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False).logits
+        return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+    out = {}
     ids, _, pos = _gpt_batch(0, 1)
-    try:
-        step(state, (ids, pos))
-    except ValueError as e:
-        return {"refused": str(e)}
-    return {"refused": None}
+    for name, fn, error in [("refused", loss_fn, ValueError), ("padded", padded, NotImplementedError)]:
+        step = sf.train_step(fn, sf.optim.sgd(0.1), mesh, batch_specs=sf.P(None, "cp"))
+        state = step.init(optree.tree_map(torch.clone, params))
+        before = [v.clone() for v in optree.tree_leaves(sf.gather(state.params))]
+        out[name] = None
+        try:
+            step(state, (ids, pos))
+        except error as e:
+            out[name] = str(e)
+            out[name + "_unchanged"] = all(map(torch.equal, before, optree.tree_leaves(sf.gather(state.params))))
+    return out
 
 
-def test_hugging_face_labels_shifted_inside_the_model_are_refused(pools):
+def test_hugging_face_labels_shifted_inside_the_model_and_padding_masks_are_refused(pools):
     for r in pools(2).run(rank_hugging_face_labels):
         assert r["refused"] is not None and "shift_labels=" in r["refused"] and "loss_utils.py" in r["refused"], r
+        assert r["padded"] is not None and "attn_mask" in r["padded"], r
+        assert r["refused_unchanged"] and r["padded_unchanged"], r
 
 
 def rank_estimate() -> dict:
@@ -578,7 +599,7 @@ def _watched_forward(model, kwargs: dict) -> str | None:
 
 def test_the_watch_passes_per_token_models_and_finds_what_mixes_positions():
     """Note [positions mixed outside attention] on Hugging Face models as they are: the decoders
-    (Llama, Qwen2, Mistral, GPT-2, Mixtral's routing) and BERT's masked LM run per position around
+    (Llama, Qwen2, Mistral, GPT-2, Mixtral's and Qwen2-MoE's routing) and BERT's masked LM run per position around
     attention; a classifier's pick of the last or [CLS] token, Llama's loss shifting `labels=`
     itself, Llama without an attention mask (it compares neighbouring position ids to find packed
     sequences) and dynamic RoPE scaling (its length the largest position id of this rank's chunks)
@@ -607,6 +628,10 @@ def test_the_watch_passes_per_token_models_and_finds_what_mixes_positions():
         # tokens routed to experts across the flattened batch: rows move, positions do not mix
         "mixtral": (tf.MixtralForCausalLM(tf.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2)),
                     dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)),
+        # a sliding-window mask built by indexing the attention mask by key position, never used
+        "qwen2-moe": (tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                                shared_expert_intermediate_size=16)),
+                      dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)),
     }
     for name, (model, kwargs) in clean.items():
         assert _watched_forward(model, kwargs) is None, (name, _watched_forward(model, kwargs))
@@ -665,6 +690,9 @@ SINGLE_OPS = {  # a function of x (batch, sequence, features), the start of what
     "a chunked loss": (lambda x: sum(c.square().sum() for c in x.reshape(-1, 4).split(3)), None),
     "tokens kept by a mask": (lambda x: x.reshape(-1, 4)[x.reshape(-1, 4)[:, 0] > 0].square().sum(), None),
     "a batch as long as the chunks": (lambda x: _LIN(torch.cat([x, x], 0)).reshape(4, 8, 4)[:2].square().sum(), None),
+    # every position indexed where it is (a padding mask spread over (batch, heads, queries, keys))
+    "a mask spread by index": (lambda x: torch.tanh(x[torch.arange(2)[:, None, None], torch.arange(8)[None, None, :]]).sum(), None),
+    "positions picked by index": (lambda x: torch.tanh(x[:, torch.tensor([0, 2, 4, 6])]).sum(), "aten.index.Tensor indexed dim 1"),
     "a pad": (lambda x: F.pad(x, (0, 0, 1, -1)).square().sum(), "aten.constant_pad_nd.default padded dim 1"),
     "an FFT": (lambda x: torch.fft.fft(x, dim=1).abs().sum(), "aten._fft"),
     "a max-pool": (lambda x: F.adaptive_max_pool1d(x.transpose(1, 2), 1).sum(), "aten.adaptive_max_pool"),
