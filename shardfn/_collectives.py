@@ -229,9 +229,28 @@ POST_FROM_THREAD = True
 _POSTER: list[ThreadPoolExecutor] = []
 
 
+# Note [point-to-point on NCCL]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# gloo takes each `isend` and `irecv` on its own: a message waits in the connection until its
+# peer posts the other end, whatever else either rank posted meanwhile. NCCL does not. Each send
+# or receive posted alone is a kernel on the group's stream that blocks the GPU until its peer's
+# matching kernel runs, so two ranks that swap (cp = 2, a 2-rank `sf.ppermute`) each queue a
+# receive that waits for a send queued behind the peer's own receive: the GPUs wait on each other
+# for good. A ring of three or more also stalls on the host, each rank making the two-rank
+# communicator with its predecessor while that one makes its own. NCCL wants the sends and
+# receives of one exchange inside one group (`ncclGroupStart/End`), which
+# `dist.batch_isend_irecv` issues. So on any backend but gloo an exchange is posted as one batch,
+# from the calling thread (a CUDA tensor's messages then wait for the kernels the caller's stream
+# queued before them, as a collective does); on gloo, from the poster thread as above.
+def _posts_as_batch(group) -> bool:
+    """Whether an exchange over `group` is posted as one batch (Note [point-to-point on NCCL])."""
+    return _info(group)[0] != "gloo"
+
+
 def _exchange(group, sends: list, recvs: list, epilogue=None) -> _Exchange:
     """Posts `recvs` [(tensor, src, tag)], then `sends` [(tensor, dst, tag)] (group ranks; empty
-    tensors skipped, the same on every rank), from the poster thread; returns the pending exchange."""
+    tensors skipped, the same on every rank), from the poster thread on gloo and as one batch
+    elsewhere (Note [point-to-point on NCCL]); returns the pending exchange."""
 
     def post() -> list:
         if _debug.ON:
@@ -240,7 +259,13 @@ def _exchange(group, sends: list, recvs: list, epilogue=None) -> _Exchange:
         works += [dist.isend(t, group=group, group_dst=dst, tag=tag) for t, dst, tag in sends if t.numel()]
         return works
 
-    if not POST_FROM_THREAD:
+    if _posts_as_batch(group):
+        if _debug.ON:
+            _debug.check_posted([t for t, _, _ in recvs + sends], "point-to-point message")
+        ops = [dist.P2POp(dist.irecv, t, group=group, tag=tag, group_peer=src) for t, src, tag in recvs if t.numel()]
+        ops += [dist.P2POp(dist.isend, t, group=group, tag=tag, group_peer=dst) for t, dst, tag in sends if t.numel()]
+        pending = _Exchange(dist.batch_isend_irecv(ops) if ops else [], epilogue)
+    elif not POST_FROM_THREAD:
         pending = _Exchange(post(), epilogue)
     else:
         if not _POSTER:

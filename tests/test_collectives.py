@@ -20,13 +20,27 @@ def _data(rank: int, n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(n, generator=g).to(dtype)
 
 
-def rank_exchanges(thread: bool) -> dict:
-    """Point to point against native, posting from the poster thread or from the calling one."""
-    old, C.POST_FROM_THREAD = C.POST_FROM_THREAD, thread
+def rank_exchanges(post: str) -> dict:
+    """Point to point against native, posting from the poster thread, from the calling one, or as
+    one batch (`dist.batch_isend_irecv`), as on NCCL (Note [point-to-point on NCCL]): on gloo the
+    batch's messages are the same, so this checks each one's peer, tag and buffer."""
+    old = C.POST_FROM_THREAD, C._posts_as_batch, dist.batch_isend_irecv
+    batches = []
+
+    def counted(ops):
+        batches.append(len(ops))
+        return old[2](ops)
+
+    C.POST_FROM_THREAD = post == "thread"
+    if post == "batch":
+        C._posts_as_batch = lambda group: True
+        dist.batch_isend_irecv = counted
     try:
-        return _exchanges()
+        out = _exchanges()
     finally:
-        C.POST_FROM_THREAD = old
+        C.POST_FROM_THREAD, C._posts_as_batch, dist.batch_isend_irecv = old
+    out["batched"] = bool(batches) == (post == "batch")
+    return out
 
 
 def _exchanges() -> dict:
@@ -95,13 +109,18 @@ def _exchanges() -> dict:
         keep = inp.clone()
         C.reduce_scatter(torch.empty(11), inp, group, async_op=False)
         out["rs_input_kept"] = torch.equal(inp, keep)
+    # A permutation: a ring, and a send to every peer with one receive.
+    got = C.permute_blocking(torch.full((4,), float(rank)), [(rank + 1) % world], (rank - 1) % world, group, "a ring")
+    out["ring"] = torch.equal(got, torch.full((4,), float((rank - 1) % world)))
+    got = C.permute_blocking(torch.full((3,), float(rank + 1)), list(range(world)) if rank == 0 else [], 0, group, "from 0")
+    out["from_0"] = torch.equal(got, torch.ones(3))
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("thread", [True, False])
-def test_point_to_point_matches_native_collectives(pools, world, thread):
-    for r in pools(world).run(rank_exchanges, thread):
+@pytest.mark.parametrize("post", ["thread", "calling", "batch"])
+def test_point_to_point_matches_native_collectives(pools, world, post):
+    for r in pools(world).run(rank_exchanges, post):
         bad = [k for k, ok in r.items() if not ok]
         assert not bad, bad
 
