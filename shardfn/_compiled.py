@@ -100,6 +100,7 @@ import warnings
 import weakref
 from typing import Any, Iterator
 
+import torch
 from torch import nn
 
 from ._tp import FallbackWarning
@@ -135,6 +136,21 @@ def on_tensor_parallel(options: dict, names: tuple, tp_size: int, mp: Any) -> di
     return {**options, "dynamic": False}
 
 
+def _refuse_cuda_graphs(compile: dict, where: str) -> None:
+    """CUDA graphs replay the memory addresses they were recorded with, and a unit's gathered
+    parameters are freed and gathered again into other memory every step (Note [compiled units]):
+    not supported. `mode="max-autotune"` turns them on only where CUDA is."""
+    mode, options = compile.get("mode"), compile.get("options") or {}
+    graphs = (mode == "reduce-overhead" or options.get("triton.cudagraphs")
+              or (mode == "max-autotune" and torch.cuda.is_available() and options.get("triton.cudagraphs", True)))
+    if graphs:
+        raise NotImplementedError(
+            f"{where}(..., compile={compile!r}): CUDA graphs are not supported yet: they replay the addresses they "
+            "recorded, and each unit's gathered parameters are freed and gathered again every step; use "
+            "compile={'mode': 'max-autotune-no-cudagraphs'} or compile=True"
+        )
+
+
 def compile_options(compile: Any, where: str) -> dict | None:
     """The `torch.compile` options of a `compile=` setting: None for False (eager).
 
@@ -146,6 +162,7 @@ def compile_options(compile: Any, where: str) -> dict | None:
 
     Raises:
         ValueError: for anything else than False, True or such a dict.
+        NotImplementedError: for options that turn on CUDA graphs (`mode="reduce-overhead"`).
     """
     if compile is False:
         return None
@@ -158,6 +175,7 @@ def compile_options(compile: Any, where: str) -> dict | None:
                 f"{where}(..., compile={compile!r}): {bad} are not torch.compile options; use some of "
                 f"{list(_TORCH_COMPILE_KEYS)}, e.g. compile={{'mode': 'max-autotune-no-cudagraphs'}}"
             )
+        _refuse_cuda_graphs(compile, where)
         return {"fullgraph": True, **compile}
     raise ValueError(
         f"{where}(..., compile={compile!r}): compile must be False (the default), True, or a dict of "
