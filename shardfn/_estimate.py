@@ -129,7 +129,9 @@ class MemoryEstimate:
             slot arenas (Note [unit plan]) and learns which unit is the last (`keep_last_unit`).
         world, rank: the shard world size and rank it is for.
         host: with `offload="cpu"` on CUDA, the host memory the shards, gradients and optimizer
-            state take (pinned), which `peak` (device memory) leaves out; else 0.
+            state take, which `peak` (device memory) leaves out; else 0. Each unit's shard and
+            gradient buffer is pinned, counted as torch's pinned allocator takes it (rounded up to
+            a power of two).
         batch_size: the per-rank batch (dim 0 of the batch's leaves), or None without a batch.
     """
 
@@ -635,6 +637,11 @@ class _Group:
     padded_trained: int = 0  # the trained sharded segments whose rows do not split evenly (elements per rank)
 
 
+def _pinned_bytes(n: int) -> int:
+    """The bytes torch's pinned host allocator takes for `n` (the next power of two, by default)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def _itemsize(dt: torch.dtype) -> int:
     return dt.itemsize
 
@@ -1004,8 +1011,11 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
     opt_bytes, update_bytes = _optimizer_bytes(step.opt, treespec, [local_shapes[i] if trained[i] else None for i in range(len(leaves))], probe_bytes)
     persistent["optimizer"] = opt_bytes
     host = 0
-    if offload:  # shards, gradients and optimizer live in pinned host memory; the update runs there
-        host = persistent["params"] + sum((g.S + g.R) * _itemsize(g.master) for g in gs.values()) + opt_bytes + update_bytes
+    if offload:  # shards, gradients and optimizer live in host memory; the update runs there
+        # Each unit's shard and gradient buffer is pinned, and torch's pinned-memory allocator
+        # rounds every allocation up to a power of two (by default: `pinned_max_round_threshold`).
+        pinned = sum(2 * _pinned_bytes((g.S + g.R) * _itemsize(g.master)) for g in gs.values())
+        host = pinned + opt_bytes + update_bytes
         persistent["params"] = persistent["grads"] = persistent["optimizer"] = 0
         update_bytes = 0
 
