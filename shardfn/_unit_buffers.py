@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ._flat import Arena, FlatUnit
 from . import _schedule as schedule
 from ._schedule import ROOT
@@ -110,6 +112,19 @@ class UnitBuffers:
     def release_all(self) -> None:
         for a in self.arenas:
             a.release()
+        if self.root.offload:  # Note [offloaded shards on the host]
+            torch.cuda.current_stream(self.root.device).synchronize()
+
+
+# Note [offloaded shards on the host]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# With `offload="cpu"` a unit's shard lives in pinned host memory and each gather starts with an
+# asynchronous host-to-device copy of it (`FlatUnit.start_gather`); after the step the optimizer
+# writes the same host memory, on the CPU. A copy still in flight then would send the device half
+# updated values, without a word. The backward's blocking device-to-host copies of the reduced
+# gradients order every earlier copy in practice, but the step does not rest on that: when the
+# backward is over, the compute stream is synchronized once before the optimizer runs (the
+# reductions were waited already, so it waits for what little is left).
 
 
 def _unique(items: list) -> list:
