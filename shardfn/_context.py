@@ -33,6 +33,9 @@ refuses such ops before anything is applied (Note [positions mixed outside atten
 `_positions.py`). A first step whose forward called no `scaled_dot_product_attention` at all warns
 once, with `ContextParallelWarning`.
 
+Attention within a window (a sliding window, or chunked attention) is refused where the window
+is shorter than the sequence (Note [attention windows under cp]).
+
 With tensor parallelism (`sf.mesh(dp=..., tp=..., cp=...)`) the step runs on a (dp x cp, tp) mesh:
 parameters split over tp as their specs say and sharded over dp and cp together, the forward on
 DTensors over tp (Note [tensor parallel forward] in `_tp.py`). Attention's q, k and v are then
@@ -44,6 +47,7 @@ layout.
 from __future__ import annotations
 
 import contextlib
+import weakref
 import math
 import warnings
 from typing import Any, Iterator
@@ -62,6 +66,46 @@ from ._positions import PositionWatch
 from ._spec import P
 
 __all__ = ["ContextParallel", "ContextParallelWarning"]
+
+
+# Note [attention windows under cp]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The ring attends each query to every key before it in the whole sequence. A model whose
+# attention is bounded by a window (Mistral's sliding window, Qwen2's and Gemma's sliding layers,
+# Llama 4's chunked attention) says so through a mask, which the ring refuses; but Hugging Face
+# builds that mask from the lengths the model is given, and leaves it out when they fit in the
+# window (`is_causal` alone is then the same thing on one process). Under cp a rank sees 2 of the
+# 2 * cp chunks, so a window between a rank's length and the sequence's is left out on every rank,
+# and the step would train full causal attention, measured 3.5821 against one process's 3.5822
+# on a Mistral of window 12 at 16 positions, cp = 2. The window is read where Hugging Face keeps it
+# (`attention_windows`) and checked against the sequences of every batch before the step computes:
+# a window at least as long as the sequence bounds nothing, and passes.
+def attention_windows(module: Any) -> list[tuple[str, int]]:
+    """The attention windows a model declares, as (where, positions), in Hugging Face's
+    conventions: an attention layer's `sliding_window` (None on full-attention layers: Qwen2,
+    Gemma), and a config's `sliding_window` or `attention_chunk_size` where its layers use them
+    (`layer_types` naming sliding or chunked attention; without `layer_types`, unless
+    `use_sliding_window` is False: Mistral, Mixtral, Phi-3)."""
+    found: list[tuple[str, int]] = []  # the layers' own first: they name where the window is
+    declared: list[tuple[str, int]] = []
+    seen_configs: set[int] = set()
+    for name, m in module.named_modules():
+        w = m.__dict__.get("sliding_window")
+        if isinstance(w, int) and not isinstance(w, bool) and w > 0:
+            found.append((f"module {name or type(m).__name__!r}'s sliding_window", w))
+        cfg = m.__dict__.get("config")
+        if cfg is None or id(cfg) in seen_configs:
+            continue
+        seen_configs.add(id(cfg))
+        types = [str(t) for t in (getattr(cfg, "layer_types", None) or [])]
+        for key, kind in (("sliding_window", "sliding"), ("attention_chunk_size", "chunked")):
+            w = getattr(cfg, key, None)
+            if not isinstance(w, int) or isinstance(w, bool) or w <= 0:
+                continue
+            used = any(kind in t for t in types) if types else (key == "sliding_window" and getattr(cfg, "use_sliding_window", True) is not False)
+            if used:
+                declared.append((f"{type(cfg).__name__}.{key}", w))
+    return found + declared
 
 
 class ContextParallelWarning(UserWarning):
@@ -97,12 +141,36 @@ class ContextParallel:
         self._checked = False
         self.watch: PositionWatch | None = None  # the first step's (Note [positions mixed outside attention])
         self.positions_checked = False
+        self.lengths: list[int] = []  # the cp dims' global lengths in the batch last cut
+        self._windows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> attention_windows
         self.group = axis_group(mesh, ("cp",))
         if "tp" in names:  # the step's mesh: (dp x cp, tp), dp and cp as one data axis
             t = mesh.mesh.permute(*(names.index(a) for a in ("dp", "cp", "tp") if a in names))
             self.flat = device_mesh(mesh.device_type, t.reshape(-1, mesh.size(names.index("tp"))), ("dp", "tp"))
         else:
             self.flat = device_mesh(mesh.device_type, torch.arange(mesh.size()), ("dp",))
+
+    # -- attention windows ------------------------------------------------------------------------
+    def check_windows(self, module: Any) -> None:
+        """Refuses, before anything is computed, a model whose attention is bounded by a window
+        shorter than the longest sequence of the batch just cut (Note [attention windows under cp])."""
+        if module is None or not self.lengths:
+            return
+        found = self._windows.get(module)
+        if found is None:
+            found = self._windows[module] = attention_windows(module)
+        longest = max(self.lengths)
+        short = [(where, w) for where, w in found if w < longest]
+        if short:
+            where, w = short[0]
+            raise ValueError(
+                f"context parallelism: {where} bounds attention to a window of {w} positions, and the batch's sequences "
+                f"are {longest} long. The ring attends over the whole sequence (it takes no window), and a model that "
+                f"builds the window's mask from the lengths it sees (Hugging Face leaves the mask out when a rank's "
+                f"{longest // self.size} positions fit in the window) would train full attention without a word; nothing "
+                f"was computed. Train on sequences of at most {w} positions, or without a cp axis (Note [attention "
+                "windows under cp] in shardfn/_context.py)"
+            )
 
     # -- the batch ------------------------------------------------------------------------------
     def cut(self, batch: Any) -> Any:
@@ -114,6 +182,7 @@ class ContextParallel:
             raise ValueError(f"batch_specs must be a P for every leaf of the batch, or a prefix of its tree with P leaves: {e}") from None
         paths = optree.tree_paths(batch, none_is_leaf=True)
         leaves, treedef = optree.tree_flatten(batch, none_is_leaf=True)
+        self.lengths = []
         flat_specs = optree.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P), none_is_leaf=True)
         return optree.tree_unflatten(treedef, [self._cut_one(x, s, p) for x, s, p in zip(leaves, flat_specs, paths)])
 
@@ -140,6 +209,7 @@ class ContextParallel:
                         f"batch_specs: {where} has {x.shape[d]} positions on dim {d}, not a multiple of 2 * cp = {2 * n} "
                         "(each cp rank holds a head and a tail chunk): pad the sequence to a multiple"
                     )
+                self.lengths.append(int(x.shape[d]))
                 chunks = x.chunk(2 * n, d)
                 x = torch.cat([chunks[r], chunks[2 * n - 1 - r]], d)
         if self.watch is not None:

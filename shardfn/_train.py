@@ -138,8 +138,11 @@ class TrainStep:
         else:
             # The first step's forward is watched for positions mixed outside attention, in eager
             # mode (Note [positions mixed outside attention] in `_positions.py`).
+            local = self.context.cut(batch)
+            info = self.core.engine.info
+            self.context.check_windows(info.module if info is not None else None)
             with self.context.attention(watch=self.core.compiled is None):
-                g = self.core.gradients(params, self.context.cut(batch))
+                g = self.core.gradients(params, local)
             self.context.check_attended()
             self.context.check_positions()
         self._clip(g.grad_norm)

@@ -41,6 +41,8 @@ def _llama(kind: str = "llama"):
     torch.manual_seed(0)
     small = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=T, attention_dropout=0.0, attn_implementation="sdpa")
+    if kind.startswith("mistral"):  # a sliding window of `mistral<N>` positions
+        return tf.MistralForCausalLM(tf.MistralConfig(**small, sliding_window=int(kind[len("mistral"):])))
     if kind == "qwen2_moe":  # builds a sliding-window mask it does not use, by indexing the attention mask
         return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                                         shared_expert_intermediate_size=16))
@@ -126,6 +128,7 @@ CASES = [
     (4, dict(dp=1, cp=4), "llama", dict(accumulation_steps=2)),
     (2, dict(cp=2), "llama", dict(remat=True, strategy="no_shard")),
     (2, dict(cp=2), "qwen2_moe", {}),  # tokens routed to experts; a mask built and never used
+    (2, dict(cp=2), f"mistral{T}", {}),  # a sliding window as long as the sequence bounds nothing
     # with tensor parallelism: (dp x cp, tp), the ring on each tp rank's heads (whole on tp for the GPT)
     (4, dict(dp=1, tp=2, cp=2), "gpt", dict(tp_rules="GPT")),
     (4, dict(dp=1, tp=2, cp=2), "llama", dict(tp_rules="LLAMA", remat=True)),
@@ -359,6 +362,47 @@ def rank_hugging_face_labels() -> dict:
             out[name] = str(e)
             out[name + "_unchanged"] = all(map(torch.equal, before, optree.tree_leaves(sf.gather(state.params))))
     return out
+
+
+def rank_attention_windows() -> dict:
+    """Note [attention windows under cp]: a sliding window between a rank's length and the
+    sequence's is left out of the mask by Hugging Face on every rank; the step refuses it before
+    anything is computed, whether the model says so in its config (Mistral) or in its layers
+    (Qwen2's sliding layers)."""
+    import transformers as tf
+
+    out = {}
+    ids, _, pos = _gpt_batch(0, 1)
+    small = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=T, attn_implementation="sdpa")
+    models = {
+        "mistral": tf.MistralForCausalLM(tf.MistralConfig(**small, sliding_window=T - 4)),
+        "qwen2": tf.Qwen2ForCausalLM(tf.Qwen2Config(**small, use_sliding_window=True, sliding_window=T - 4, max_window_layers=1)),
+    }
+    for name, model in models.items():
+        apply, params = sf.functionalize(model, units=r"model\.layers\.\d+")
+
+        def loss_fn(p, b):
+            logits = apply(p, input_ids=b[0], position_ids=b[1], attention_mask=torch.ones_like(b[0]), use_cache=False).logits
+            return F.cross_entropy(logits.flatten(0, 1), _shifted(b[0]).flatten(), ignore_index=-100)
+
+        step = sf.train_step(loss_fn, sf.optim.sgd(0.1), sf.mesh(cp=-1), batch_specs=sf.P(None, "cp"))
+        state = step.init(params)
+        before = [v.clone() for v in optree.tree_leaves(sf.gather(state.params))]
+        try:
+            step(state, (ids, pos))
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+        out[name + "_unchanged"] = all(map(torch.equal, before, optree.tree_leaves(sf.gather(state.params))))
+    return out
+
+
+def test_attention_windows_shorter_than_the_sequence_are_refused(pools):
+    for r in pools(2).run(rank_attention_windows):
+        assert r["mistral"] is not None and f"MistralConfig.sliding_window bounds attention to a window of {T - 4}" in r["mistral"], r
+        assert r["qwen2"] is not None and "sliding_window bounds attention" in r["qwen2"] and "self_attn" in r["qwen2"], r
+        assert r["mistral_unchanged"] and r["qwen2_unchanged"], r
 
 
 def test_hugging_face_labels_shifted_inside_the_model_and_padding_masks_are_refused(pools):
