@@ -337,7 +337,8 @@ class Engine:
 
     def _reset(self) -> None:
         self._ran_members: set[int] = set()  # the model's units (hook numbering) that ran
-        self._wrapped: list[tuple[bool, Any]] = []  # per running unit use: were its inputs hooked; its view
+        self._wrapped: list[tuple[bool, Any, int | None]] = []  # per running unit use: were its inputs hooked; its view; its writes
+        self._root_writes: int | None = None  # the root's count of in-place writes when the forward began
         self.view.reset()
 
     # -- the plan (Note [unit plan]) ------------------------------------------------------------
@@ -425,6 +426,7 @@ class Engine:
             self.replan()
         self._reset()
         self.schedule.begin(accumulate, reduce)
+        self._root_writes = self.root.writes()
         self.view.tp_trees()
 
     def pre_forward(self, info, u: int, args: tuple, kwargs: dict) -> tuple | None:
@@ -465,7 +467,7 @@ class Engine:
                 args, kwargs = (tuple(flat), kwargs) if plain else pytree.tree_unflatten(flat, spec)
                 s.inputs_hooked(u)
                 wrapped = True
-        self._wrapped.append((wrapped, view))
+        self._wrapped.append((wrapped, view, self.units[u].writes()))
         return args, kwargs
 
     def post_forward(self, info, u: int, output: Any) -> None:
@@ -473,7 +475,9 @@ class Engine:
             return None
         m, u = u, self._group_of[u]
         self.view.swap_in(u, False, m)
-        wrapped, view = self._wrapped.pop() if self._wrapped else (False, None)
+        wrapped, view, writes = self._wrapped.pop() if self._wrapped else (False, None, None)
+        if writes is not None and self.units[u].writes() != writes:
+            self._refuse_written(self.units[u], self._member_names[m])
         tensors, opaque = _output_tensors(output)
         output, tensors = self._own_memory(u, output, tensors)
         if torch.is_grad_enabled():
@@ -491,6 +495,36 @@ class Engine:
                 )
         self.schedule.forward_ends(u)
         return output
+
+    # Note [parameters written in the forward]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A forward computes on a unit's gathered copy of its parameters, given back when it returns:
+    # a write into them (`nn.Embedding(max_norm=...)` renormalizing the rows it looks up, a
+    # `clamp_` under `torch.no_grad()`) would be lost under every sharded strategy, and under
+    # `no_shard` kept by the rank that made it alone, so the replicas drift apart; in both the step
+    # would train something else than one process without a word. Every such write moves the
+    # version counter of the unit's full parameters (their readers, `FlatUnit.writes`), which the
+    # engine reads as a unit's forward begins and ends (the root's: as the forward begins and
+    # `loss_fn` returns), and a count that moved stops the step before any gradient is reduced.
+    # A write through `.data` bypasses autograd's counter and is not seen.
+    @staticmethod
+    def _refuse_written(unit: FlatUnit, member: str | None) -> None:
+        names = [seg.path for seg in unit.segments]
+        if member is not None:  # a group's member: its own leaves, where it has them
+            names = [n for n in names if n.startswith(member + ".")] or names
+        where = f"unit {member!r}" if member is not None else "the root (what runs outside every unit)"
+        shown = ", ".join(repr(n) for n in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        landed = (" A leaf whole on every rank is computed on in place, so this rank's copy of it in the state "
+                  "holds the write and may now differ from the other ranks': go back to a copy of the state "
+                  "(sf.copy) or a checkpoint." if unit.writes_reach_the_state() else "")
+        raise ValueError(
+            f"{where} wrote one of its parameters ({shown}) in place in its forward: nn.Embedding(max_norm=...) "
+            "renormalizes the rows it looks up, a clamp_ or copy_ under torch.no_grad() writes a weight. The forward "
+            "computes on gathered copies, so the write would be lost (under no_shard, kept by this rank alone); "
+            f"nothing was reduced or applied.{landed} Change parameters in the update (an sf.optim transform) or on "
+            "the state after the step, and use nn.Embedding(max_norm=None) (Note [parameters written in the forward] "
+            "in shardfn/_engine.py)"
+        )
 
     def _own_memory(self, u: int, output: Any, tensors: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
         """`output` (and its `tensors`) with any tensor that views the unit's full parameters
@@ -521,6 +555,8 @@ class Engine:
         """`loss_fn` has returned: the backward comes next."""
         if not self.schedule.forward_over():
             return
+        if self._root_writes is not None and self.root.writes() != self._root_writes:
+            self._refuse_written(self.root, None)
         if self.view.views is not None:
             self.view.views.put_back_root()  # a recompute outside every unit reads the root's attributes
         if self.check is not None:

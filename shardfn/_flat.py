@@ -394,6 +394,7 @@ class FlatUnit:
         self.had_grad = [False] * len(segs)  # per leaf: a gradient reached it in this step
         self._stash: dict[int, torch.Tensor] = {}  # leaf -> its full gradient so far, local accumulation (`stash_grads`)
         self.proxies: list[torch.Tensor] = []
+        self._counters: tuple[torch.Tensor, ...] = ()
         self._readers: tuple[torch.Tensor, ...] = ()
         self.valid = False
         self._rs_inp: torch.Tensor | None = None  # the reduce-scatter input in flight (debug mode's poison)
@@ -444,6 +445,8 @@ class FlatUnit:
             p.requires_grad_(s.trained)
             self.proxies.append(p)
         self._readers = (full_r, stage_r) if self.staged and self.R else (full_r,)
+        # Every proxy is a view of one of these: their counters move with a write into a parameter.
+        self._counters = (full_r, rep_src) if rep_src is not full_r else (full_r,)
         # Gather plan: what the all-gather receives where (`_gather_pieces`), and the copy-out of
         # `gathered` (W, S) into full, one (W, c_i * rest) block per sharded leaf. With
         # `direct_gather` the large leaves arrive in `full` as they are and only the small ones,
@@ -519,6 +522,15 @@ class FlatUnit:
         return self.local_views[j], (self.grad_views[j] if s.trained else None), s.shape
 
     # -- validity (Note [stale parameters]) ---------------------------------------------------
+    def writes(self) -> int:
+        """A count that moves when anything writes this unit's full parameters in place through
+        autograd's view of them (Note [parameters written in the forward] in `_engine.py`)."""
+        return sum(t._version for t in self._counters)
+
+    def writes_reach_the_state(self) -> bool:
+        """Whether a write into a replicated leaf lands in the state itself (`local`, not a copy)."""
+        return bool(self.R) and not self.staged
+
     def mark_valid(self) -> None:
         if not self.valid:
             _set_versions(self._readers, (VALID,) * len(self._readers))

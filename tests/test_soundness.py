@@ -444,6 +444,58 @@ def test_refusals_before_anything_is_computed(pools):
         assert r["teacher_err"] < 1e-5, r
 
 
+class _Clamped(nn.Linear):
+    """A weight clipped in place in the forward (WGAN's critic, written into the module)."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.clamp_(-0.1, 0.1)
+        return super().forward(x)
+
+
+def rank_parameters_written(strategy: str) -> dict:
+    """Note [parameters written in the forward]: a write into a parameter in the forward, in a
+    unit or at the root, stops the step before anything is reduced; the state is as it was, and
+    the same step without the write then trains."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    g = torch.Generator().manual_seed(1)
+    ids, y = torch.randint(0, 10, (2 * world, 3), generator=g), torch.randn(2 * world, 3, 1, generator=g)
+    ids, y = ids.chunk(world)[rank], y.chunk(world)[rank]
+    for name, max_norm, clamped in (("embedding_max_norm", 1.0, False), ("clamped_in_a_unit", None, True), ("clean", None, False)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4, max_norm=max_norm),
+                              nn.Sequential((_Clamped if clamped else nn.Linear)(4, 8), nn.Tanh()), nn.Linear(8, 1))
+        apply, params = sf.functionalize(model, units=r"1")  # the embedding at the root, block 1 a unit
+        step = sf.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), sf.optim.sgd(0.5), sf.mesh(dp=-1),
+                             strategy=strategy)
+        state = step.init(params)
+        before = [v.clone() for v in optree.tree_leaves(sf.gather(state.params))]
+        try:
+            state, _ = step(state, (ids, y))
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+            out[name + "_unchanged"] = all(map(torch.equal, before, optree.tree_leaves(sf.gather(state.params))))
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+def test_parameters_written_in_the_forward_are_refused(pools, strategy):
+    for r in pools(2).run(rank_parameters_written, strategy):
+        assert r["embedding_max_norm"] is not None and r["embedding_max_norm"].startswith(
+            "the root (what runs outside every unit) wrote one of its parameters ('0.weight'"), r
+        assert "max_norm=None" in r["embedding_max_norm"], r
+        assert r["clamped_in_a_unit"] is not None and r["clamped_in_a_unit"].startswith(
+            "unit '1' wrote one of its parameters ('1.0.bias', '1.0.weight')"), r
+        assert r["clean"] is None, r
+        # Sharded, the write was on a gathered copy; whole on every rank (no_shard), on the state
+        # itself, which the error says
+        sharded = strategy == "full_shard"
+        for case in ("embedding_max_norm", "clamped_in_a_unit"):
+            assert r[case + "_unchanged"] == sharded and ("sf.copy" in r[case]) != sharded, (case, r)
+
+
 def rank_failures(group_bytes: int | None) -> dict:
     """A step that raises (in loss_fn after the forward, or in the backward) on every rank leaves
     every rank able to run the next step, which is exact, with units alone or grouped; a planted
