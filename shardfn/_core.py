@@ -128,6 +128,16 @@ def _split_batch(batch: Any, k: int) -> list[Any]:
                 f"Pass a batch of tensors whose first dim is a multiple of {k} (bind constants into loss_fn instead)"
             )
         parts.append(x.chunk(k))
+    firsts = sorted({int(x.shape[0]) for x in leaves})
+    if len(firsts) > 1:  # a leaf that is no example per row (class weights, a shared matrix) would be cut too
+        paths = optree.tree_paths(batch)
+        shown = ", ".join(f"{''.join(f'[{p!r}]' for p in path) or '(the batch)'}: {tuple(x.shape)}" for path, x in zip(paths, leaves))
+        raise ValueError(
+            f"accumulation_steps={k} splits every batch leaf along dim 0 into {k} micro-batches, and the leaves' first "
+            f"dims differ ({shown}), so some leaf is not one example per row: it would be cut too. Give every batch leaf "
+            "the examples on dim 0, and bind what is shared by all of them (class weights, a mask, a table) into "
+            "loss_fn instead"
+        )
     return [optree.tree_unflatten(spec, [p[i] for p in parts]) for i in range(k)]
 
 

@@ -841,3 +841,33 @@ def test_mixed_precision_refuses_dtypes_it_cannot_compute_in():
             assert ("float8" in str(e.value)) == (isinstance(bad, torch.dtype) and bad.is_floating_point), str(e.value)
         for good in (torch.bfloat16, torch.float16, torch.float32, torch.float64, None):
             sf.MixedPrecision(**{name: good})
+
+
+def test_accumulation_refuses_a_batch_it_would_cut_wrongly():
+    """`accumulation_steps=k` cuts every batch leaf along dim 0 into k micro-batches: a leaf that
+    is no example per row (class weights beside the examples) would be cut too, each micro-batch
+    taking a part of it; refused, naming the leaves, as are leaves it cannot cut in k, before
+    anything is computed."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    apply, params = sf.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 3)), units=None)
+
+    def loss_fn(p, b):
+        return F.cross_entropy(apply(p, b["x"]), b["y"], weight=b.get("w"))
+
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.1), sf.mesh(dp=-1), accumulation_steps=3)
+    state = step.init(params)
+    before = {k: v.clone() for k, v in sf.to_state_dict(sf.gather(state.params)).items()}
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    for bad, says in [
+        (dict(x=x, y=y, w=torch.tensor([1.0, 2.0, 3.0])), r"the leaves' first dims differ \(\['w'\]: \(3,\), \['x'\]: \(6, 4\), \['y'\]: \(6,\)\)"),
+        (dict(x=x[:4], y=y[:4]), r"got a tensor of shape \(4, 4\)"),
+        (dict(x=x, y=y, n=3), "got a int leaf"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            step(state, bad)
+    after = sf.to_state_dict(sf.gather(state.params))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    state, m = step(state, dict(x=x, y=y))  # examples on dim 0 of every leaf: trains
+    assert torch.isfinite(m["loss"])
