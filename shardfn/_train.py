@@ -252,21 +252,40 @@ def _per_leaf(trainable: Any, opt_state: Any) -> list[list[Any]]:
     return found
 
 
-def _tensors_at(entries: list[list[Any]], idx: list[int]) -> list[torch.Tensor]:
-    return [_local(t) for e in entries for i in idx for t in optree.tree_leaves(e[i]) if isinstance(t, torch.Tensor)]
+def _tensors(entry: Any) -> list[torch.Tensor]:
+    return [_local(t) for t in optree.tree_leaves(entry) if isinstance(t, torch.Tensor)]
 
 
 def _local(x: Any) -> torch.Tensor:
     return x._local_tensor if isinstance(x, DTensor) else x
 
 
-def _keep(trainable: Any, opt_state: Any, idx: list[int]) -> list[torch.Tensor]:
-    return [t.clone() for t in _tensors_at(_per_leaf(trainable, opt_state), idx)]
+def _keep(trainable: Any, opt_state: Any, idx: list[int]) -> list[list[torch.Tensor]]:
+    """Copies of what each part of the state holds for each leaf at `idx` (Note [leaves without a
+    gradient]), one list per (part, leaf)."""
+    return [[t.clone() for t in _tensors(e[i])] for e in _per_leaf(trainable, opt_state) for i in idx]
 
 
-def _restore(trainable: Any, opt_state: Any, idx: list[int], kept: list[torch.Tensor]) -> None:
-    with torch.no_grad():
-        torch._foreach_copy_(_tensors_at(_per_leaf(trainable, opt_state), idx), kept)
+def _restore(trainable: Any, opt_state: Any, idx: list[int], kept: list[list[torch.Tensor]]) -> None:
+    """Puts back what `_keep` copied. A part that held nothing for a leaf and was filled by this
+    update (a torch optimizer makes a parameter's state at its first step) is emptied again, as
+    torch leaves the state of a parameter it never stepped."""
+    dst, src = [], []
+    for (entry, i), old in zip(((e, i) for e in _per_leaf(trainable, opt_state) for i in idx), kept):
+        new = _tensors(entry[i])
+        if len(new) == len(old):
+            dst += new
+            src += old
+        elif not old and isinstance(entry[i], dict):
+            entry[i].clear()
+        else:
+            raise RuntimeError(
+                f"the optimizer's state for a leaf without a gradient went from {len(old)} to {len(new)} tensors in one "
+                "update, so it cannot be put back as torch.optim leaves such a parameter (Note [leaves without a gradient])"
+            )
+    if dst:
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src)
 
 
 def _scalar_copy(x: Any) -> Any:

@@ -690,17 +690,19 @@ def rank_skipped_leaves() -> dict:
     without a gradient])."""
     rank, world = dist.get_rank(), dist.get_world_size()
     case = dict(build=lambda: Sometimes(), units=r"pos|blocks\.\d+")
-    T = lambda i: 8 if i % 2 == 0 else 6  # noqa: E731 - the extra head is used on even steps
-    opts = {
+    opts = {  # the extra head is used on even steps (odd ones for from_torch_late)
         "sgd": lambda: sf.optim.sgd(0.1, momentum=0.9),
         "masked": lambda: sf.optim.chain(
             sf.optim.masked(sf.optim.trace(0.9), lambda p: optree.tree_map(lambda x: x.dim() > 1, p)),
             sf.optim.scale_by_learning_rate(0.1),
         ),
         "from_torch": lambda: sf.optim.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9),
+        # the head unused on the first step: torch makes its state only when it first steps it
+        "from_torch_late": lambda: sf.optim.from_torch(torch.optim.AdamW, lr=0.01, weight_decay=0.1),
     }
     out = {}
     for name, make in opts.items():
+        T = (lambda i: 6 if i % 2 == 0 else 8) if name == "from_torch_late" else (lambda i: 8 if i % 2 == 0 else 6)  # noqa: E731
         model = _build(case)
         apply, params = sf.functionalize(model, units=case["units"])
         step = sf.train_step(lambda p, x: ce(apply(p, x), x), make(), sf.mesh(dp=-1), apply=apply)
@@ -710,6 +712,8 @@ def rank_skipped_leaves() -> dict:
             groups = [{"params": [p for p in ref.parameters() if p.dim() > 1], "momentum": 0.9},
                       {"params": [p for p in ref.parameters() if p.dim() <= 1], "momentum": 0.0}]
             opt = torch.optim.SGD(groups, lr=0.1)
+        elif name == "from_torch_late":
+            opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
         else:
             opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
         for i in range(4):
