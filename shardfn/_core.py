@@ -239,6 +239,7 @@ class GradientCore:
         paths, leaves, spec_list, treespec = self.layout.leaf_specs(params)
         info = model_info(self.apply, paths, leaves)
         trained = trained_leaves(info, paths, self.frozen)
+        _refuse_sparse_gradients(info, paths, trained)
         units, where, dtype_of, direct_gather, groups = self.layout.flat_units(info, paths, leaves, spec_list, trained)
         self.engine = self._make_engine(info, units, dtype_of, direct_gather, groups)
         dt_params, dt_grads, flat_views = self.layout.fill(info, paths, leaves, spec_list, units, where, init, sync)
@@ -660,6 +661,23 @@ def _cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
         for name, b in list(mod._buffers.items()):
             if b is not None and b.is_floating_point():
                 mod._buffers[name] = b.to(dtype)
+
+
+def _refuse_sparse_gradients(info: Any, paths: list[str], trained: list[bool]) -> None:
+    """An embedding with `sparse=True` whose weight is trained: its gradient is a sparse tensor,
+    which the flat gradient buffers and their reduce-scatter do not take."""
+    if info is None:
+        return
+    weights = {n for p, t in zip(paths, trained) if t for n in info.aliases.get(p, [p])}
+    for name, mod in info.module.named_modules():
+        if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse:
+            weight = f"{name}.weight" if name else "weight"
+            if weight in weights:
+                raise NotImplementedError(
+                    f"{name!r} is an {type(mod).__name__} with sparse=True, whose weight's gradient is a sparse tensor; "
+                    "sharded gradients are dense flat buffers, reduced as such. Build it with sparse=False (the "
+                    "gradient of the rows a batch does not use is zero either way)"
+                )
 
 
 def model_info(apply: Any, paths: list[str], leaves: list) -> Any:

@@ -750,3 +750,19 @@ def test_leaves_without_a_gradient_are_skipped_like_torch(pools):
         reprs = {k: v for k, v in r.items() if "_reprs_" in k}
         assert max(v for k, v in r.items() if k not in reprs) < 1e-5, r
         assert not any(reprs.values()), reprs
+
+
+def test_a_sparse_embedding_is_refused_at_init():
+    """`nn.Embedding(sparse=True)` makes a sparse gradient, which the flat gradient buffers do not
+    take: refused at `step.init`, naming the module, not in the reduction; frozen, it trains."""
+    for frozen in (None, r"0\.weight"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+        apply, params = sf.functionalize(model)
+        step = sf.train_step(lambda p, x: apply(p, x).square().mean(), sf.optim.sgd(0.1), sf.mesh(dp=-1), frozen=frozen)
+        if frozen is None:
+            with pytest.raises(NotImplementedError, match=r"'0' is an Embedding with sparse=True.*sparse=False"):
+                step.init(params)
+        else:
+            state, m = step(step.init(params), torch.tensor([[1, 2], [3, 4]]))
+            assert torch.isfinite(m["loss"])
