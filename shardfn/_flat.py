@@ -100,7 +100,7 @@ from . import _debug
 from ._memory import huge_pages
 from ._schedule import ReductionStarted
 
-__all__ = ["Segment", "LeafSpec", "FlatUnit", "buffer_sizes", "place"]
+__all__ = ["Segment", "LeafSpec", "FlatUnit", "buffer_sizes", "norm_parts", "place"]
 
 
 @dataclass(frozen=True)
@@ -587,27 +587,6 @@ class FlatUnit:
             _poison_shared(self)
 
     # -- gradients ----------------------------------------------------------------------------
-    def norm_parts(self, replicas: int, replica_rank: int, total_world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The trained segments of the gradient shard (what clipping scales), and the part of each
-        whose squares this rank adds to the global norm.
-
-        A gradient several ranks hold (a sharded segment on every replica of a hybrid mesh, a
-        replicated one on every rank) is identical on all of them once reduced, so each sums the
-        squares of its own 1/copies of it, and the all-reduce of the sums adds the parts.
-        """
-        segs, parts = [], []
-        global_rank = replica_rank * self.world + self.rank
-        for seg, copies, i in (
-            (self.grad[self.S_frozen : self.S], replicas, replica_rank),
-            (self.grad[self.S : self.S + self.R_trained], total_world, global_rank),
-        ):
-            if seg.numel():
-                c = -(-seg.numel() // copies)
-                segs.append(seg)
-                if seg[i * c : (i + 1) * c].numel():
-                    parts.append(seg[i * c : (i + 1) * c])
-        return segs, parts
-
     def take_grads(self) -> None:
         """Drops the full gradients (after a reduction, or when a micro-batch keeps them)."""
         for p in self.proxies:
@@ -732,6 +711,28 @@ class FlatUnit:
             if _debug.ON:
                 _debug.poison(out)  # `rs_out`, spent: the next reduction takes it
         return None
+
+
+def norm_parts(unit: FlatUnit, replicas: int, replica_rank: int, total_world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The trained segments of `unit`'s gradient shard (what clipping scales), and the part of each
+    whose squares this rank adds to the global norm.
+
+    A gradient several ranks hold (a sharded segment on every replica of a hybrid mesh, a
+    replicated one on every rank) is identical on all of them once reduced, so each sums the
+    squares of its own 1/copies of it, and the all-reduce of the sums adds the parts.
+    """
+    segs, parts = [], []
+    global_rank = replica_rank * unit.world + unit.rank
+    for seg, copies, i in (
+        (unit.grad[unit.S_frozen : unit.S], replicas, replica_rank),
+        (unit.grad[unit.S : unit.S + unit.R_trained], total_world, global_rank),
+    ):
+        if seg.numel():
+            c = -(-seg.numel() // copies)
+            segs.append(seg)
+            if seg[i * c : (i + 1) * c].numel():
+                parts.append(seg[i * c : (i + 1) * c])
+    return segs, parts
 
 
 def _chunks_k(unit: FlatUnit, grads: dict, sh: list, inp: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ from . import _donate
 from ._agree import Item, agree
 from ._meta_init import check_init, empty_buffers, materialize
 from ._engine import Policy, group_name, plan_groups
-from ._flat import FlatUnit, LeafSpec
+from ._flat import FlatUnit, LeafSpec, norm_parts
 from ._spec import P, match_specs, placements_for, specs as make_specs
 from ._tp_layout import dp_dim, local_part, local_shape, split_specs, state_spec
 
@@ -242,7 +242,7 @@ class StepLayout:
         replica_rank = self.mesh.get_local_rank(self.replicate_axis) if self.replicate_axis else 0
         segs, parts = [], []
         for unit in units.values():
-            s_, p_ = unit.norm_parts(replicas, replica_rank, self.world)
+            s_, p_ = norm_parts(unit, replicas, replica_rank, self.world)
             segs += s_
             parts += p_
         return segs, parts, None
@@ -253,7 +253,7 @@ class StepLayout:
         squares of its 1/tp part); a leaf not FSDP'd (a scalar) is the same on every rank."""
         segs, parts, weights = [], [], []
         for unit in units.values():
-            s_, _ = unit.norm_parts(1, 0, 1)
+            s_, _ = norm_parts(unit, 1, 0, 1)
             segs += s_
             for j, seg in enumerate(unit.segments):
                 if not seg.trained or unit.grad_views[j].numel() == 0:
