@@ -21,7 +21,7 @@ of the model that called it:
 - a slice, select, narrow, split or pad of a marked dim that does not keep it whole (a shift, a
   crop, a pick of one position), an index or gather along it, a roll, window (`unfold`),
   FFT, pooling op, group norm or convolution (a kernel longer than one) over it, and a `cat` that
-  joins something that is not the sequence to it (a prompt);
+  joins something that is not the sequence to it (a prompt), or joins sequences end to end;
 - a softmax, log-softmax, log-sum-exp, max, min, sort, norm, product or cumulative op over a marked
   dim, unless it reduces everything to one number; and such a number (a max of the position ids)
   read into Python, where it steers the model by this rank's positions alone (Hugging Face's
@@ -567,6 +567,12 @@ class PositionWatch(TorchDispatchMode):
                                     "Tokens put before or after this rank's chunks (a prompt, a shift written with a cat) "
                                     "land in every rank's part of the sequence: add them to the batch before the cut, or "
                                     "train this model without a cp axis")
+            joined = [t for t in along if t.shape[d] and not self._merged(t, d)]
+            if len(joined) > 1:
+                return self._refuse(f"{self._op(name)} joined {len(joined)} sequences end to end along dim {d} of a "
+                                    f"{tuple(joined[0].shape)} tensor, a sequence dim",
+                                    "Each rank holds a head and a tail chunk of every sequence, and of the joined one "
+                                    "it would hold others: train this model without a cp axis")
         marked: set[int] = set()
         for t in ts:
             for x in self.dims.get(t, ()):

@@ -138,10 +138,11 @@ class TrainStep:
         else:
             # The first step's forward is watched for positions mixed outside attention, in eager
             # mode (Note [positions mixed outside attention] in `_positions.py`).
-            local = self.context.cut(batch)
-            info = self.core.engine.info
-            self.context.check_windows(info.module if info is not None else None)
+            # The watch is made as the block begins, and the cut marks the sequence dims for it.
             with self.context.attention(watch=self.core.compiled is None):
+                local = self.context.cut(batch)
+                info = self.core.engine.info
+                self.context.check_windows(info.module if info is not None else None)
                 g = self.core.gradients(params, local)
             self.context.check_attended()
             self.context.check_positions()

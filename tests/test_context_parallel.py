@@ -728,6 +728,7 @@ SINGLE_OPS = {  # a function of x (batch, sequence, features), the start of what
     "window": (lambda x: x.unfold(1, 2, 1).sum(), "aten.unfold.default moved positions along dim 1"),
     "difference": (lambda x: x.diff(dim=1).sum(), "aten.slice.Tensor cut dim 1"),
     "a prompt": (lambda x: torch.cat([torch.zeros(2, 3, 4), x], 1).sum(), "aten.cat joined a tensor that is not the sequence"),
+    "sequences end to end": (lambda x: torch.tanh(torch.cat([x, x.flip(1)], 1)).sum(), "aten.cat joined 2 sequences end to end"),
     # tokens flattened across the batch: rows routed, split or picked, not positions mixed
     "tokens routed by index": (lambda x: _routed(x.reshape(-1, 4)), None),
     "tokens sorted by expert": (lambda x: x.reshape(-1, 4)[_LIN(x.reshape(-1, 4)).argmax(-1).argsort()].square().sum(), None),
