@@ -186,9 +186,10 @@ def _view_dims(src: tuple, dst: tuple, dims: frozenset, lengths: set) -> frozens
 
 def _index_in_place(src: torch.Tensor, idx: list, sdims: frozenset) -> frozenset | None:
     """The marked dims of `src[idx]` (`aten.index.Tensor`) where every index of a marked dim is
-    `arange` over that whole dim along one dim of the indices' broadcast shape, and no other index
-    varies along that one: each position then lands where it was, spread over the other dims
-    (`padding_mask[batch_idx, kv_idx]`, Hugging Face's masks). None where positions are picked."""
+    `arange` over that whole dim along one dim of the indices' broadcast shape, and no index of
+    another marked dim varies along that one: each position then lands where it was, spread over
+    the other dims (`padding_mask[batch_idx, kv_idx]`, Hugging Face's masks), or picks within its own
+    row (`logp[b_idx, t_idx, labels]`, each token's label). None where positions are picked."""
     adv = [k for k, i in enumerate(idx) if i is not None]
     if any(idx[k].dtype in (torch.bool, torch.uint8) for k in adv):
         return None
@@ -211,8 +212,8 @@ def _index_in_place(src: torch.Tensor, idx: list, sdims: frozenset) -> frozenset
         along = [j for j in range(nb) if varies(i, j)]
         if n < 2 or len(along) != 1 or i.numel() != n or not torch.equal(i.reshape(-1), torch.arange(n, device=i.device)):
             return None
-        if any(k != d and varies(idx[k], along[0]) for k in adv):
-            return None  # another index varies along the same dim: a diagonal, positions picked
+        if any(k != d and k in sdims and varies(idx[k], along[0]) for k in adv):
+            return None  # another sequence dim indexed along the same dim: a diagonal, positions picked
         out.add(lead + along[0])
     return frozenset(out)
 

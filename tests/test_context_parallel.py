@@ -738,6 +738,8 @@ SINGLE_OPS = {  # a function of x (batch, sequence, features), the start of what
     # every position indexed where it is (a padding mask spread over (batch, heads, queries, keys))
     "a mask spread by index": (lambda x: torch.tanh(x[torch.arange(2)[:, None, None], torch.arange(8)[None, None, :]]).sum(), None),
     "positions picked by index": (lambda x: torch.tanh(x[:, torch.tensor([0, 2, 4, 6])]).sum(), "aten.index.Tensor indexed dim 1"),
+    "each token's label picked": (lambda x: torch.tanh(x[torch.arange(2)[:, None], torch.arange(8)[None, :],
+                                                           (x[..., 0] > 0).long()]).sum(), None),
     "a pad": (lambda x: F.pad(x, (0, 0, 1, -1)).square().sum(), "aten.constant_pad_nd.default padded dim 1"),
     "an FFT": (lambda x: torch.fft.fft(x, dim=1).abs().sum(), "aten._fft"),
     "a max-pool": (lambda x: F.adaptive_max_pool1d(x.transpose(1, 2), 1).sum(), "aten.adaptive_max_pool"),
