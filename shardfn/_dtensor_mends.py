@@ -615,6 +615,21 @@ def _zero_fill_partial(op_call, args, kwargs):
     return by_default(op_call, args, kwargs)
 
 
+def _cat_without_legacy_empties(op_call, args, kwargs):
+    """`torch.cat` skips a 1-D tensor of no elements beside tensors of more dims (the legacy empty
+    `torch.tensor([])`), as Hugging Face's key/value cache begins: DTensor instead makes it a
+    replicated operand and reshards it to the others' layout, which fails (`IndexError: Dimension
+    out of range`). Such operands are dropped, which is what `torch.cat` does with them; the rest by
+    DTensor's own rule."""
+    tensors = list(args[0])
+    kept = [t for t in tensors if not (t.dim() == 1 and t.shape[0] == 0)]
+    if len(kept) < len(tensors) and kept and any(t.dim() > 1 for t in kept):
+        if len(kept) == 1:  # cat returns a new tensor, never its input
+            return by_default(torch.ops.aten.clone.default, (kept[0],), {})
+        args = (kept, *args[1:])
+    return by_default(op_call, args, kwargs)
+
+
 # -- the list ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Mend:
@@ -654,6 +669,7 @@ def _mends() -> tuple[Mend, ...]:
         Mend(_POINTWISE_WITHOUT_RULES, _pointwise_local, "no rule for these activations' backwards"),
         Mend((aten.convolution.default,), _convolution, "a convolution with a channel-split weight is labelled with a layout its shards are not, silently"),
         Mend((aten.convolution_backward.default,), _convolution_backward, "the backward of the same"),
+        Mend((aten.cat.default,), _cat_without_legacy_empties, "reshards a legacy empty operand (torch.tensor([]), a key/value cache's start) and fails"),
     )
 
 
