@@ -403,7 +403,7 @@ class _RingFlash(torch.autograd.Function):
             kk, vv = kv[..., :dk], kv[..., dk:]
             ks, vs = (kk[..., :c, :], kk[..., c:, :]), (vv[..., :c, :], vv[..., c:, :])
             for i, j, diag in cp.chunk_pairs((me - s) % n, causal):
-                o, lse = _FLASH(qs[i], ks[j].contiguous(), vs[j].contiguous(), 0.0, diag, scale=scale)
+                o, lse = _FLASH(qs[i].contiguous(), ks[j].contiguous(), vs[j].contiguous(), 0.0, diag, scale=scale)
                 if outs[i] is None:
                     outs[i], lses[i] = o.float(), lse
                 else:

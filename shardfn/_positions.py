@@ -19,9 +19,10 @@ ring carries the queries' marks to its output. What it then refuses, naming the 
 of the model that called it:
 
 - a slice, select, narrow, split or pad of a marked dim that does not keep it whole (a shift, a
-  crop, a pick of one position), an index or gather along it, a roll, window (`unfold`),
-  FFT, pooling op, group norm or convolution (a kernel longer than one) over it, and a `cat` that
-  joins something that is not the sequence to it (a prompt), or joins sequences end to end;
+  crop, a pick of one position), an index or gather along it, a roll, window (`unfold`), FFT,
+  pooling op, group norm, batch norm in training (its statistics) or convolution (a kernel longer
+  than one) over it, and a `cat` that joins something that is not the sequence to it (a prompt),
+  or joins sequences end to end;
 - a softmax, log-softmax, log-sum-exp, max, min, sort, norm, product or cumulative op over a marked
   dim, unless it reduces everything to one number; and such a number (a max of the position ids)
   read into Python, where it steers the model by this rank's positions alone (Hugging Face's
@@ -87,6 +88,10 @@ _SAME = {"clone", "_to_copy", "detach", "alias", "lift_fresh", "contiguous", "na
 _POOLING_OPS = {"adaptive_max_pool2d", "adaptive_max_pool1d", "_adaptive_avg_pool2d", "adaptive_avg_pool1d", "max_pool2d_with_indices",
                 "max_pool1d", "avg_pool2d", "avg_pool1d", "native_group_norm", "max_pool3d_with_indices", "avg_pool3d",
                 "_adaptive_avg_pool3d", "adaptive_max_pool3d"}  # outputs with the input's dims where they were
+# Batch norms: in training, statistics over every dim but the channels (dim 1); otherwise pointwise.
+_BATCH_NORMS = {"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+                "_native_batch_norm_legit_no_training", "_batch_norm_with_update", "_batch_norm_with_update_functional",
+                "_batch_norm_no_update", "cudnn_batch_norm", "miopen_batch_norm"}
 _CUTS = {"slice", "select", "narrow", "split", "split_with_sizes", "unbind", "chunk", "unsafe_split", "tensor_split"}
 _ATTENTION = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention",
@@ -105,6 +110,17 @@ _ROUTING = {"sort", "argsort", "topk", "kthvalue", "argmax", "argmin", "median",
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _OWN_MODELS = (_OWN_DIR + "models.py", _OWN_DIR + "_models.py", _OWN_DIR + "demo.py")
+
+
+def _batch_norm_trains(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a batch-norm op of `_BATCH_NORMS` computes the batch's statistics (training mode)."""
+    if name in ("_batch_norm_with_update", "_batch_norm_with_update_functional"):
+        return True
+    if name in ("_native_batch_norm_legit_no_training", "_batch_norm_no_update"):
+        return False
+    if "training" in kwargs:
+        return bool(kwargs["training"])
+    return next((x for x in args if isinstance(x, bool)), True)
 
 
 def _caller() -> str:
@@ -359,6 +375,18 @@ class PositionWatch(TorchDispatchMode):
                 self._refuse(f"{func} normalized over the sequence dim of a {tuple(a.shape)} tensor",
                              "A norm over positions sees this rank's chunks alone")
                 return
+            if pooled is not None:
+                return self._refuse_pooled(func, pooled)
+            self._set(outs[0], dims, pooled)
+            return
+        if name in _BATCH_NORMS and a is not None:
+            over = sorted(d for d in dims if d != 1)
+            if over and _batch_norm_trains(name, args, kwargs):
+                return self._refuse(f"{func} took batch statistics over dim {over[0]} of a {tuple(a.shape)} tensor, a "
+                                    "sequence dim",
+                                    "A batch norm in training normalizes by the mean and variance over the positions, and "
+                                    "sees this rank's chunks alone (its running statistics would differ by rank too): use a "
+                                    "layer norm or RMS norm over the features, or train this model without a cp axis")
             if pooled is not None:
                 return self._refuse_pooled(func, pooled)
             self._set(outs[0], dims, pooled)

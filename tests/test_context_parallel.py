@@ -446,7 +446,9 @@ def test_estimate_of_a_context_parallel_step(pools):
 
 def rank_both_rings(causal: bool) -> float:
     """The fused-kernel ring (CPU) and the plain-ops ring (other devices) against attention on the
-    whole sequence, values and gradients."""
+    whole sequence, values and gradients; on contiguous inputs and on views whose last dim is not
+    contiguous (a batch norm's transposed output: the fused kernel reads its last dim as
+    contiguous)."""
     from shardfn._context import ContextParallel
 
     mesh = sf.mesh(cp=-1)
@@ -459,11 +461,15 @@ def rank_both_rings(causal: bool) -> float:
     (want * w).sum().backward()
     errs = []
     for ring in (lambda *a: cp.attend(*a, is_causal=causal), lambda *a: cp._ring_math(*a, causal, 8 ** -0.5)):
-        local = [cp.cut(x).clone().requires_grad_() for x in (q, k, v)]
-        out = ring(*local)
-        (out * cp.cut(w)).sum().backward()
-        errs.append(rel_err(out, cp.cut(want)))
-        errs += [rel_err(a.grad, cp.cut(b.grad)) for a, b in zip(local, full)]
+        for layout in ("contiguous", "transposed"):  # q, k, v as views whose last dim is not contiguous too
+            local = [cp.cut(x).clone().requires_grad_() for x in (q, k, v)]
+            if layout == "transposed":
+                local = [x.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_() for x in local]
+                assert local[0].stride(-1) != 1
+            out = ring(*local)
+            (out * cp.cut(w)).sum().backward()
+            errs.append(rel_err(out, cp.cut(want)))
+            errs += [rel_err(a.grad, cp.cut(b.grad)) for a, b in zip(local, full)]
     return max(errs)
 
 
@@ -744,6 +750,13 @@ SINGLE_OPS = {  # a function of x (batch, sequence, features), the start of what
     "an FFT": (lambda x: torch.fft.fft(x, dim=1).abs().sum(), "aten._fft"),
     "a max-pool": (lambda x: F.adaptive_max_pool1d(x.transpose(1, 2), 1).sum(), "aten.adaptive_max_pool"),
     "a group norm": (lambda x: F.group_norm(x.transpose(1, 2), 2).square().sum(), "aten.native_group_norm.default ran over dim 2"),
+    "a batch norm in training": (lambda x: F.batch_norm(x.transpose(1, 2), None, None, training=True).square().sum(),
+                                 "aten.native_batch_norm.default took batch statistics over dim 2"),
+    "a batch norm of flattened tokens": (lambda x: F.batch_norm(x.reshape(-1, 4), None, None, training=True).square().sum(),
+                                         "aten.native_batch_norm.default took batch statistics over dim 0"),
+    "a batch norm in eval": (lambda x: F.batch_norm(x.transpose(1, 2), torch.zeros(4), torch.ones(4)).square().sum(), None),
+    "an instance norm": (lambda x: F.instance_norm(x.transpose(1, 2)).square().sum(), "aten.native_batch_norm.default took"),
+    "the sequence as a batch norm's channels": (lambda x: F.batch_norm(x, None, None, training=True).square().sum(), None),
     "pooled into a loss op": (lambda x: F.mse_loss(x.mean(1), torch.ones(2, 4)), "aten.mean.dim pooled dim 1"),
     "pooled into a layer norm": (lambda x: F.layer_norm(x.mean(1), (4,)).sum(), "aten.mean.dim pooled dim 1"),
     "pooled times the sequence": (lambda x: (x * x.mean(1, keepdim=True)).sum(), "aten.mean.dim pooled dim 1"),
