@@ -356,12 +356,27 @@ def rank_mesh_groups_and_counts() -> dict:
     obj = {"rank": rank, "pad": "x" * rank}
     out["objects"] = C.all_gather_object(obj, "a test") == [{"rank": r, "pad": "x" * r} for r in range(world)]
     out["broadcast"] = C.broadcast_object(f"from {rank}", "a test", src=1) == "from 1"
+    # A tensor broadcast (the agreement on the model at init): point to point on gloo, so that no
+    # thread of gloo's holds the buffer after it returns (Note [a broadcast's buffer]).
+    import weakref
+
+    native, dist.broadcast = dist.broadcast, None  # not called on this path
+    try:
+        for group in (None, xy):
+            buf = torch.full((1000, 7), float(rank))
+            C.broadcast(buf, 1, group)
+            out[f"tensor_broadcast_{group is None}"] = torch.equal(buf, torch.full((1000, 7), 1.0))
+            ref = weakref.ref(buf)
+            del buf
+            out[f"tensor_broadcast_{group is None}_gone"] = ref() is None
+    finally:
+        dist.broadcast = native
     C.barrier("a test")
     x = distribute_tensor(torch.arange(6.0 * world), init_device_mesh("cpu", (world,)), [Shard(0)])
     out["full"] = torch.equal(C.full_tensor(x, "a test"), torch.arange(6.0 * world))
     out["replicated"] = torch.equal(C.redistribute(x, x.device_mesh, [Replicate()], "a test").to_local(), torch.arange(6.0 * world))
     sent = 6 * 4 * (world - 1)  # each rank's 6 fp32 to every peer
-    want_calls = {"all_reduce": 2, "all_gather_object": 1, "barrier": 1, "all_gather": 1, "redistribute": 1}
+    want_calls = {"all_reduce": 2, "all_gather_object": 1, "barrier": 1, "all_gather": 1, "redistribute": 1, "broadcast": 2}
     if rank == 1:
         want_calls["broadcast_object"] = 1
     out["calls"] = C.STATS.calls == want_calls or C.STATS.calls
