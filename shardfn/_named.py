@@ -34,6 +34,10 @@ class _Op:
     def run(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def alone(self, x: torch.Tensor) -> torch.Tensor:
+        """The op over axes of one rank (Note [axes of size one]): no message, a new tensor."""
+        return x.detach().clone()
+
     def transpose(self) -> "_Op":
         raise NotImplementedError
 
@@ -76,6 +80,9 @@ class _Gather(_Op):
         blocks = [got[g] for g in self.group.ranks]
         return torch.cat(blocks, self.dim) if self.tiled else torch.stack(blocks, self.dim)
 
+    def alone(self, x):
+        return x.detach().clone() if self.tiled else x.detach().unsqueeze(self.dim).clone()
+
     def transpose(self):
         return _Scatter(self.group, self.what, self.dim, self.tiled)
 
@@ -98,6 +105,9 @@ class _Scatter(_Op):
         by_rank = [pieces[self.group.position_of(g)] for g in range(n)]
         return C.reduce_scatter_blocking(by_rank, self.group.group, self.what)
 
+    def alone(self, x):
+        return x.detach().clone() if self.tiled else x.detach().squeeze(self.dim).clone()
+
     def transpose(self):
         return _Gather(self.group, self.what, self.dim, self.tiled)
 
@@ -117,6 +127,9 @@ class _Permute(_Op):
         send_to = [g.ranks[d] for s, d in self.perm if s == me]
         sources = [s for s, d in self.perm if d == me]
         return C.permute_blocking(x.detach(), send_to, g.ranks[sources[0]] if sources else None, g.group, self.what)
+
+    def alone(self, x):
+        return x.detach().clone() if (0, 0) in self.perm else torch.zeros_like(x)
 
     def transpose(self):
         return replace(self, perm=tuple((d, s) for s, d in self.perm))
@@ -152,12 +165,13 @@ class _Collective(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, op: _Op) -> torch.Tensor:  # type: ignore[override]
+        run = op.run if op.group.size > 1 else op.alone
         if isinstance(x, DTensor):
-            return _on_local(x, op.run if x.device.type != "meta" else op.meta, isinstance(op, (_Sum, _Copy, _Permute)), op.what)
+            return _on_local(x, run if x.device.type != "meta" else op.meta, isinstance(op, (_Sum, _Copy, _Permute)), op.what)
         if x.device.type == "meta":
-            return op.meta(x)
+            return op.meta(x) if op.group.size > 1 else op.alone(x)
         with torch._C._DisableFuncTorch():
-            return op.run(x)
+            return run(x)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
@@ -274,10 +288,19 @@ def _dim(d: int, ndim: int, call: str, what: str) -> int:
     return d % ndim
 
 
+# Note [axes of size one]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# Over axes of one rank (`tp` of `sf.mesh(dp=-1, tp=1)`) every collective is the identity on
+# values (an untiled gather adds its dim of one, a scatter takes it away, a permutation that
+# does not send index 0 to itself gives zeros), and so is its transpose: no message is sent, and
+# no group is needed (such an `AxisGroup` has none; a collective over `group=None` would run over
+# every rank). Each still returns a new tensor, as it does over more ranks: JAX's arrays are
+# values, and a result that were its input would be written by the caller's in-place ops and
+# retyped under it.
 def _apply(reg: Region, x: torch.Tensor, axes: tuple[str, ...], op: _Op, typed: frozenset) -> torch.Tensor:
     reg.collectives += 1
     with reg.untracked():
-        out = _Collective.apply(x, op) if op.group.size > 1 or isinstance(op, _Sum) else x
+        out = _Collective.apply(x, op)
     reg.types[out] = typed
     return out
 
@@ -301,9 +324,6 @@ def psum(x: Any, axis: "str | Sequence[str]") -> Any:
         if isinstance(v, torch.Tensor) and v.dtype == torch.bool:
             raise ValueError("sf.psum of a bool tensor: cast it first (x.int() to count, or x.any() / sf.pmax to combine)")
         v, have = _lift(reg, _tensor(v, "psum"), axes)
-        if group.size == 1:
-            reg.types[v] = have - frozenset(axes)
-            return v
         return _apply(reg, v, axes, _Sum(group, "sf.psum"), have - frozenset(axes))
 
     return _tree(one, x)
@@ -322,12 +342,11 @@ def _extremum(x: Any, axis: Any, op: str) -> Any:
 
     def one(v):
         v, have = _lift(reg, _tensor(v, call), axes)
-        if group.size == 1:
-            out = v
-        else:
-            reg.collectives += 1
-            with reg.untracked():
-                out = _Extremum.apply(v, group, op, f"sf.{call}")
+        if group.size == 1:  # Note [axes of size one]: the identity, and so is its transpose
+            return _apply(reg, v, axes, _Copy(group, f"sf.{call}"), have - frozenset(axes))
+        reg.collectives += 1
+        with reg.untracked():
+            out = _Extremum.apply(v, group, op, f"sf.{call}")
         reg.types[out] = have - frozenset(axes)
         return out
 
@@ -355,10 +374,6 @@ def all_gather(x: torch.Tensor, axis: "str | Sequence[str]", dim: int = 0, tiled
     dim = _dim(dim, x.ndim if tiled else x.ndim + 1, "all_gather", "dim")
     group = axis_group(reg.mesh, axes)
     x, have = _lift(reg, x, axes)
-    if group.size == 1:
-        out = x if tiled else x.unsqueeze(dim)
-        reg.types[out] = have
-        return out
     return _apply(reg, x, axes, _Gather(group, "sf.all_gather", dim, tiled), have)
 
 
@@ -378,10 +393,6 @@ def psum_scatter(x: torch.Tensor, axis: "str | Sequence[str]", dim: int = 0, til
             f"{need}. Pad the dim, or pass tiled={not tiled} if that is what you meant"
         )
     x, have = _lift(reg, x, axes)
-    if group.size == 1:
-        out = x if tiled else x.squeeze(dim)
-        reg.types[out] = have
-        return out
     return _apply(reg, x, axes, _Scatter(group, "sf.psum_scatter", dim, tiled), have)
 
 
@@ -436,10 +447,7 @@ def all_to_all(x: torch.Tensor, axis: "str | Sequence[str]", split_dim: int, con
         if split_dim != concat_dim:
             x = x.unsqueeze(concat_dim)
             reg.types[x] = have
-    if group.size == 1:
-        out = x
-    else:
-        out = _apply(reg, x, axes, _AllToAll(group, "sf.all_to_all", split_dim, concat_dim), have)
+    out = _apply(reg, x, axes, _AllToAll(group, "sf.all_to_all", split_dim, concat_dim), have)
     if not tiled and split_dim != concat_dim:
         out = out.squeeze(split_dim)
     reg.types[out] = have

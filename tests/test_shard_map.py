@@ -122,6 +122,31 @@ def rank_collectives_2d() -> dict:
     return out
 
 
+def rank_collectives_over_an_axis_of_one() -> dict:
+    """Note [axes of size one]: on (dp=W, tp=1), every collective over tp is the identity, and so
+    is its transpose; the input typed as varying over tp (in_specs over (dp, tp)) or not (over dp
+    alone: the collective's pvary, whose transpose once summed over every rank)."""
+    mesh = sf.mesh(dp=-1, tp=1)
+    w = dist.get_world_size()
+    out = {f"tp:{k}": v for k, v in _check_cases(mesh, "tp", ("dp", "tp"), ("dp", "tp"), "dp", 1, outer=w).items()}
+    out.update({f"tp, lifted:{k}": v for k, v in _check_cases(mesh, "tp", "dp", ("dp", "tp"), "dp", 1, outer=w).items()})
+    # a closed-over weight, summed over tp of one: its gradient is the global one
+    x = torch.arange(1.0, 2 * w + 1).reshape(2 * w, 1)
+    wt = torch.tensor([2.0], requires_grad=True)
+    f = sf.shard_map(lambda b: sf.psum((wt * b).sum(), "tp"), mesh=mesh, in_specs=sf.P("tp"), out_specs=sf.P())
+    sf.gather(f(x)).backward()
+    out["closed-over weight"] = rel_err(wt.grad, x.sum().reshape(1))
+
+    def written(b):  # each collective's result is a new tensor: writing it leaves its input alone
+        y = sf.psum(b, "tp")
+        y.mul_(10)
+        return b + y
+
+    got = sf.gather(sf.shard_map(written, mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P("dp"))(torch.ones(2 * w, 1)))
+    out["result written in place"] = rel_err(got, torch.full((2 * w, 1), 11.0))
+    return out
+
+
 def _assert_all(results: list[dict]) -> None:
     for r in results:
         for k, v in r.items():
@@ -138,6 +163,10 @@ def test_collectives_and_derivatives_match_the_global_function(pools, world):
 
 def test_collectives_on_a_2d_mesh_over_tuples_and_one_axis(pools):
     _assert_all(pools(4).run(rank_collectives_2d))
+
+
+def test_collectives_over_an_axis_of_one_rank(pools):
+    _assert_all(pools(3).run(rank_collectives_over_an_axis_of_one))
 
 
 # ----------------------------------------------------------------------------------------------
