@@ -308,7 +308,7 @@ class ContextParallel:
             k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if q.device.type in ("cpu", "meta"):
-            return _RingFlash.apply(q, k, v, bool(is_causal), float(scale), self)
+            return _on_the_fused_kernel(q, k, v, lambda q, k, v: _RingFlash.apply(q, k, v, bool(is_causal), float(scale), self))
         return self._ring_math(q, k, v, is_causal, scale)
 
     def _attend_on_tp(self, q: DTensor, k: DTensor, v: DTensor, is_causal: bool, scale: float | None, enable_gqa: bool) -> DTensor:
@@ -378,6 +378,32 @@ class ContextParallel:
             if s < n - 1:
                 kv = _Collective.apply(kv, _Permute(self.group, "context-parallel attention", ring))
         return (num / den).to(dtype)
+
+
+def _on_the_fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring) -> torch.Tensor:
+    """`ring(q, k, v)` on the shapes torch's fused CPU kernel takes, the result in the caller's.
+
+    `F.scaled_dot_product_attention` takes any leading dims, keys broadcast over the queries'
+    leading dims, and values of another head size than the queries' (latent attention's); the
+    kernel takes (batch, heads, positions, head size) alike for all three. So the leading dims
+    are flattened into the heads, and the smaller head size padded with zeros: padded columns of
+    the queries and keys add nothing to the scores (the scale is the caller's, fixed before), and
+    those of the values give output columns that are cut off again."""
+    lead = q.shape[:-2]
+    k = k.expand(*lead, *k.shape[-2:])
+    v = v.expand(*lead, *v.shape[-2:])
+    dk, dv = q.shape[-1], v.shape[-1]
+    e = max(dk, dv)
+    if dk < e:
+        q, k = F.pad(q, (0, e - dk)), F.pad(k, (0, e - dk))
+    if dv < e:
+        v = F.pad(v, (0, e - dv))
+    if q.dim() != 4:
+        q, k, v = (x.reshape(1, -1, *x.shape[-2:]) for x in (q, k, v))
+    out = ring(q, k, v)
+    if dv < e:
+        out = out[..., :dv]
+    return out.reshape(*lead, *out.shape[-2:])
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -478,6 +478,41 @@ def test_both_rings_match_whole_sequence_attention(pools, causal):
     assert max(pools(3).run(rank_both_rings, causal)) < 1e-5
 
 
+def rank_attention_shapes() -> dict:
+    """What `F.scaled_dot_product_attention` takes beyond (batch, heads, positions, head size),
+    through the ring (whose fused CPU kernel takes only that): 3 and 5 dims, keys broadcast over
+    the heads, values of another head size than the queries' (latent attention), both ways."""
+    from shardfn._context import ContextParallel
+
+    mesh = sf.mesh(cp=-1)
+    g = torch.Generator().manual_seed(4)
+    shapes = {  # name -> q, k, v shapes (the positions second to last)
+        "3 dims": ((6, T, 8), (6, T, 8), (6, T, 8)),
+        "5 dims": ((2, 2, 3, T, 8), (2, 2, 3, T, 8), (2, 2, 3, T, 8)),
+        "keys broadcast": ((2, 4, T, 8), (2, 1, T, 8), (2, 1, T, 8)),
+        "values wider": ((2, 4, T, 8), (2, 4, T, 8), (2, 4, T, 12)),
+        "values narrower": ((2, 4, T, 12), (2, 4, T, 12), (2, 4, T, 8)),
+    }
+    out = {}
+    for name, dims in shapes.items():
+        q, k, v = (torch.randn(*d, generator=g) for d in dims)
+        cp = ContextParallel(mesh, sf.P(*([None] * (q.dim() - 2)), "cp"))
+        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        want = F.scaled_dot_product_attention(*full, is_causal=True)
+        w = torch.randn(want.shape, generator=g)
+        (want * w).sum().backward()
+        local = [cp.cut(x).clone().requires_grad_() for x in (q, k, v)]
+        got = cp.attend(*local, is_causal=True)
+        (got * cp.cut(w)).sum().backward()
+        out[name] = max([rel_err(got, cp.cut(want))] + [rel_err(a.grad, cp.cut(b.grad)) for a, b in zip(local, full)])
+    return out
+
+
+def test_attention_of_every_shape_sdpa_takes_runs_as_the_ring(pools):
+    for r in pools(2).run(rank_attention_shapes):
+        assert max(r.values()) < 1e-5, r
+
+
 # -- a rank of a context- or sequence-parallel job, simulated (Note [simulated rank]) ----------------
 
 SIM_T = 512
