@@ -50,6 +50,23 @@ chunked loss, the tokens a mask keeps, a mixture of experts routing tokens to ex
 and mix no positions. Where such a dim is unflattened again, the innermost dim as long as a chunk
 is the sequence (batch-major layout).
 
+Note [positions counted from this rank's length]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A model that is not given its tokens' positions counts them from the length it sees: Hugging
+Face's decoders take `arange(length)` (`cache_position`) for `position_ids`, BERT cuts its buffer
+of positions to the length, a hand-written model slices a table of sinusoids. Under cp that length
+is a rank's two chunks, so every rank trains positions 0..T/cp - 1 for tokens elsewhere in the
+sequence, without an error (measured: Llama's loss 1.4e-5 off at the first step, GPT-2's 1.1e-3,
+parameters 5% and 75% off after two steps). So an `arange` as long as a rank's share of a
+sequence dim, and a slice of a tensor that is not the sequence down to that length (unless its
+values are alike along that dim: BERT's token-type zeros), are marked as positions counted so.
+The marks follow views, casts, lookups and masks built from them, and where such positions meet
+the sequence's values in a floating-point result (rotary angles multiplied in, a position
+embedding added) the step is refused, naming where they were counted. Masks built by comparing
+them pass (Hugging Face builds them from `cache_position` even when given the positions, and an
+explicit mask reaching attention is refused by the ring). The global positions in the batch,
+cut with it, carry the sequence's marks, not these.
+
 What reduces to one number is the loss, whose meaning the step defines (the mean over the ranks
 of each rank's loss, as under data parallelism). Ops the rules do not know lose the marks, so the
 check can miss a mixing op past them, never refuse one it cannot see. It runs on the first step
@@ -110,6 +127,14 @@ _ROUTING = {"sort", "argsort", "topk", "kthvalue", "argmax", "argmin", "median",
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _OWN_MODELS = (_OWN_DIR + "models.py", _OWN_DIR + "_models.py", _OWN_DIR + "demo.py")
+
+
+def _alike_along(a: torch.Tensor, d: int) -> bool:
+    """Whether every slice of `a` along dim `d` holds the same values (a buffer of token-type
+    zeros, expanded: cut to a rank's length, it is still right)."""
+    if a.device.type == "meta" or a.numel() == 0:
+        return a.numel() == 0
+    return bool(torch.equal(a, a.narrow(d, 0, 1).expand_as(a)))
 
 
 def _batch_norm_trains(name: str, args: tuple, kwargs: dict) -> bool:
@@ -234,6 +259,47 @@ def _index_in_place(src: torch.Tensor, idx: list, sdims: frozenset) -> frozenset
     return frozenset(out)
 
 
+def _count_positions(watch: "PositionWatch", func, args, kwargs, out: torch.Tensor) -> None:
+    """Marks a tensor of positions counted from this rank's length as if it were the whole
+    sequence's (Note [positions counted from this rank's length]): an `arange` as long as a
+    chunk pair, or a slice of a tensor that is not the sequence down to that length, along a
+    dim whose values are not all alike."""
+    name = func._overloadpacket.__name__
+    if name == "arange" and out.ndim == 1 and int(out.shape[0]) in watch.lengths and out.shape[0] > 1:
+        step = args[2] if len(args) > 2 else kwargs.get("step", 1)
+        if step == 1:
+            watch.counted[out] = f"{func} counted {out.shape[0]} positions, this rank's length, at {_caller()}"
+    elif name == "slice" and args and isinstance(args[0], torch.Tensor):
+        a = args[0]
+        d = _norm(int(args[1] if len(args) > 1 else kwargs.get("dim", 0)), a.ndim)
+        n = int(out.shape[d])
+        if n in watch.lengths and n > 1 and a.shape[d] > n and not _alike_along(a, d):
+            watch.counted[out] = (f"{func} cut dim {d} of a {tuple(a.shape)} tensor that is not the sequence (a table "
+                                  f"of positions) to {n}, this rank's length, at {_caller()}")
+
+
+def _meet_counted(watch: "PositionWatch", func, name: str, args, ins: list, outs: list, counted: str) -> bool:
+    """Positions counted from this rank's length (`counted`): refused where their values meet
+    the sequence's values in a floating-point result (a position embedding added, rotary
+    angles multiplied in); carried on to the outputs otherwise (views, casts, embeddings of
+    them, masks built by comparing them). True where the op was refused."""
+    if name == "index" and args and args[0] in watch.dims:
+        return False  # indices into the sequence's own dims: `_index_in_place` decides
+    if name == "embedding" and args[0] in watch.dims:
+        return False
+    marked = [x for x in ins if x in watch.dims and x not in watch.counted]
+    if marked and any(o.is_floating_point() or o.is_complex() for o in outs):
+        watch._refuse(f"{counted}; those positions then met the sequence's values in {func}",
+                      "Positions counted from a rank's length (an arange of it, a table of positions cut to it) are "
+                      "not the positions of its tokens: pass the global position ids in the batch, cut with it "
+                      "(Hugging Face: position_ids=, with an attention_mask of ones; the project's GPT: "
+                      "apply(p, ids, pos)), and build what depends on positions from them")
+        return True
+    for o in outs:
+        watch.counted[o] = counted
+    return False
+
+
 class PositionWatch(TorchDispatchMode):
     """Follows the sequence dims of a context-parallel step's forward (Note [positions mixed outside
     attention]); `found` is the first op that mixed positions, as a message, or None."""
@@ -244,6 +310,7 @@ class PositionWatch(TorchDispatchMode):
         self.dims = WeakIdKeyDictionary()  # tensor -> frozenset of its sequence dims
         self.pooled = WeakIdKeyDictionary()  # tensor -> where a pooling over the sequence made it
         self.local = WeakIdKeyDictionary()  # one number -> where a max (min, norm) over this rank's positions made it
+        self.counted = WeakIdKeyDictionary()  # tensor -> where positions counted from this rank's length made it
         self.found: str | None = None
         self.lengths: set[int] = set()  # the sequence's lengths on this rank
         self._paused = 0
@@ -277,12 +344,14 @@ class PositionWatch(TorchDispatchMode):
         if self._paused or self.found is not None or torch._C._current_graph_task_id() != -1:
             return out
         ins = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        if any(x in self.dims or x in self.pooled or x in self.local for x in ins):
-            try:
+        try:
+            if any(x in self.dims or x in self.pooled or x in self.local or x in self.counted for x in ins):
                 self._follow(func, args, kwargs, ins, out)
-            except Exception as e:  # noqa: BLE001 - an op of a form the rules did not foresee: stop watching, never break the step
-                self.stopped = f"{func} ({type(e).__name__}: {e}), at {_caller()}"
-                self._paused += 1
+            elif isinstance(out, torch.Tensor):
+                _count_positions(self, func, args, kwargs, out)
+        except Exception as e:  # noqa: BLE001 - an op of a form the rules did not foresee: stop watching, never break the step
+            self.stopped = f"{func} ({type(e).__name__}: {e}), at {_caller()}"
+            self._paused += 1
         return out
 
     def _merged(self, a: torch.Tensor, d: int) -> bool:
@@ -296,6 +365,9 @@ class PositionWatch(TorchDispatchMode):
     def _follow(self, func, args, kwargs, ins: list, out: Any) -> None:
         name = func._overloadpacket.__name__
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        counted = next((self.counted[x] for x in ins if x in self.counted), None)
+        if counted is not None and _meet_counted(self, func, name, args, ins, outs, counted):
+            return
         if func.namespace in _COLLECTIVE_NAMESPACES:  # across ranks: no longer this rank's alone
             pooled_in = next((self.pooled[x] for x in ins if x in self.pooled), None)
             if pooled_in is not None and self.data_parallel > 1:

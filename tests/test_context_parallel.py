@@ -718,9 +718,18 @@ def test_the_watch_passes_per_token_models_and_finds_what_mixes_positions():
                                                                 shared_expert_intermediate_size=16)),
                       dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)),
     }
+    clean["llama, its cache on"] = (llama, dict(input_ids=ids, position_ids=pos, attention_mask=mask))
     for name, (model, kwargs) in clean.items():
         assert _watched_forward(model, kwargs) is None, (name, _watched_forward(model, kwargs))
+    counted = ["counted", "positions then met the sequence's values", "pass the global position ids"]
     found = {
+        # no position ids passed: the model counts them from this rank's length (Note [positions
+        # counted from this rank's length])
+        "llama without position ids": (llama, dict(input_ids=ids, attention_mask=mask), counted + ["aten.arange", "modeling_llama.py"]),
+        "gpt2 without position ids": (tf.GPT2LMHeadModel(tf.GPT2Config(**gpt2)), dict(input_ids=ids, attention_mask=mask),
+                                      counted + ["modeling_gpt2.py"]),
+        "bert without position ids": (tf.BertForMaskedLM(tf.BertConfig(**bert)), dict(input_ids=ids, attention_mask=mask),
+                                      counted + ["aten.slice.Tensor cut dim 1 of a (1, 512) tensor that is not the sequence"]),
         "llama labels=": (llama, dict(input_ids=ids, position_ids=pos, attention_mask=mask, labels=ids, use_cache=False),
                           ["aten.constant_pad_nd", "loss_utils.py", "nn.functional.pad(labels"]),
         "llama without a mask": (llama, dict(input_ids=ids, position_ids=pos, use_cache=False),
@@ -742,6 +751,7 @@ def test_the_watch_passes_per_token_models_and_finds_what_mixes_positions():
 
 
 _LIN = torch.nn.Linear(4, 4)
+_TABLE = torch.randn(16, 4)  # a table of positions (sinusoids, learned), longer than a rank's chunks
 _CONV3, _CONV1, _CONV_SEQ = torch.nn.Conv1d(4, 4, 3, padding=1), torch.nn.Conv1d(4, 4, 1), torch.nn.Conv1d(8, 8, 1)
 SINGLE_OPS = {  # a function of x (batch, sequence, features), the start of what the watch says (None: nothing)
     "per token": (lambda x: torch.relu(_LIN(x)).sum(), None),
@@ -784,6 +794,14 @@ SINGLE_OPS = {  # a function of x (batch, sequence, features), the start of what
     "a pad": (lambda x: F.pad(x, (0, 0, 1, -1)).square().sum(), "aten.constant_pad_nd.default padded dim 1"),
     "an FFT": (lambda x: torch.fft.fft(x, dim=1).abs().sum(), "aten._fft"),
     "a max-pool": (lambda x: F.adaptive_max_pool1d(x.transpose(1, 2), 1).sum(), "aten.adaptive_max_pool"),
+    "rotary angles from an arange": (lambda x: (x * torch.cos(torch.arange(x.shape[1]).float()[None, :, None])).sum(),
+                                     "aten.arange.default counted 8 positions"),
+    "a table of positions cut": (lambda x: (x + _TABLE[: x.shape[1]]).sum(),
+                                 "aten.slice.Tensor cut dim 0 of a (16, 4) tensor that is not the sequence"),
+    "a table of one row repeated, cut": (lambda x: (x + _TABLE[:1].expand(16, 4)[: x.shape[1]]).sum(), None),
+    "an arange of features": (lambda x: (x * torch.arange(4).float()).sum(), None),
+    "a mask from positions counted": (lambda x: (x.sum(-1) * (torch.arange(8)[:, None] >= torch.arange(8)).sum(1)).sum(),
+                                      "aten.arange.default counted 8 positions"),
     "a group norm": (lambda x: F.group_norm(x.transpose(1, 2), 2).square().sum(), "aten.native_group_norm.default ran over dim 2"),
     "a batch norm in training": (lambda x: F.batch_norm(x.transpose(1, 2), None, None, training=True).square().sum(),
                                  "aten.native_batch_norm.default took batch statistics over dim 2"),
