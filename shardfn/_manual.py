@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -256,6 +258,36 @@ def _differentiated(region: Region, func: Any, args: tuple, kwargs: dict) -> Any
     return out
 
 
+# Note [a lift inside a custom Function]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A `torch.autograd.Function` runs its forward with gradients off, and `Function.apply` itself
+# passes no torch function mode, so the region sees only the calls inside the forward. Where one
+# of them uses a tensor that needs a gradient together with values that vary over more axes (a
+# closed-over weight times this rank's block), the `pvary` that would sum its gradient over the
+# ranks cannot be put in the graph there: the Function's backward would hand the weight this
+# rank's gradient alone, different on every rank. `torch.utils.checkpoint(use_reentrant=True)` is
+# such a Function. So that call is refused, naming the fix: type the tensor as varying before it
+# enters the Function (`sf.pvary(w, axes)`), or checkpoint with `use_reentrant=False`. Under
+# `torch.no_grad()` outside a Function no gradient flows, and nothing is refused.
+def _refuse_inside_a_function(region: Region, func: Any, t: torch.Tensor, have: frozenset, union: frozenset) -> None:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "apply" and frame.f_code.co_filename.endswith(_FUNCTION_FILES):
+            missing = tuple(sorted(union - have))
+            raise NotImplementedError(
+                f"{region.what}: inside a torch.autograd.Function's forward, {getattr(func, '__name__', func)} uses a "
+                f"tensor of shape {tuple(t.shape)} that needs a gradient and varies over {sorted(have) or 'no axis'} "
+                f"together with values that vary over {sorted(union)}: its gradient would be this rank's alone, not "
+                f"the sum over {list(missing)} (Note [a lift inside a custom Function] in shardfn/_manual.py). Pass it "
+                f"through sf.pvary(x, {missing[0] if len(missing) == 1 else missing!r}) before the Function, or, for "
+                "torch.utils.checkpoint, use use_reentrant=False"
+            )
+        frame = frame.f_back
+
+
+_FUNCTION_FILES = (os.path.join("torch", "autograd", "function.py"), os.path.join("torch", "_functorch", "autograd_function.py"))
+
+
 class _Tracking(TorchFunctionMode):
     """Gives every tensor a call in the region returns the axes it varies over (Note [varying axes])."""
 
@@ -279,6 +311,8 @@ class _Tracking(TorchFunctionMode):
             target = _mutated(func, args, kwargs)
             lifted = []
             for t, f in zip(flat, found):
+                if f is not None and f != union and t.requires_grad and not torch.is_grad_enabled():
+                    _refuse_inside_a_function(region, func, t, f, union)
                 if f is not None and f != union and t.requires_grad and torch.is_grad_enabled():
                     if t is target:
                         t.copy_(region.lift(region, t.clone(), tuple(a for a in region.names if a in union - f)))

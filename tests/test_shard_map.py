@@ -701,3 +701,52 @@ def test_a_derivative_inside_the_function_sums_over_the_axes_its_input_is_copied
         assert rel_err(r["grad_of_pmean"], total / world) < 1e-6, r["grad_of_pmean"]  # the global mean's (docs/API.md)
         assert rel_err(r["func_stacked"], torch.stack([total] * world)) < 1e-6, r["func_stacked"]
         assert rel_err(r["own_block"], 2 * X) < 1e-6, r["own_block"]
+
+
+class _Mul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        return (g * b).sum(0), g * a
+
+
+def rank_custom_functions() -> dict:
+    """Note [a lift inside a custom Function]: a closed-over weight that meets this rank's block
+    inside a `torch.autograd.Function` (or reentrant checkpointing) is refused, naming the fixes;
+    each fix gives the global gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    mesh, n = sf.mesh(dp=-1), dist.get_world_size()
+    x = torch.arange(1.0, 2 * n + 1).reshape(2 * n, 1)
+    out: dict = {}
+
+    def grad_of(body) -> "torch.Tensor | str":
+        w = torch.tensor([2.0], requires_grad=True)
+        f = sf.shard_map(lambda xb: sf.psum(body(w, xb).sum(), "dp"), mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P())
+        try:
+            sf.gather(f(x)).backward()
+        except NotImplementedError as e:
+            return str(e)
+        return w.grad
+
+    out["function"] = grad_of(lambda w, xb: _Mul.apply(w, xb))
+    out["reentrant"] = grad_of(lambda w, xb: checkpoint(lambda a: (w * a).sin(), xb, use_reentrant=True))
+    out["function, pvary first"] = grad_of(lambda w, xb: _Mul.apply(sf.pvary(w, "dp"), xb))
+    out["not reentrant"] = grad_of(lambda w, xb: checkpoint(lambda a: (w * a).sin(), xb, use_reentrant=False))
+    out["x"] = x
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_weight_inside_a_custom_function_is_refused_or_lifted_by_hand(pools, world):
+    for r in pools(world).run(rank_custom_functions):
+        x = r["x"]
+        for key in ("function", "reentrant"):
+            assert isinstance(r[key], str) and "sf.pvary(x, 'dp')" in r[key] and "use_reentrant=False" in r[key], (key, r[key])
+        assert rel_err(r["function, pvary first"], x.sum().reshape(1)) < 1e-6, r["function, pvary first"]
+        assert rel_err(r["not reentrant"], (x * (2 * x).cos()).sum().reshape(1)) < 1e-6, r["not reentrant"]
