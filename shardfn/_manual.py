@@ -52,7 +52,11 @@ __all__ = ["Region", "AxisGroup", "current", "region", "step_region", "vma", "ax
 # every axis; `axis_index` varies over its axes; a random draw (`torch.randn`, dropout, ...)
 # varies over every axis of the region, which is always safe (a value typed varying that happens
 # to be equal is only refused where an out spec claims it invariant). torch.func's wrappers are
-# looked through, so a `vmap` or `grad` inside the region keeps the types of what it wraps.
+# looked through, so a `vmap` or `grad` inside the region keeps the types of what it wraps; and
+# what a transform hands out on exit (the tensor under its wrapper, or a view of it, which the
+# region never sees made) is typed as its wrapper was: a value computed by `vmap`, `jvp` or
+# `grad` from this rank's block varies with it. A value that leaves torch and comes back (through
+# `.tolist()`, NumPy, a Python number) is a tensor the region has not seen: it counts as invariant.
 #
 # A derivative taken inside the region (`torch.func.grad`, `vjp`, `torch.autograd.grad`, a
 # `backward`) is not a computation on its arguments: nothing of them is lifted there (lifting an
@@ -220,7 +224,8 @@ class Region:
             if found is not None:
                 break
             if not torch._C._functorch.is_functorch_wrapped_tensor(t):
-                found = self.unseen
+                base = t._base
+                found = self.types.get(base, self.unseen) if base is not None else self.unseen
                 break
             t = torch._C._functorch.get_unwrapped(t)
         if self._writes:
@@ -240,6 +245,9 @@ class Region:
         for t in pytree.tree_leaves(x):
             if isinstance(t, torch.Tensor):
                 self.types[t] = axes
+                while torch._C._functorch.is_functorch_wrapped_tensor(t):  # what the transform hands out on exit
+                    t = torch._C._functorch.get_unwrapped(t)
+                    self.types[t] = axes
 
 
 _DIFFERENTIATE = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
@@ -254,7 +262,7 @@ def _differentiated(region: Region, func: Any, args: tuple, kwargs: dict) -> Any
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         for g, x in zip(out, inputs):
             if isinstance(g, torch.Tensor):
-                region.types[g] = region.of(x)
+                region.mark(g, region.of(x))
     return out
 
 

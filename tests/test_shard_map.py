@@ -750,3 +750,44 @@ def test_a_weight_inside_a_custom_function_is_refused_or_lifted_by_hand(pools, w
             assert isinstance(r[key], str) and "sf.pvary(x, 'dp')" in r[key] and "use_reentrant=False" in r[key], (key, r[key])
         assert rel_err(r["function, pvary first"], x.sum().reshape(1)) < 1e-6, r["function, pvary first"]
         assert rel_err(r["not reentrant"], (x * (2 * x).cos()).sum().reshape(1)) < 1e-6, r["not reentrant"]
+
+
+def rank_transforms_inside() -> dict:
+    """torch.func's transforms inside the per-rank function: what they hand out is typed as what
+    they computed (it varies over dp with the block), so a psum of it needs no pvary and its
+    gradient is the global function's, and an out spec claiming it invariant is refused."""
+    mesh, n = sf.mesh(dp=-1), dist.get_world_size()
+    x = torch.linspace(0.1, 1.0, 2 * n, dtype=torch.float64)
+    bodies = {  # per-rank value of the block -> (global value's reference gradient)
+        "vmap": (lambda b: torch.func.vmap(torch.sin)(b), lambda x: x.cos()),
+        "grad": (lambda b: torch.func.grad(lambda b: b.sin().sum())(b) ** 2, lambda x: -2 * x.sin() * x.cos()),
+        "jvp": (lambda b: torch.func.jvp(torch.sin, (b,), (torch.ones_like(b),))[1], lambda x: -x.sin()),
+        "jacrev diagonal": (lambda b: torch.func.jacrev(torch.sin)(b).diagonal(), lambda x: -x.sin()),
+    }
+    out = {}
+    for name, (body, want) in bodies.items():
+        xg = x.clone().requires_grad_()
+        f = sf.shard_map(lambda b: sf.psum(body(b).sum(), "dp"), mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P())
+        (g,) = torch.autograd.grad(sf.gather(f(xg)), xg)
+        out[name] = rel_err(g, want(x))
+        try:
+            sf.shard_map(body, mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P())(x)
+            out[name + ":check"] = "not refused"
+        except ValueError as e:
+            out[name + ":check"] = "refused" if "varies along" in str(e) else str(e)
+    # a replicated weight used inside a vmap over the block's rows: its gradient, summed over dp
+    g = torch.Generator().manual_seed(2)
+    X, W = torch.randn(2 * n, 3, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.float64)
+    w = W.clone().requires_grad_()
+    f = sf.shard_map(lambda b: sf.psum(torch.func.vmap(lambda r: (r * w).tanh().sum())(b).sum(), "dp"),
+                     mesh=mesh, in_specs=sf.P("dp"), out_specs=sf.P())
+    sf.gather(f(X)).backward()
+    wr = W.clone().requires_grad_()
+    (X * wr).tanh().sum().backward()
+    out["weight inside a vmap"] = rel_err(w.grad, wr.grad)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_transforms_inside_the_function_keep_the_types_of_what_they_compute(pools, world):
+    _assert_all(pools(world).run(rank_transforms_inside))
