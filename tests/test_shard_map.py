@@ -722,7 +722,7 @@ def rank_custom_functions() -> dict:
     from torch.utils.checkpoint import checkpoint
 
     mesh, n = sf.mesh(dp=-1), dist.get_world_size()
-    x = torch.arange(1.0, 2 * n + 1).reshape(2 * n, 1)
+    x = torch.arange(1.0, 2 * n + 1).reshape(2 * n, 1).requires_grad_()  # (reentrant checkpointing warns without)
     out: dict = {}
 
     def grad_of(body) -> "torch.Tensor | str":
@@ -738,7 +738,7 @@ def rank_custom_functions() -> dict:
     out["reentrant"] = grad_of(lambda w, xb: checkpoint(lambda a: (w * a).sin(), xb, use_reentrant=True))
     out["function, pvary first"] = grad_of(lambda w, xb: _Mul.apply(sf.pvary(w, "dp"), xb))
     out["not reentrant"] = grad_of(lambda w, xb: checkpoint(lambda a: (w * a).sin(), xb, use_reentrant=False))
-    out["x"] = x
+    out["x"] = x.detach()
     return out
 
 
