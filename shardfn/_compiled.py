@@ -82,7 +82,9 @@ compiled `loss_fn` (`torch.compile(loss_fn)`). Traced, they reach the engine's v
 buffers (Note [flat unit layout] in `_flat.py`) and its hooks, which AOTAutograd fails on with an
 internal `AssertionError`; `step.init`, and the first call of an `sf.value_and_grad` function,
 refuse them with a `ValueError` that names what was compiled and `compile=True`, which compiles
-the same code where it can be.
+the same code where it can be. `apply` itself under a user's `torch.compile` (`torch.compile(apply)`
+called from a plain `loss_fn`, or a compiled helper that calls it) cannot be seen at init: it is
+`torch.compiler.disable`d, so dynamo breaks the graph there and it runs eager, exactly.
 
 torch 2.13 has no public way to ask whether a module or a function was compiled; what
 `torch.compile` leaves on them is read instead (docs/private-torch-apis.md): the wrapper module's

@@ -105,6 +105,15 @@ def _needs_grad(leaves: list, args: tuple, kwargs: dict) -> bool:
     return any(x.requires_grad for x in tensors)
 
 
+# `apply` under a user's torch.compile (torch.compile(apply), or a compiled function calling it):
+# dynamo would trace the engine's gathers, frees and hooks and fail in AOTAutograd on its views of
+# the flat buffers. It runs eager there instead (a graph break; under fullgraph=True dynamo's
+# error carries this reason). Note [compiled code in a step] in `_compiled.py`.
+_EAGER_APPLY = ("shardfn's apply runs eager inside torch.compile (its gathers and hooks are the step's); pass compile=True "
+                "to sf.train_step or sf.value_and_grad to compile the model's units (Note [compiled units] in "
+                "shardfn/_compiled.py)")
+
+
 class Apply:
     """A module's method as a pure function of a parameter tree: `apply(params, *args, **kwargs)`.
 
@@ -148,6 +157,7 @@ class Apply:
                 flat[name] = leaf
         return flat
 
+    @torch.compiler.disable(reason=_EAGER_APPLY)
     def __call__(self, params: Any, *args: Any, buffers: Any = None, **kwargs: Any) -> Any:
         rt = self.info.runtime  # Note [unit runtime] in `_runtime.py`
         # A train step hands `loss_fn` its own parameter objects: it says which tensors the model

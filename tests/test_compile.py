@@ -67,6 +67,33 @@ def test_compiled_loss_fn_is_refused_at_init():
     assert calls == []
 
 
+# dynamo reads `.grad` of the graph inputs it resumes with after the break (apply's output, not a leaf)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_apply_compiled_inside_a_loss_fn_runs_eager():
+    """`torch.compile(apply)` called from a plain `loss_fn`, or a compiled function calling `apply`:
+    dynamo would trace the engine's gathers and hooks (and AOTAutograd failed on its views of the
+    flat buffers); `apply` runs eager there, equal to the eager step."""
+    apply, params = _gpt()
+    batch = global_batch("gpt", 0, 1)
+    eager = make_loss_fn("gpt", apply)
+    losses = {}
+    ways = {
+        "eager": eager,
+        "compiled apply": make_loss_fn("gpt", torch.compile(apply, backend="aot_eager")),
+        "compiled apply, fullgraph": make_loss_fn("gpt", torch.compile(apply, backend="aot_eager", fullgraph=True)),
+        "a compiled function calling apply": lambda p, b: torch.compile(lambda p, b: eager(p, b) * 1.0, backend="aot_eager")(p, b),
+    }
+    for how, loss_fn in ways.items():
+        step = sf.train_step(loss_fn, sf.optim.adamw(**OPT), sf.mesh(dp=-1))
+        state = step.init(optree.tree_map(torch.clone, params))
+        for _ in range(2):
+            state, m = step(state, batch)
+        losses[how] = (m["loss"].item(), optree.tree_leaves(sf.gather(state.params)))
+    for how, (loss, leaves) in losses.items():
+        assert loss == losses["eager"][0], how
+        assert all(torch.equal(a, b) for a, b in zip(leaves, losses["eager"][1])), how
+
+
 @pytest.mark.parametrize("what", ["loss_fn", "blocks"])
 def test_value_and_grad_refuses_compiled_code_at_its_first_call(what):
     apply, params = _gpt("method" if what == "blocks" else None)
