@@ -97,6 +97,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
+import re
 import time
 import warnings
 import weakref
@@ -212,6 +214,8 @@ class CompiledUnits:
         self.warned_local_reads = False  # a tp model's units run eager (`for_step`), said once
         self.calls = 0  # unit forwards that ran in this step's `active()` (compiled or not)
         self.warned_no_call = False
+        self.unit = ""  # the unit whose compiled forward runs (named by the backend's check)
+        self._backend = _CheckedBackend(options, self)  # one for all units: they share graphs
         for name, module in self.modules:
             _install(info, name, module)
 
@@ -264,7 +268,8 @@ class CompiledUnits:
         if fn is None:
             import torch
 
-            fn = self._compiled[id(module)] = _first_call_named(torch.compile(original, **self.options), name, self)
+            kept = {k: v for k, v in self.options.items() if k not in ("backend", "mode", "options")}
+            fn = self._compiled[id(module)] = _first_call_named(torch.compile(original, backend=self._backend, **kept), name, self)
         return fn
 
     def log_compile_time(self) -> None:
@@ -306,6 +311,87 @@ class CompiledUnits:
         self.log_compile_time()
 
 
+# Note [a buffer written, then read, in a compiled unit]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A unit whose forward writes one of its inputs in place and then reads it (a buffer counted up
+# and used: `self.n += 1; y = x / self.n`) compiles to a backward that takes the written value
+# for the one the forward read: torch 2.13's AOTAutograd gets its gradients wrong, without a word,
+# with shardfn or without (`torch.compile(block.forward)` on a plain model alone does the same;
+# measured: a weight's gradient norm 0.21 against eager's 0.49). BatchNorm's statistics, written
+# and not read again in the graph, are not affected. So every graph dynamo makes of a unit passes a
+# check before its backend compiles it: an in-place write into a graph input that is read after
+# the write is refused (`NotImplementedError`, naming the unit and the input, and the fixes: write
+# out of place, or compile=False). The check wraps the backend torch.compile would build from the
+# same options (`torch._TorchCompileInductorWrapper`, `torch._TorchCompileWrapper`), one object for
+# all the step's units, so that identical units still share one compiled graph.
+_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
+                       operator.imod, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
+
+
+def _writes_input(node: Any) -> Any:
+    """The graph input `node` writes in place (a dynamo FX node), or None."""
+    target = node.target
+    in_place = (node.op == "call_function" and (target in _IN_PLACE_OPERATORS or
+                                                (getattr(target, "__name__", "").endswith("_") and not getattr(target, "__name__", "").startswith("_"))))
+    in_place = in_place or (node.op == "call_method" and isinstance(target, str) and target.endswith("_") and not target.startswith("_"))
+    if not in_place or not node.args:
+        return None
+    first = node.args[0]
+    return first if getattr(first, "op", None) == "placeholder" else None
+
+
+def _input_name(target: str) -> str:
+    """A dynamo graph input's name as the module's code has it (`L_self_buffers_n_` -> `n`)."""
+    inner = target[2:-1] if target.startswith("L_") and target.endswith("_") else target
+    parts = re.split(r"_(?:buffers|parameters|modules)_", inner)
+    return ".".join(parts[1:]) if len(parts) > 1 else inner
+
+
+def _refuse_reads_after_writes(gm: Any, unit: str) -> None:
+    """Note [a buffer written, then read, in a compiled unit]."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    for node in nodes:
+        written = _writes_input(node)
+        if written is None:
+            continue
+        later = [u for u in list(written.users) + list(node.users) if u.op != "output" and order[u] > order[node]]
+        if later:
+            raise _ReadAfterWrite(
+                f"compile=True: unit {unit or '<root>'!r} writes its input {_input_name(str(written.target))!r} in place ({node.target}) and "
+                f"then reads it ({later[0].target}): torch's AOTAutograd computes the gradient of what it reads from the "
+                "written value, wrongly, without a word (Note [a buffer written, then read, in a compiled unit] in "
+                "shardfn/_compiled.py). Write it out of place (n = n + 1 and assign the buffer after its last read), or "
+                "compile=False"
+            )
+
+
+class _ReadAfterWrite(NotImplementedError):
+    """The check's refusal, raised inside dynamo's backend call (which wraps it)."""
+
+
+class _CheckedBackend:
+    """The backend torch.compile would build from `options`, with the check of Note [a buffer
+    written, then read, in a compiled unit] before it compiles each graph."""
+
+    def __init__(self, options: dict, owner: "CompiledUnits"):
+        backend, mode, more, dynamic = (options.get("backend", "inductor"), options.get("mode"), options.get("options"),
+                                        options.get("dynamic"))
+        if backend == "inductor":
+            self.inner = torch._TorchCompileInductorWrapper(mode, more, dynamic)
+        else:
+            self.inner = torch._TorchCompileWrapper(backend, mode, more, dynamic)
+        self.compiler_name = getattr(self.inner, "compiler_name", "inductor")
+        self.owner = owner
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        _refuse_reads_after_writes(gm, self.owner.unit)
+        return self.inner(gm, example_inputs)
+
+    def __getattr__(self, name: str) -> Any:  # reset(), get_compiler_config(), ...: the inner backend's
+        return getattr(self.inner, name)
+
+
 def _first_call_named(fn: Any, name: str, owner: CompiledUnits) -> Any:
     """`fn`, whose first call (where it compiles) is timed, and whose errors name the unit."""
     first = [True]
@@ -313,9 +399,13 @@ def _first_call_named(fn: Any, name: str, owner: CompiledUnits) -> Any:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter() if first[0] else 0.0
+        owner.unit = name  # for the backend's check (Note [a buffer written, then read, in a compiled unit])
         try:
             out = fn(*args, **kwargs)  # under `active()`: its warning filter and recompile limit
         except Exception as e:
+            inner = getattr(e, "inner_exception", None)  # dynamo wraps what a backend raised
+            if isinstance(inner, _ReadAfterWrite):
+                raise NotImplementedError(str(inner)) from None
             if "is a view and is being modified inplace" in str(e):
                 raise ValueError(
                     f"unit {name or '<root>'!r} modifies one of its inputs in place (e.g. x.add_(...) or an inplace "
