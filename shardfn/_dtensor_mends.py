@@ -29,7 +29,11 @@ after it; `_gather_on_shards`), the activations' backwards DTensor has no rule f
 `leaky_relu`, `elu`, `mish`, `softplus`, `hardswish`, ...: `_pointwise_local`), and convolutions with
 a weight split on its channels (Note [convolutions on tp shards]). An in-place write through a view
 that crosses a split (`x[..., :k] *= s`, `x[..., i] = v` on the split dim), which DTensor computes
-on a gathered copy so that the write never reaches the tensor, is refused (`_in_place`).
+on a gathered copy so that the write never reaches the tensor, is refused (`_in_place`). A
+cross-entropy over rows split unevenly over tp (a sequence the tp size does not divide, flattened
+with the batch), whose mean DTensor refuses, runs on the rows gathered whole
+(`_rows_split_unevenly`); a `torch.cat` of a legacy empty tensor (a key/value cache's start) drops
+it, as torch does (`_cat_without_legacy_empties`).
 
 Mixed precision: `reduce_dtype` holds for the tp all-reduces too: a partial sum is cast to it before
 """
@@ -171,9 +175,33 @@ def _on_class_shards(handler: Callable, arg: int, dim_arg: int | None) -> Callab
         if isinstance(x, DTensor) and any(p.is_shard(dim) for p in x.placements):
             _refuse_empty_shards(x, dim)
             return handler(op_call, args, kwargs)
+        if isinstance(x, DTensor) and _rows_split_unevenly(x, dim):
+            args = tuple(_whole(a) for a in args)
         return by_default(op_call, args, kwargs)
 
     return run
+
+
+def _rows_split_unevenly(x: DTensor, class_dim: int) -> bool:
+    """Whether `x` is split over tp on a dim other than `class_dim` in pieces of unequal size (a
+    sequence the tp size does not divide, flattened with the batch: DTensor's `_StridedShard`), where
+    DTensor refuses a loss's mean ("cannot be evenly sharded")."""
+    for mesh_dim, p in enumerate(x.placements):
+        if p.is_partial() or p.is_replicate():
+            continue
+        d = getattr(p, "dim", None)
+        if d is None or d % max(x.dim(), 1) == class_dim:
+            continue
+        if not p.is_shard() or x.shape[d] % x.device_mesh.size(mesh_dim):
+            return True
+    return False
+
+
+def _whole(a: Any) -> Any:
+    """A DTensor gathered whole on its mesh (replicated), anything else as it is."""
+    if isinstance(a, DTensor) and not all(p.is_replicate() for p in a.placements):
+        return C.redistribute(a, a.device_mesh, [Replicate()] * a.device_mesh.ndim, "tensor parallel")
+    return a
 
 
 # The pointwise losses whose backward DTensor computes with `reduction="mean"` from a shard's own
