@@ -618,3 +618,40 @@ def test_apply_if_finite_in_a_sharded_train_step(pools, world):
             assert r["err"] < 1e-5 and r["counts"] == (0, 1), (strategy, r)
         if strategy == "full_shard":  # the infinite element lay in some ranks' shards only
             assert not all(r["holds_the_row"] for r in results), results
+
+
+def _rank_whole_tensor_optimizers() -> dict:
+    """Adafactor and Muon through from_torch: refused on leaves split over ranks, and on whole
+    (replicated) leaves equal to torch's own step."""
+    mesh = sf.mesh(dp=-1)
+    g = torch.Generator().manual_seed(0)
+    w, grad = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    out = {}
+    for cls in (torch.optim.Adafactor, torch.optim.Muon):
+        opt = O.from_torch(cls, lr=0.01)
+        for layout, spec in (("split", sf.P("dp")), ("whole", sf.P())):
+            params = sf.shard({"w": w.clone()}, {"w": spec}, mesh)
+            grads = sf.shard({"w": grad.clone()}, {"w": spec}, mesh)
+            try:
+                updates, _ = opt.update(grads, opt.init(params), params)
+            except NotImplementedError as e:
+                out[cls.__name__, layout] = str(e)
+                continue
+            ref = w.clone().requires_grad_()
+            torch_opt = cls([ref], lr=0.01)
+            ref.grad = grad.clone()
+            torch_opt.step()
+            out[cls.__name__, layout] = rel_err(O.apply_updates(params, updates)["w"].full_tensor(), ref.detach())
+    return out
+
+
+def test_from_torch_refuses_optimizers_that_read_whole_tensors_on_shards(pools):
+    """Adafactor's factored moments and relative step, Muon's orthogonalization: on a rank's
+    shard they would compute as if it were the whole tensor (Adafactor: parameters 3e-3 off after
+    3 steps, silently). Refused there; exact on whole leaves. LBFGS needs a closure: refused."""
+    with pytest.raises(NotImplementedError, match="closure"):
+        O.from_torch(torch.optim.LBFGS, lr=0.1)
+    for r in pools(2).run(_rank_whole_tensor_optimizers):
+        for name in ("Adafactor", "Muon"):
+            assert isinstance(r[name, "split"], str) and "split over ranks" in r[name, "split"], r
+            assert r[name, "whole"] < 1e-6, r

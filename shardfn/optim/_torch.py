@@ -24,6 +24,25 @@ class TorchOptimizerState(NamedTuple):
     per_leaf: Any
 
 
+# Optimizers whose step reads more of a tensor than each element (Adafactor's row and column
+# moments and its relative step from the parameter's norm, Muon's orthogonalized matrix,
+# SparseAdam's sparse rows): run on a rank's shard, each computes on part of the tensor as if it
+# were the whole, without a word. Refused on leaves split over ranks; exact on whole ones.
+_MIXING = tuple(getattr(torch.optim, n) for n in ("Adafactor", "Muon", "SparseAdam") if hasattr(torch.optim, n))
+_NEEDS_A_CLOSURE = tuple(getattr(torch.optim, n) for n in ("LBFGS",) if hasattr(torch.optim, n))
+
+
+def _refuse_on_shards(optimizer_class: type, leaves: list, local: list, spec: Any) -> None:
+    split = [i for i, (x, l) in enumerate(zip(leaves, local)) if l.numel() != x.numel()]
+    if split:
+        raise NotImplementedError(
+            f"from_torch({optimizer_class.__name__}) on leaves split over ranks ({len(split)} of {len(leaves)}): its step "
+            "reads whole tensors (factored moments, norms, orthogonalization), and each rank would step its shard as "
+            "if it were the whole tensor. Use an elementwise optimizer (sf.optim.adamw, from_torch(torch.optim.AdamW, "
+            "...)), or keep these leaves whole (strategy='no_shard')"
+        )
+
+
 def from_torch(optimizer_class: type, **kwargs: Any) -> GradientTransformation:
     """Wraps a ``torch.optim.Optimizer`` class functionally.
 
@@ -33,9 +52,10 @@ def from_torch(optimizer_class: type, **kwargs: Any) -> GradientTransformation:
     works on copies, so it never mutates its inputs; ``step_`` steps the params in place.
     `lr` may be a schedule ``step -> float``.
 
-    On sharded trees each rank runs the optimizer on its local shards: exact only for elementwise
-    optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...), not for ones that mix elements across a
-    tensor (e.g. LBFGS, Adafactor, Muon).
+    On sharded trees each rank runs the optimizer on its local shards: exact for elementwise
+    optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...). Ones that read whole tensors
+    (Adafactor, Muon, SparseAdam) are refused on leaves split over ranks (`NotImplementedError`),
+    and LBFGS, whose step needs a closure, always.
 
     Args:
         optimizer_class: e.g. ``torch.optim.AdamW``.
@@ -50,11 +70,18 @@ def from_torch(optimizer_class: type, **kwargs: Any) -> GradientTransformation:
     """
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise ValueError(f"from_torch needs a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+    if issubclass(optimizer_class, _NEEDS_A_CLOSURE):
+        raise NotImplementedError(
+            f"from_torch({optimizer_class.__name__}): it re-evaluates the loss through a closure within its step, and a "
+            "shardfn step hands the optimizer one gradient; use a first-order optimizer (sf.optim.adamw, "
+            "from_torch(torch.optim.SGD, ...))"
+        )
+    mixing = next((c for c in _MIXING if issubclass(optimizer_class, c)), None)
     lr = kwargs.get("lr")
     # Validate the hyper-parameters now, with the optimizer's own checks.
     probe = {**kwargs, "lr": 0.0} if callable(lr) else kwargs
     try:
-        optimizer_class([torch.zeros(1, requires_grad=True)], **probe)
+        optimizer_class([torch.zeros(1, 1, requires_grad=True)], **probe)  # 2-D: Muon takes matrices only
     except (TypeError, ValueError) as e:
         raise ValueError(f"{optimizer_class.__name__}{kwargs}: {e}") from None
 
@@ -74,6 +101,8 @@ def from_torch(optimizer_class: type, **kwargs: Any) -> GradientTransformation:
         except (ValueError, TypeError) as e:
             raise ValueError(f"from_torch state does not match the structure of the updates: {e}") from None
         p_loc = locals_(p_leaves)
+        if mixing is not None:
+            _refuse_on_shards(optimizer_class, p_leaves, p_loc, spec)
         ps = p_loc if inplace else clone(p_loc)
         grads_loc = locals_(g_leaves)
         gs = grads_loc if inplace else clone(grads_loc)
