@@ -55,7 +55,13 @@ class UnitBuffers:
             unit.bind(arenas[u], reduce_in_full=u == ROOT or u in slot_of)
         rdt = {unit.reduce_dtype for unit in units.values()}
         if len(rdt) > 1:
-            raise NotImplementedError(f"units reduce in different dtypes {sorted(map(str, rdt))}; give every unit one dtype")
+            by = {str(d): [("<root>" if u == ROOT else self.unit(u).name) for u, unit in units.items() if unit.reduce_dtype == d][:3]
+                  for d in rdt}
+            raise NotImplementedError(
+                f"units reduce their gradients in different dtypes ({by}); every unit of a model reduces in one dtype: "
+                "give all the trained parameters one dtype (model.to(dtype)), or set it with "
+                "mixed_precision=sf.MixedPrecision(reduce_dtype=...)"
+            )
         rdt_one = rdt.pop()
         # Scratch for reduce-scatter inputs that are not built in a slot: allocated only when used.
         n_in = max(s["rs_in"] for s in sizes.values())
