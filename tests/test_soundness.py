@@ -766,3 +766,29 @@ def test_a_sparse_embedding_is_refused_at_init():
         else:
             state, m = step(step.init(params), torch.tensor([[1, 2], [3, 4]]))
             assert torch.isfinite(m["loss"])
+
+
+class _Complex(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.z = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+        self.blk = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.blk(x) + self.z.real
+
+
+def rank_units_of_two_reduce_dtypes() -> str:
+    apply, params = sf.functionalize(_Complex(), units=r"blk")
+    step = sf.train_step(lambda p, b: apply(p, b).pow(2).mean(), sf.optim.sgd(0.1), sf.mesh(dp=-1))
+    try:
+        step(step.init(params), torch.randn(2, 4))
+    except NotImplementedError as e:
+        return str(e)
+    return "not refused"
+
+
+def test_units_reducing_in_two_dtypes_are_refused_naming_them(pools):
+    msg = pools(1).run(rank_units_of_two_reduce_dtypes)[0]
+    assert "'torch.complex64': ['<root>']" in msg and "'torch.float32': ['blk']" in msg, msg
+    assert "model.to(dtype)" in msg, msg
