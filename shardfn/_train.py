@@ -23,6 +23,7 @@ from ._state import TrainState
 from ._tree import tree_flatten_with_paths
 from .optim import apply_updates
 from .optim._base import in_place
+from .optim._combine import PartlyUpdatedError
 
 __all__ = ["TrainState", "MixedPrecision", "TrainStep", "train_step", "STRATEGIES"]
 
@@ -151,7 +152,12 @@ class TrainStep:
         # keeps its own (Note [donated state]).
         opt_leaves, opt_spec = optree.tree_flatten(state.opt_state, none_is_leaf=True)
         opt_in = optree.tree_unflatten(opt_spec, [_scalar_copy(x) for x in opt_leaves])
-        opt_state = self._optimize(params, g.grads, opt_in, g.skip)
+        try:
+            opt_state = self._optimize(params, g.grads, opt_in, g.skip)
+        except PartlyUpdatedError as e:
+            # Its moments are partly this step's: the state it was read from is invalidated, loudly.
+            _donate.Donation(str(e)).many([x for x in opt_leaves if isinstance(x, DTensor) and not _donate.is_donated(x)], {})
+            raise
         params, opt_state = self._donate(state, opt_state)
         metrics = {"loss": g.loss, "grad_norm": g.grad_norm, "aux": g.aux}
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics

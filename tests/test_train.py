@@ -6,10 +6,11 @@ import contextlib
 import copy
 import re
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 import shardfn as sf
 from shardfn import _collectives as C
@@ -315,6 +316,55 @@ def rank_bad_step() -> str:
 
 def test_failed_step_loses_nothing(pools):
     assert all(err < 1e-5 for err in pools(2).run(rank_bad_step))
+
+
+def rank_optimizer_raises() -> dict:
+    """An optimizer that raises in its step (a learning-rate table one step too short): alone
+    (adamw's schedule is read before it writes anything), the state is as it was and training goes
+    on exactly; in a chain whose first part wrote its moments in place before the second raised,
+    the state's optimizer state is invalidated loudly (its parameters as they were), and a copy
+    taken before the step trains on."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    lrs = [1e-3, 1e-3]  # steps 0 and 1; step 2 raises IndexError
+    table = lambda c: lrs[int(c)]  # noqa: E731
+    for name, opt in (("adamw", sf.optim.adamw(table)),
+                      ("chain", sf.optim.chain(sf.optim.scale_by_adam(), sf.optim.scale_by_learning_rate(table)))):
+        apply, params = sf.functionalize(make_model("gpt"), units=units_of("gpt"))
+        step = sf.train_step(make_loss_fn("gpt", apply), opt, sf.mesh(dp=-1))
+        state = step.init(params)
+        batch = lambda i: local_batch(global_batch("gpt", i, world), rank, world)  # noqa: E731
+        for i in range(2):
+            state, _ = step(state, batch(i))
+        kept = sf.copy(state)
+        try:
+            step(state, batch(2))
+            out[name] = "not raised"
+            continue
+        except Exception as e:  # noqa: BLE001 - which one is the point
+            out[name] = type(e).__name__
+        out[name + " params as they were"] = all(map(torch.equal, optree.tree_leaves(sf.gather(state.params)),
+                                                     optree.tree_leaves(sf.gather(kept.params))))
+        try:
+            out[name + " opt state as it was"] = all(
+                torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(optree.tree_leaves(state.opt_state),
+                                                                              optree.tree_leaves(kept.opt_state))
+                if isinstance(a, DTensor))
+        except sf.DonatedError as e:
+            out[name + " opt state as it was"] = str(e)
+        lrs.append(1e-3)  # the table fixed: the kept copy trains on
+        state, m = step(kept, batch(2))
+        out[name + " trains on"] = bool(torch.isfinite(m["loss"]))
+        lrs.pop()
+    return out
+
+
+def test_an_optimizer_that_raises_leaves_the_state_or_invalidates_it(pools):
+    for r in pools(2).run(rank_optimizer_raises):
+        assert r["adamw"] == "IndexError" and r["adamw params as they were"] and r["adamw opt state as it was"] is True, r
+        assert r["chain"] == "PartlyUpdatedError" and r["chain params as they were"], r
+        assert "part 1 (of parts 0..1) raised (IndexError" in r["chain opt state as it was"], r
+        assert r["adamw trains on"] and r["chain trains on"], r
 
 
 def rank_errors() -> list[str]:

@@ -8,7 +8,7 @@ torch kernels for `sgd`, `adam` and `adamw`).
 
 from ._alias import adam, adamw, sgd
 from ._base import EmptyState, GradientTransformation, apply_updates
-from ._combine import MaskedState, chain, masked
+from ._combine import MaskedState, PartlyUpdatedError, chain, masked
 from ._finite import ApplyIfFiniteState, apply_if_finite
 from ._schedules import (
     Schedule,
@@ -44,6 +44,7 @@ __all__ = [
     "apply_updates",
     "chain",
     "masked",
+    "PartlyUpdatedError",
     "apply_if_finite",
     "scale",
     "scale_by_adam",

@@ -9,9 +9,25 @@ import optree
 from ._base import GradientTransformation, OptState, Params, Updates, donating, transformation
 from ._local import flatten
 
-__all__ = ["chain", "masked", "MaskedState"]
+__all__ = ["chain", "masked", "MaskedState", "PartlyUpdatedError"]
 
 Mask = Union[Any, Callable[[Params], Any]]
+
+
+class PartlyUpdatedError(RuntimeError):
+    """A chain's in-place update (`update_`, `step_`) whose part `part` raised after the parts
+    before it had written their state in place: that state is partly this step's, and the caller's
+    optimizer state can no longer be trusted (a train step invalidates it)."""
+
+    def __init__(self, part: int, parts: int, cause: BaseException):
+        self.part = part
+        super().__init__(
+            f"sf.optim.chain: part {part} (of parts 0..{parts - 1}) raised ({type(cause).__name__}: {cause}) after "
+            f"{'part 0' if part == 1 else f'parts 0..{part - 1}'} had written its state in place (moments, momentum): "
+            "the optimizer state given to this "
+            "update is partly updated and cannot be trusted. Restore it from a copy taken before (sf.copy) or a "
+            "checkpoint, or use the out-of-place update, which leaves its input as it was"
+        )
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -44,8 +60,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                     f"got {type(state).__name__} of length {len(state) if isinstance(state, tuple) else '-'}"
                 )
             new_state = []
-            for fn, s in zip(fns, state):
-                updates, s = fn(updates, s, params)
+            for i, (fn, s) in enumerate(zip(fns, state)):
+                try:
+                    updates, s = fn(updates, s, params)
+                except Exception as e:
+                    if inplace and i > 0:
+                        raise PartlyUpdatedError(i, len(fns), e) from e
+                    raise
                 new_state.append(s)
             return updates, tuple(new_state)
 
