@@ -155,18 +155,23 @@ def _agree_on_structure(items: list[Item], mesh: DeviceMesh, group: Any, call: s
     C.all_reduce_blocking(both, group, call, op="max")
     if both[0].item() == -both[1].item():
         return
-    said = C.all_gather_object([_describe(it) for it in items], call, group=group)
+    said = C.all_gather_object([(_describe(it), it.dims) for it in items], call, group=group)
     ranks = dist.get_process_group_ranks(group)
     ref = said[0]
     lines = []
     for r, mine in zip(ranks[1:], said[1:]):
-        if mine != ref:
-            extra = [d for d in mine if d not in ref][:3]
-            lacks = [d for d in ref if d not in mine][:3]
+        if [d for d, _ in mine] != [d for d, _ in ref]:
+            extra = [d for d, _ in mine if (d, _) not in ref][:3]
+            lacks = [d for d, _ in ref if (d, _) not in mine][:3]
             lines.append(f"rank {r}: {len(mine)} tensors, has {extra} where rank {ranks[0]} has {lacks}")
+        elif mine != ref:  # one tree, replicated over other mesh dims: another mesh or strategy
+            diff = [(d, a, b) for (d, a), (_, b) in zip(mine, ref) if a != b][:3]
+            lines.append(f"rank {r} holds {', '.join(f'{d} replicated over mesh dims {a}' for d, a, _ in diff)} where rank "
+                         f"{ranks[0]} has {', '.join(f'mesh dims {b}' for _, _, b in diff)}")
     raise ValueError(
-        f"{call}: the ranks hold different trees (paths, shapes or dtypes) where they must hold one model: "
-        f"{'; '.join(lines)}. Build the same model on every rank (the same configuration and code)"
+        f"{call}: the ranks hold different trees (paths, shapes or dtypes), or lay them out differently, where they "
+        f"must hold one model: {'; '.join(lines)}. Build the same model on every rank (the same configuration and "
+        "code), and the same mesh and strategy"
     )
 
 

@@ -891,6 +891,11 @@ def _explain(w: _Watch, err: BaseException, op: str) -> "_Found | None":
             r = silent[0][0]
             return _Found(r, "stalled", f"{w.who(r)} stopped reporting (hung, or its host is gone)",
                     f"while {me} timed out in {op}{lim}")
+    if _STEP_FAILED[0]:  # this rank's own last step raised and it went on: its peers are elsewhere
+        what = w.get(f"stepfailed/{w.rank}") or "an exception"
+        return _Found(w.rank, "failed", f"{me}'s last train step raised {what}, and {me} went on (the exception was caught)",
+                      f"and then failed to meet the other ranks in {op}: the ranks are out of step. Let a step's exception "
+                      "end the function on every rank, or restart the processes")
     return None
 
 
@@ -933,7 +938,8 @@ def _communication_error(e: BaseException) -> bool:
     if isinstance(e, TimeoutError):
         return True
     msg = str(e)
-    return any(s in msg for s in ("gloo", "Connection closed", "Connection reset", "Timed out", "NCCL", "Broken pipe"))
+    return any(s in msg for s in ("gloo", "Connection closed", "Connection reset", "Timed out", "NCCL", "Broken pipe",
+                                  "pair closure"))  # gloo's "Application timeout caused pair closure"
 
 
 def _names(ranks: list[int]) -> str:

@@ -263,3 +263,25 @@ def test_import_state_dict_agrees_on_replicated_rows(pools):
     for r in results:
         assert r["values"] == results[0]["values"], "every rank gathers one model"
         assert "rank 1 differs from rank 0; rank 3 differs from rank 2" in r["check"], r["check"]
+
+
+def rank_other_strategy_on_one_rank() -> str:
+    """Rank 0 steps under hybrid_shard on (replicate=1, shard=W), the others under full_shard on
+    (dp=W): one tree, laid out differently; step.init names the difference."""
+    torch.manual_seed(0)
+    apply, params = sf.functionalize(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)), units=r"\d")
+    if dist.get_rank() == 0:
+        step = sf.train_step(lambda p, b: apply(p, b).sum(), sf.optim.sgd(0.1), sf.mesh(replicate=1, shard=-1), strategy="hybrid_shard")
+    else:
+        step = sf.train_step(lambda p, b: apply(p, b).sum(), sf.optim.sgd(0.1), sf.mesh(dp=-1))
+    try:
+        step.init(params)
+    except ValueError as e:
+        return str(e)
+    return "not refused"
+
+
+def test_ranks_that_lay_the_model_out_differently_are_told_how(pools):
+    for msg in pools(2).run(rank_other_strategy_on_one_rank):
+        assert "lay them out differently" in msg and "replicated over mesh dims" in msg, msg
+        assert "the same mesh and strategy" in msg, msg

@@ -581,15 +581,28 @@ def _one_rank_skips_a_failed_step() -> str:
             state, _ = step(state, torch.ones(2, 4))
         except Exception as e:  # noqa: BLE001
             said.append(f"{type(e).__name__}: {e}")
-    return said[0] if said else "no error"
+    if rank == 0:
+        try:  # the process group is broken now: another collective says why
+            sf.gather(state.params)
+        except Exception as e:  # noqa: BLE001
+            said.append(f"{type(e).__name__}: {e}")
+        time.sleep(2)  # rank 1 explains its own timeout while rank 0 is still in its function
+    return said if said else ["no error"]
 
 
 def test_a_step_that_failed_on_one_rank_which_went_on_is_named():
     """Rank 1's step raised and rank 1 caught it and went on; rank 0, left waiting on it, gets a
-    RankError naming rank 1's exception (after the collective timeout), not a bare gloo timeout."""
+    RankError naming rank 1's exception (after the collective timeout), not a bare gloo timeout, and
+    so does rank 1 at its next step, which no other rank joins, and rank 0 at a collective after
+    that."""
     out = sf.launch(_one_rank_skips_a_failed_step, nprocs=2, timeout=4)
-    assert out[1].startswith("ValueError: planted"), out
-    assert out[0].startswith("RankError: rank 1's train step raised ValueError: planted in rank 1's loss"), out
+    assert out[1][0].startswith("ValueError: planted"), out
+    assert out[1][1].startswith("RankError: rank 1's last train step raised ValueError: planted in rank 1's loss, and "
+                                "rank 1 went on"), out
+    assert "the ranks are out of step" in out[1][1], out
+    assert out[0][0].startswith("RankError: rank 1's train step raised ValueError: planted in rank 1's loss"), out
+    # and a collective after it on rank 0 (gloo: "Application timeout caused pair closure") says the same
+    assert out[0][-1].startswith("RankError: rank 1's train step raised") and "in sf.gather" in out[0][-1], out
 
 
 def test_a_rank_error_passed_on_is_named_once(tmp_path):
