@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from . import _collectives as C
 from ._mesh import mesh_group
 
-__all__ = ["SYNC_MODES", "BUCKET_BYTES", "Item", "check_sync", "agree", "replicated_dims"]
+__all__ = ["SYNC_MODES", "BUCKET_BYTES", "Item", "check_sync", "agree", "agree_on_settings", "replicated_dims"]
 
 SYNC_MODES = ("broadcast", "check", None)
 
@@ -131,6 +131,30 @@ def agree(items: list[Item], mesh: DeviceMesh, sync: str | None, call: str, fix:
             continue
         sub = group if len(dims) == mesh.ndim else mesh_group(mesh, dims)
         _broadcast(group_items, sub, _source(mesh, dims), mesh.device_type, call)
+
+
+def agree_on_settings(settings: dict[str, str], mesh: DeviceMesh, call: str) -> None:
+    """One all-reduce of a hash of `settings` (name -> its text); where the ranks differ, every
+    rank raises a ValueError naming the settings and the ranks. A step's options set on some ranks
+    only (clipping, accumulation, frozen leaves) would step the ranks' shards differently, and
+    under `no_shard` let the replicas drift apart, without a word."""
+    if mesh.size() == 1:
+        return
+    group = mesh_group(mesh)
+    text = "\n".join(f"{k}={v}" for k, v in sorted(settings.items())).encode()
+    h = int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+    both = torch.tensor([h, -h], dtype=torch.int64, device=mesh.device_type)
+    C.all_reduce_blocking(both, group, call, op="max")
+    if both[0].item() == -both[1].item():
+        return
+    said = C.all_gather_object(settings, call, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    lines = [f"{k}: rank {ranks[0]} has {said[0].get(k)}, rank {r} has {mine.get(k)}"
+             for r, mine in zip(ranks[1:], said[1:]) for k in sorted(set(mine) | set(said[0])) if mine.get(k) != said[0].get(k)]
+    raise ValueError(
+        f"{call}: the ranks built their steps with different settings: {'; '.join(lines[:6])}. Build the step with the "
+        "same options on every rank"
+    )
 
 
 def _source(mesh: DeviceMesh, dims: tuple[int, ...]) -> int:

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import _compiled, _donate, _estimate, _watch
-from ._agree import check_sync
+from ._agree import agree_on_settings, check_sync
 from ._context import ContextParallel
 from ._core import STRATEGIES, GradientCore, MixedPrecision, model_info
 from ._state import TrainState
@@ -40,6 +40,12 @@ class TrainStep:
     def __init__(self, loss_fn, opt, mesh, specs, strategy, mixed_precision, remat, accumulation_steps, max_grad_norm,
                  apply=None, frozen=None, offload=None, accumulation="sharded", group_bytes=None, check_memory=None,
                  keep_last_unit=True, compile=False, randomness="per_rank", batch_specs=None, activation_specs=None):
+        # What every rank must have built alike, checked at init (`agree_on_settings`).
+        self._settings = {k: _setting(v) for k, v in dict(
+            strategy=strategy, mixed_precision=mixed_precision, remat=remat, accumulation_steps=accumulation_steps,
+            max_grad_norm=max_grad_norm, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
+            keep_last_unit=keep_last_unit, compile=compile, randomness=randomness, batch_specs=batch_specs,
+            activation_specs=activation_specs, mesh=(tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape))).items()}
         compile = _compiled.compile_options(compile, "sf.train_step")  # Note [compiled units] in `_compiled.py`
         names = tuple(mesh.mesh_dim_names or ())
         if batch_specs is not None and "cp" not in names:
@@ -107,6 +113,8 @@ class TrainStep:
         """
         self._refuse_compiled(params)
         check_sync(sync, "step.init")
+        if sync is not None:
+            agree_on_settings(self._settings, self.mesh, "step.init")
         if self.check_memory is not False:
             _estimate.check_memory(self, params, None, self.check_memory)
         params = self.core.build(params, init, sync)
@@ -297,6 +305,18 @@ def _restore(trainable: Any, opt_state: Any, idx: list[int], kept: list[list[tor
 
 def _scalar_copy(x: Any) -> Any:
     return x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.numel() == 1 else x
+
+
+def _setting(x: Any) -> str:
+    """A step option as text that every rank built alike writes alike (a function by its name, not
+    its address)."""
+    if callable(x) and not isinstance(x, type):
+        return getattr(x, "__qualname__", type(x).__qualname__)
+    if isinstance(x, (list, tuple)):
+        return "(" + ", ".join(_setting(v) for v in x) + ")"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k!r}: {_setting(v)}" for k, v in x.items()) + "}"
+    return repr(x)
 
 
 def _donated(step: int) -> str:

@@ -285,3 +285,28 @@ def test_ranks_that_lay_the_model_out_differently_are_told_how(pools):
     for msg in pools(2).run(rank_other_strategy_on_one_rank):
         assert "lay them out differently" in msg and "replicated over mesh dims" in msg, msg
         assert "the same mesh and strategy" in msg, msg
+
+
+def rank_an_option_on_one_rank() -> dict:
+    """A step option set on rank 1 only (clipping, frozen leaves): refused at step.init, naming it;
+    the same options pass."""
+    torch.manual_seed(0)
+    apply, params = sf.functionalize(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)), units=r"\d")
+    one = dist.get_rank() == 1
+    out = {}
+    for name, kw in (("clip", dict(max_grad_norm=0.1 if one else None)), ("frozen", dict(frozen=r"0\..*" if one else None)),
+                     ("same", dict(max_grad_norm=1.0, frozen=r"1\..*"))):
+        step = sf.train_step(lambda p, b: apply(p, b).sum(), sf.optim.sgd(0.1), sf.mesh(dp=-1), strategy="no_shard", **kw)
+        try:
+            step.init(params)
+            out[name] = "not refused"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_a_step_option_set_on_some_ranks_only_is_refused(pools):
+    for r in pools(2).run(rank_an_option_on_one_rank):
+        assert "different settings: max_grad_norm: rank 0 has None, rank 1 has 0.1" in r["clip"], r
+        assert "frozen: rank 0 has None, rank 1 has '0\\\\..*'" in r["frozen"], r
+        assert r["same"] == "not refused", r
