@@ -46,6 +46,9 @@ class TrainStep:
             max_grad_norm=max_grad_norm, frozen=frozen, offload=offload, accumulation=accumulation, group_bytes=group_bytes,
             keep_last_unit=keep_last_unit, compile=compile, randomness=randomness, batch_specs=batch_specs,
             activation_specs=activation_specs, mesh=(tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape))).items()}
+        if specs is not None:
+            paths, spec_leaves, _ = tree_flatten_with_paths(specs)
+            self._settings.update({f"specs[{p!r}]": repr(x) for p, x in zip(paths, spec_leaves)})
         compile = _compiled.compile_options(compile, "sf.train_step")  # Note [compiled units] in `_compiled.py`
         names = tuple(mesh.mesh_dim_names or ())
         if batch_specs is not None and "cp" not in names:

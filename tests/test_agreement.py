@@ -227,7 +227,8 @@ def test_shard_gives_every_rank_rank0s_values(pools, world):
         # NaNs and signed zeros agree bitwise: nothing differs
         assert r["mixed_check"] is None, r["mixed_check"]
         assert r["meta_calls"] == 0 and r["meta_differ"] == [], r
-        assert r["meta_init_calls"] == {} and r["meta_init_differ"] == [], r  # step.init: neither leaves nor replayed buffers sent
+        # step.init: neither leaves nor replayed buffers sent; one small all-reduce of its options
+        assert r["meta_init_calls"] == {"all_reduce": 1} and r["meta_init_differ"] == [], r
     assert len({tuple(r["mixed"]) for r in results}) == 1
 
 
@@ -265,26 +266,38 @@ def test_import_state_dict_agrees_on_replicated_rows(pools):
         assert "rank 1 differs from rank 0; rank 3 differs from rank 2" in r["check"], r["check"]
 
 
-def rank_other_strategy_on_one_rank() -> str:
+def rank_other_layout_on_one_rank() -> dict:
     """Rank 0 steps under hybrid_shard on (replicate=1, shard=W), the others under full_shard on
-    (dp=W): one tree, laid out differently; step.init names the difference."""
+    (dp=W): step.init names the settings that differ; and one leaf's spec whole on rank 1 only."""
     torch.manual_seed(0)
     apply, params = sf.functionalize(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)), units=r"\d")
     if dist.get_rank() == 0:
         step = sf.train_step(lambda p, b: apply(p, b).sum(), sf.optim.sgd(0.1), sf.mesh(replicate=1, shard=-1), strategy="hybrid_shard")
     else:
         step = sf.train_step(lambda p, b: apply(p, b).sum(), sf.optim.sgd(0.1), sf.mesh(dp=-1))
+    out = {}
     try:
         step.init(params)
+        out["step"] = "not refused"
     except ValueError as e:
-        return str(e)
-    return "not refused"
+        out["step"] = str(e)
+    mesh = sf.mesh(dp=-1)
+    specs = sf.specs(params, mesh, default=sf.P("dp"))
+    if dist.get_rank() == 1:
+        specs["0"]["weight"] = sf.P()  # whole on every rank, where rank 0 shards it
+    step = sf.train_step(lambda p, b: apply(p, b).sum(), sf.optim.sgd(0.1), mesh, specs=specs)
+    try:
+        step.init(params)
+        out["shard"] = "not refused"
+    except ValueError as e:
+        out["shard"] = str(e)
+    return out
 
 
 def test_ranks_that_lay_the_model_out_differently_are_told_how(pools):
-    for msg in pools(2).run(rank_other_strategy_on_one_rank):
-        assert "lay them out differently" in msg and "replicated over mesh dims" in msg, msg
-        assert "the same mesh and strategy" in msg, msg
+    for r in pools(2).run(rank_other_layout_on_one_rank):
+        assert "different settings" in r["step"] and "strategy: rank 0 has 'hybrid_shard', rank 1 has 'full_shard'" in r["step"], r
+        assert "different settings: specs['0.weight']: rank 0 has P('dp'), rank 1 has P()" in r["shard"], r
 
 
 def rank_an_option_on_one_rank() -> dict:
