@@ -18,7 +18,7 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._C._functorch import TransformType
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
-from ._agree import Item, agree, check_sync
+from ._agree import Item, agree, agree_on_settings, check_sync
 from ._meta_init import check_init, empty_buffers, empty_shard, materialize
 from ._models import ModelInfo, model_of
 from ._spec import local_slices, match_specs, placements_for, spec_of
@@ -71,6 +71,8 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None, *, sync: 
     """
     check_sync(sync, "sf.shard")
     paths, leaves, spec_list, treespec = match_specs(params, specs, mesh)
+    if sync is not None:  # one layout on every rank: a spec set otherwise on one rank is refused by name
+        agree_on_settings({f"specs[{p!r}]": repr(s) for p, s in zip(paths, spec_list)}, mesh, "sf.shard")
     out: list[Any] = [None] * len(leaves)
     meta = {i for i, leaf in enumerate(leaves) if leaf.is_meta}
     if meta and check_init(init, "sf.shard"):  # values do not matter: uninitialized shards (Note [meta init])

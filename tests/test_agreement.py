@@ -268,7 +268,8 @@ def test_import_state_dict_agrees_on_replicated_rows(pools):
 
 def rank_other_layout_on_one_rank() -> dict:
     """Rank 0 steps under hybrid_shard on (replicate=1, shard=W), the others under full_shard on
-    (dp=W): step.init names the settings that differ; and one leaf's spec whole on rank 1 only."""
+    (dp=W): step.init names the settings that differ; and one leaf's spec whole on rank 1 only, in
+    step.init and in sf.shard."""
     torch.manual_seed(0)
     apply, params = sf.functionalize(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)), units=r"\d")
     if dist.get_rank() == 0:
@@ -288,6 +289,11 @@ def rank_other_layout_on_one_rank() -> dict:
     step = sf.train_step(lambda p, b: apply(p, b).sum(), sf.optim.sgd(0.1), mesh, specs=specs)
     try:
         step.init(params)
+        out["step specs"] = "not refused"
+    except ValueError as e:
+        out["step specs"] = str(e)
+    try:
+        sf.shard(params, specs, mesh)
         out["shard"] = "not refused"
     except ValueError as e:
         out["shard"] = str(e)
@@ -297,7 +303,8 @@ def rank_other_layout_on_one_rank() -> dict:
 def test_ranks_that_lay_the_model_out_differently_are_told_how(pools):
     for r in pools(2).run(rank_other_layout_on_one_rank):
         assert "different settings" in r["step"] and "strategy: rank 0 has 'hybrid_shard', rank 1 has 'full_shard'" in r["step"], r
-        assert "different settings: specs['0.weight']: rank 0 has P('dp'), rank 1 has P()" in r["shard"], r
+        for call in ("step specs", "shard"):
+            assert "different settings: specs['0.weight']: rank 0 has P('dp'), rank 1 has P()" in r[call], r
 
 
 def rank_an_option_on_one_rank() -> dict:
