@@ -5,6 +5,7 @@ a single-process DP-SGD with the same noise) at worlds 1, 2 and 3; tied weights,
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -24,9 +25,17 @@ SLOW_BATCHING = r"There is a performance drop because we have not yet implemente
 pytestmark = pytest.mark.filterwarnings(f"ignore:{SLOW_BATCHING}:UserWarning")
 
 
-def _strict_warnings() -> None:
-    warnings.simplefilter("error")
-    warnings.filterwarnings("ignore", message=SLOW_BATCHING, category=UserWarning)
+def _strict_warnings(fn):
+    """`fn` run with warnings as errors, as pytest makes them in this process, and the ranks' own
+    filters as they were after it (a later test on the same pool must not inherit them)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            warnings.filterwarnings("ignore", message=SLOW_BATCHING, category=UserWarning)
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _examples(kind: str, n: int):
@@ -70,8 +79,8 @@ def dp_reference(grads: list[list[torch.Tensor]], norms: torch.Tensor, clip: flo
     return [(s + sigma * clip * torch.randn(s.shape, generator=gen)) / len(grads) for s in summed]
 
 
+@_strict_warnings
 def rank_per_sample(kind: str, outside: bool, frozen: str | None) -> dict:
-    _strict_warnings()
     rank, world = dist.get_rank(), dist.get_world_size()
     apply, params = sf.functionalize(make_model(kind), units=units_of(kind))
     mesh = sf.mesh(dp=2, tp=2) if world == 4 else sf.mesh(dp=-1)
@@ -147,12 +156,12 @@ def test_per_example_gradients_match_a_loop_of_single_example_backwards(pools, c
         assert 0 < clipped < n and out["differs"], out
 
 
+@_strict_warnings
 def rank_lora_dp() -> dict:
     """DP fine-tuning of a peft LoRA model (frozen base, tied nothing): norms and DP-SGD gradients
     of the LoRA weights only, against the loop on the unsharded model."""
     from test_real_models import build_model
 
-    _strict_warnings()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model("lora")
     apply, params = sf.functionalize(model, units=r"base_model\.model\.model\.layers\.\d+")
