@@ -152,8 +152,8 @@ def agree_on_settings(settings: dict[str, str], mesh: DeviceMesh, call: str) -> 
     lines = [f"{k}: rank {ranks[0]} has {said[0].get(k)}, rank {r} has {mine.get(k)}"
              for r, mine in zip(ranks[1:], said[1:]) for k in sorted(set(mine) | set(said[0])) if mine.get(k) != said[0].get(k)]
     raise ValueError(
-        f"{call}: the ranks built their steps with different settings: {'; '.join(lines[:6])}. Build the step with the "
-        "same options on every rank"
+        f"{call}: the ranks were given different settings: {'; '.join(lines[:6])}. Give every rank the same options "
+        "(the same configuration and code)"
     )
 
 
