@@ -133,6 +133,15 @@ def agree(items: list[Item], mesh: DeviceMesh, sync: str | None, call: str, fix:
         _broadcast(group_items, sub, _source(mesh, dims), mesh.device_type, call)
 
 
+def _ranks_differ(text: str, mesh: DeviceMesh, group: Any, call: str) -> bool:
+    """Whether the ranks of `group` hold different `text`: one all-reduce of its hash (the max of
+    the hash and of its negation: equal everywhere only when every rank's is the same)."""
+    h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1  # fits an int64
+    both = torch.tensor([h, -h], dtype=torch.int64, device=mesh.device_type)
+    C.all_reduce_blocking(both, group, call, op="max")
+    return both[0].item() != -both[1].item()
+
+
 def agree_on_settings(settings: dict[str, str], mesh: DeviceMesh, call: str) -> None:
     """One all-reduce of a hash of `settings` (name -> its text); where the ranks differ, every
     rank raises a ValueError naming the settings and the ranks. A step's options set on some ranks
@@ -141,11 +150,7 @@ def agree_on_settings(settings: dict[str, str], mesh: DeviceMesh, call: str) -> 
     if mesh.size() == 1:
         return
     group = mesh_group(mesh)
-    text = "\n".join(f"{k}={v}" for k, v in sorted(settings.items())).encode()
-    h = int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
-    both = torch.tensor([h, -h], dtype=torch.int64, device=mesh.device_type)
-    C.all_reduce_blocking(both, group, call, op="max")
-    if both[0].item() == -both[1].item():
+    if not _ranks_differ("\n".join(f"{k}={v}" for k, v in sorted(settings.items())), mesh, group, call):
         return
     said = C.all_gather_object(settings, call, group=group)
     ranks = dist.get_process_group_ranks(group)
@@ -173,11 +178,7 @@ def _describe(it: Item) -> str:
 def _agree_on_structure(items: list[Item], mesh: DeviceMesh, group: Any, call: str) -> None:
     """One all-reduce of a hash of the items' paths, shapes and dtypes; where the ranks differ,
     every rank raises a ValueError naming what differs from rank 0's."""
-    text = "\n".join(f"{_describe(it)} {it.dims}" for it in items).encode()
-    h = int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1  # fits an int64
-    both = torch.tensor([h, -h], dtype=torch.int64, device=mesh.device_type)
-    C.all_reduce_blocking(both, group, call, op="max")
-    if both[0].item() == -both[1].item():
+    if not _ranks_differ("\n".join(f"{_describe(it)} {it.dims}" for it in items), mesh, group, call):
         return
     said = C.all_gather_object([(_describe(it), it.dims) for it in items], call, group=group)
     ranks = dist.get_process_group_ranks(group)
