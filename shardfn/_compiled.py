@@ -324,7 +324,7 @@ class CompiledUnits:
 # out of place, or compile=False). The check wraps the backend torch.compile would build from the
 # same options (`torch._TorchCompileInductorWrapper`, `torch._TorchCompileWrapper`), one object for
 # all the step's units, so that identical units still share one compiled graph.
-_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
+_IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
                        operator.imod, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
 
 
@@ -337,7 +337,20 @@ def _writes_input(node: Any) -> Any:
     if not in_place or not node.args:
         return None
     first = node.args[0]
+    while getattr(first, "op", None) in ("call_function", "call_method") and _is_view(first) and first.args:
+        first = first.args[0]  # a write through a view (`self.n[0] += 1`) writes its base
     return first if getattr(first, "op", None) == "placeholder" else None
+
+
+_VIEW_METHODS = {"view", "view_as", "reshape", "narrow", "select", "unsqueeze", "squeeze", "flatten", "transpose", "t",
+                 "permute", "expand", "__getitem__", "diagonal", "unflatten"}
+
+
+def _is_view(node: Any) -> bool:
+    """Whether a dynamo FX node takes a view of its first argument."""
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    return node.target is operator.getitem or getattr(node.target, "__name__", "") in _VIEW_METHODS
 
 
 def _input_name(target: str) -> str:
