@@ -248,8 +248,10 @@ class TrainStep:
 # The optimizer state put back is every part of it that holds something per parameter: any
 # subtree whose structure starts with the parameter tree's (moments, momentum, a masked
 # transform's inner state, a wrapped torch optimizer's per-parameter dicts).
-# One difference remains with torch's Adam: `sf.optim`'s step count is one for all leaves, as in
-# optax, so a leaf's bias correction later counts the steps it skipped.
+# One difference remains with torch.optim: `sf.optim`'s step count is one for all leaves, as in
+# optax, so a leaf's Adam bias correction later counts the steps it skipped, and so does SGD's
+# first momentum step under dampening (torch's buffer takes the leaf's first gradient undamped;
+# here the shared first step decides, and a later first gradient is damped).
 def _per_leaf(trainable: Any, opt_state: Any) -> list[list[Any]]:
     """The trained parameters, and each part of `opt_state` that holds something per parameter
     (moments, momentum, a masked transform's state, a torch optimizer's state dicts), each as one
