@@ -177,7 +177,7 @@ class GradientCore:
         self.randomness = randomness
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}")
         if accumulation not in ("sharded", "local"):
             raise ValueError(f"accumulation must be 'sharded' (reduce every micro-batch) or 'local' (reduce once), got {accumulation!r}")

@@ -383,6 +383,7 @@ def rank_errors() -> list[str]:
         lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh)(None, None),
         lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, group_bytes=-1),
         lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, keep_last_unit="yes"),
+        lambda: sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, accumulation_steps=True),
     ):
         try:
             call()
@@ -402,6 +403,7 @@ def test_user_errors_are_value_errors(pools):
     assert "init" in msgs[4]
     assert "group_bytes" in msgs[5] and "0: no unit groups" in msgs[5], msgs[5]
     assert "keep_last_unit must be True or False" in msgs[6], msgs[6]
+    assert "accumulation_steps must be a positive int, got True" in msgs[7], msgs[7]
 
 
 def rank_schedule(strategy: str, small_segment: int | None = None, keep_last_unit: bool = True) -> list:
