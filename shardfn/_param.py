@@ -93,7 +93,8 @@ def _below_dispatch() -> bool:
 
 def _past_shardfn(func: Any) -> OffSchedule:
     return OffSchedule(
-        f"{func} reached a train step's parameter directly, past shardfn (torch.func.vmap over the parameters, "
+        f"{func} reached a parameter shardfn handed out (a train step's, or a sharded apply's) directly, past shardfn "
+        "(torch.func.vmap over the parameters, "
         "as an ensemble built with stack_module_state does)"
     )
 
@@ -122,7 +123,8 @@ class Param(torch.Tensor):
     def resolve(self) -> torch.Tensor:
         read = self.reader()
         if read is None:
-            raise RuntimeError("a train step's parameter was used after its train step was deleted")
+            raise RuntimeError("a parameter shardfn handed out was used after its train step was deleted, or after the "
+                               "apply on a sharded tree that handed it to the model returned")
         return read(self)
 
     @classmethod
@@ -155,7 +157,8 @@ class Param(torch.Tensor):
         return f"sf.Param(shape={tuple(self.shape)}, dtype={self.dtype}, unit={self.where[0]})"
 
     def __reduce_ex__(self, proto):
-        raise TypeError("a train step's parameter is valid only inside loss_fn; return values computed from it")
+        raise TypeError("a parameter shardfn handed out is valid only inside the call it was handed to (loss_fn in a "
+                        "train step, the model's forward in apply on a sharded tree); return values computed from it")
 
 
 class Detour(torch.autograd.Function):

@@ -173,6 +173,64 @@ def test_apply_on_sharded_tree_gathers_unit_by_unit(pools):
         assert r["live"] == [1], r  # only the running block is held in full
 
 
+class _TiedByHand(torch.nn.Module):
+    """A model that reads units' parameters outside their forward: a head tied by hand to an
+    embedding that is a unit, another method of that unit, and a block's weight after it ran."""
+
+    class Emb(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(13, 6))
+
+        def forward(self, ids):
+            return torch.nn.functional.embedding(ids, self.weight)
+
+        def attend(self, h):
+            return h @ self.weight.T
+
+    def __init__(self):
+        super().__init__()
+        self.emb = self.Emb()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(6, 6) for _ in range(2)])
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+        h = h + h @ self.blocks[0].weight  # block 0's weight, after its forward
+        return torch.nn.functional.linear(h, self.emb.weight) + self.emb.attend(h)
+
+
+def rank_sharded_apply_reads_outside_units() -> dict:
+    torch.manual_seed(0)
+    model = _TiedByHand()
+    torch.manual_seed(0)
+    twin = _TiedByHand()
+    apply, params = sf.functionalize(model, units=[r"emb", r"blocks\.\d+"])
+    mesh = sf.mesh(dp=-1)
+    sharded = sf.shard(params, sf.specs(params, mesh), mesh)
+    ids = torch.randint(0, 13, (2, 5), generator=torch.Generator().manual_seed(1))
+    C.STATS.reset()
+    with torch.no_grad():
+        out = apply(sharded, ids)
+    gathers = C.STATS.calls.get("all_gather")
+    # The module holds its own (meta) parameters again, and a repeat call gives the same values.
+    with torch.no_grad():
+        again = apply(sharded, ids)
+    return dict(err=rel_err(out, twin(ids)), again=torch.equal(out, again), gathers=gathers,
+                restored=all(p.is_meta for p in model.parameters()))
+
+
+def test_apply_on_a_sharded_tree_reads_units_outside_their_forward(pools):
+    """Note [reads outside a unit, in inference] in `shardfn/_inference.py`: each leaf read outside
+    its unit is gathered on its own once per call; the values are the unsharded model's."""
+    for r in pools(3).run(rank_sharded_apply_reads_outside_units):
+        assert r["err"] < 1e-6 and r["again"] and r["restored"], r
+        # each unit's 5 leaves gathered as it runs, and the 2 read outside it (emb.weight,
+        # blocks.0.weight) once each, though emb.weight is read twice
+        assert r["gathers"] == 5 + 2, r
+
+
 # Layouts the spec language can say, on the GPT's leaves (dims 53, 35, 105, 140, 8: uneven at 2,
 # 3 and 4 shards). On (dp, tp): axes against mesh order (("tp", "dp")), over two dims, and mixed.
 LAYOUTS = {
