@@ -71,6 +71,7 @@ from typing import Any, Callable
 import optree
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -258,6 +259,22 @@ def _wrappers() -> tuple[type, ...]:
 _WRAPPERS = _wrappers()
 
 
+# Ops whose output shape depends on their input's values: on the meta device torch cannot run them.
+_DATA_SHAPED = frozenset(
+    getattr(torch.ops.aten, name).default if hasattr(getattr(torch.ops.aten, name), "default") else getattr(torch.ops.aten, name)
+    for name in ("nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "argwhere")
+    if hasattr(torch.ops.aten, name)
+)
+
+
+def _data_shaped(func: Any) -> NotImplementedError:
+    return NotImplementedError(
+        f"loss_fn computes a tensor whose shape depends on values ({func}: boolean-mask indexing x[mask], "
+        "nonzero, masked_select, unique): sf.estimate_memory runs the model on the meta device, where tensors "
+        "hold no values. Compute such indices outside loss_fn (bind them in), or estimate without a batch"
+    )
+
+
 class _Counter(TorchDispatchMode):
     """Counts the bytes of every storage an op creates, until it is freed; a timeline of marks."""
 
@@ -286,7 +303,14 @@ class _Counter(TorchDispatchMode):
                 "sf.estimate_memory runs the model on the meta device, where tensors hold no values. "
                 "Compute such numbers outside loss_fn (bind them in), or estimate without a batch"
             )
-        out = func(*args, **(kwargs or {}))
+        if func in _DATA_SHAPED and any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args[:1]):
+            raise _data_shaped(func)
+        try:
+            out = func(*args, **(kwargs or {}))
+        except NotImplementedError as e:  # an op whose meta kernel calls nonzero itself (x[mask] is aten.index)
+            if "nonzero" in str(e) and any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in pytree.tree_leaves(args)):
+                raise _data_shaped(func) from e
+            raise
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
@@ -514,6 +538,27 @@ def _swap_buffers(module: torch.nn.Module, dtype) -> list:
     return saved
 
 
+def _attributes(module: torch.nn.Module) -> list[tuple[torch.nn.Module, dict]]:
+    """Each module's attributes as they are (a shallow copy of its `__dict__`), to put back after a
+    run on the meta device: a forward that caches what it computes (`self.table = ...`, a position
+    table made on the input's device) would otherwise leave meta tensors in the model."""
+    return [(mod, dict(mod.__dict__)) for mod in module.modules()]
+
+
+def _put_back(saved: list[tuple[torch.nn.Module, dict]]) -> None:
+    """The modules' attributes as `_attributes` found them: changed ones back, new ones gone."""
+    for mod, before in saved:
+        now = mod.__dict__
+        for k in [k for k in now if k not in before]:
+            del now[k]
+        for k, v in before.items():
+            if now.get(k, _MISSING) is not v:
+                now[k] = v
+
+
+_MISSING = object()
+
+
 def _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, micro, attention=None) -> _Counter:
     """Runs `loss_fn` forward and backward on meta tensors; returns the counter (its timeline).
     With tensor parallel, on meta DTensors over the step's tp mesh, steered as the step steers them.
@@ -555,6 +600,7 @@ def _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, micro, a
                     owner, _, attr = name.rpartition(".")
                     probe.swaps.setdefault(info.unit_of[path], []).append((info.module.get_submodule(owner), attr, i))
     saved = _swap_buffers(info.module, core.mp.buffer_dtype) if info is not None else []
+    attributes = _attributes(info.module) if info is not None else []
     from . import _runtime
 
     counter.known(metas)
@@ -591,6 +637,7 @@ def _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, micro, a
             probe.views.restore()
         for mod, name, b in saved:
             mod._buffers[name] = b
+        _put_back(attributes)
         if tp is not None:
             if own_tp:
                 tp.remove()
@@ -1066,6 +1113,18 @@ def _buffer_bytes(info, dtype) -> int:
     return n
 
 
+def _tree_bytes(tree: Any) -> int:
+    """The bytes of the distinct storages of the tensors in `tree` (plain, or a DTensor's local)."""
+    seen: dict[int, int] = {}
+    for x in optree.tree_leaves(tree, none_is_leaf=True):
+        if isinstance(x, DTensor):
+            x = x._local_tensor
+        if isinstance(x, torch.Tensor) and x.device.type != "meta":
+            st = x.untyped_storage()
+            seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
 def _optimizer_bytes(opt, treespec, shapes: list, probe_bytes: int) -> tuple[int, int]:
     """The optimizer state's bytes for these shards (`opt.init` on meta tensors), and its update's
     temporaries, measured on a real copy scaled down to about `probe_bytes` and scaled back."""
@@ -1090,17 +1149,27 @@ def _optimizer_bytes(opt, treespec, shapes: list, probe_bytes: int) -> tuple[int
     st = opt.init(ptree)
     step_ = in_place(opt, "step_")
     counter = _Counter()
+    # What exists before the update is not its memory (an in-place op returns its input; torch's
+    # optimizers detach the gradients they are given).
+    counter.known(x._local_tensor if isinstance(x, DTensor) else x for x in optree.tree_leaves((small, grads, st), none_is_leaf=True))
     try:
         with counter, torch.no_grad():
             if step_ is not None:
-                step_(gtree, st, ptree)
+                before = _tree_bytes(st)
+                st = step_(gtree, st, ptree)
+                made = max(0, _tree_bytes(st) - before)  # state made at the first step, held by what it returned
             else:
                 updates, st2 = opt.update(gtree, st, ptree)
                 new = apply_updates(ptree, updates)
                 del updates, st2, new
     except Exception:  # noqa: BLE001 - an optimizer that needs more than plain tensors: count one update's worth
         return state_bytes, 2 * total
-    return state_bytes, int(counter.peak / f)
+    # What the update made and left alive is state made at the first step (torch's optimizers,
+    # wrapped by `from_torch`, make theirs then, not at `init`): counted as state, the rest of the
+    # update's peak as its temporaries.
+    if step_ is None:
+        made = 0
+    return state_bytes + int(made / f), int((counter.peak - made) / f)
 
 
 # -- the check before a step allocates (`train_step(check_memory=...)`) ---------------------------

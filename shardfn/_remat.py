@@ -101,8 +101,10 @@ def install(info: Any, unit: int) -> None:
                             # the old one, which still holds what the forward read.
                             owner, _, leaf = n.rpartition(".")
                             module.get_submodule(owner)._buffers[leaf] = t
-                for n in [n for n, t in saved.items() if torch.equal(t, buffers[n])]:
-                    del saved[n]  # not written (a NaN counts as written: its copy stays): read as it is
+                # not written (a NaN counts as written: its copy stays): read as it is. On the meta
+                # device (the memory estimate) no value tells: the copy is kept, as if written.
+                for n in [n for n, t in saved.items() if not t.is_meta and torch.equal(t, buffers[n])]:
+                    del saved[n]
                 return out
             # A recompute: what the forward read, in fresh copies that take its writes.
             mine = {n: t.clone() for n, t in saved.items()}

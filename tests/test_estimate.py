@@ -78,13 +78,16 @@ def _step(loss_fn, strategy: str, opts: dict, params=None, name: str = "gpt"):
     opts = dict(opts)
     mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if opts.pop("bf16", False) else None
     world = torch.distributed.get_world_size()
+    # torch's own optimizers make their state at their first step, not at init (from_torch)
+    opt = {None: lambda: sf.optim.adamw(1e-3), "from_torch_sgd": lambda: sf.optim.from_torch(torch.optim.SGD, lr=1e-3, momentum=0.9),
+           "from_torch_adam": lambda: sf.optim.from_torch(torch.optim.Adam, lr=1e-3, amsgrad=True)}[opts.pop("opt", None)]()
     tp = opts.pop("tp", None)
     if tp:
         mesh = sf.mesh(dp=world // tp, tp=tp)
         opts["specs"] = sf.specs(params, mesh, rules=sf.rules.GPT if name == "gpt" else sf.rules.LLAMA, default=sf.P("dp"))
     else:
         mesh = sf.mesh(replicate=2, shard=world // 2) if strategy == "hybrid_shard" else sf.mesh(dp=-1)
-    return sf.train_step(loss_fn, sf.optim.adamw(1e-3), mesh, strategy=strategy, mixed_precision=mp, **opts)
+    return sf.train_step(loss_fn, opt, mesh, strategy=strategy, mixed_precision=mp, **opts)
 
 
 @contextlib.contextmanager
@@ -139,14 +142,15 @@ def rank_estimates(cases: list) -> list:
 
 
 ESTIMATE_CASES = {
-    1: [("gpt", "full_shard", {}, False), ("llama", "shard_grad_op", {"remat": True}, False)],
+    1: [("gpt", "full_shard", {}, False), ("llama", "shard_grad_op", {"remat": True}, False),
+        ("gpt", "full_shard", {"opt": "from_torch_sgd"}, False)],
     2: [("gpt", "full_shard", {"bf16": True, "accumulation_steps": 2}, True), ("llama", "hybrid_shard", {}, False),
         ("gpt", "no_shard", {"accumulation_steps": 2, "accumulation": "local"}, False),
         # (dp=1, tp=2): tp-sharded activations at their local size; remat's first step as its next
         ("gpt", "full_shard", {"tp": 2, "remat": True}, False), ("llama", "full_shard", {"tp": 2, "accumulation_steps": 2}, True)],
     3: [("gpt", "full_shard", {"remat": True}, False), ("llama", "full_shard", {"bf16": True}, False),
         # The model's own checkpointing (Note [the model's own checkpointing]): its recompute in the unit's backward.
-        ("llama_checkpointed", "full_shard", {"group_bytes": 0}, False)],
+        ("llama_checkpointed", "full_shard", {"group_bytes": 0}, False), ("gpt", "full_shard", {"opt": "from_torch_adam"}, False)],
     4: [("gpt", "shard_grad_op", {"tp": 2}, False),  # (dp=2, tp=2)
         ("llama", "full_shard", {"tp": 2, "remat": True, "bf16": True, "accumulation_steps": 2}, False)],
 }
@@ -425,3 +429,47 @@ def test_the_estimate_runs_the_engines_schedule():
     sim = next(c for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == "_Sim")
     defined = {f.name for f in sim.body if isinstance(f, ast.FunctionDef)}
     assert not (defined & moves), defined & moves
+
+
+class _Cached(torch.nn.Module):
+    """BatchNorm under remat, a table cached on the input's device by the forward, and (`mask`)
+    boolean-mask indexing."""
+
+    def __init__(self, mask: bool = False):
+        super().__init__()
+        self.mask = mask
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)) for _ in range(2)])
+
+    def forward(self, x):
+        if getattr(self, "table", None) is None or self.table.device != x.device:
+            self.table = torch.arange(8, dtype=x.dtype, device=x.device)
+        for b in self.blocks:
+            x = b(x) + self.table
+        return x[x[:, 0] > 0].sum() if self.mask else x.square().mean()
+
+
+def test_the_estimate_leaves_the_model_as_it_was_and_names_what_it_cannot_run():
+    """Remat over units with buffers estimates (no value on the meta device says whether a buffer was
+    written: its copy is counted); what the forward caches on the module is put back; indexing by a
+    mask is refused with shardfn's reason, not torch's advice to assume every element nonzero."""
+    import shardfn as sf
+
+    torch.manual_seed(0)
+    model = _Cached()
+    model.table = torch.zeros(8)
+    apply, params = sf.functionalize(model, units=r"blocks\.\d+")
+    step = sf.train_step(lambda p, x: apply(p, x), sf.optim.adamw(1e-3), sf.mesh(dp=-1), remat=True)
+    x = torch.randn(4, 8)
+    est = sf.estimate_memory(step, params, batch=x)
+    assert est.peak > 0
+    assert model.table.device.type == "cpu" and torch.equal(model.table, torch.zeros(8)), model.table
+    state = step.init(params)
+    state, m = step(state, x)
+    assert torch.isfinite(m["loss"])
+
+    masked = _Cached(mask=True)
+    apply, params = sf.functionalize(masked, units=r"blocks\.\d+")
+    step = sf.train_step(lambda p, x: apply(p, x), sf.optim.adamw(1e-3), sf.mesh(dp=-1))
+    with pytest.raises(NotImplementedError, match="shape depends on values .*boolean-mask indexing"):
+        sf.estimate_memory(step, params, batch=x)
+    assert not hasattr(masked, "table")
