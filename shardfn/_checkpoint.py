@@ -68,6 +68,7 @@ import optree
 from . import _collectives as C
 from . import _donate
 from ._files import fsync_dir, fsync_file, replace_synced, temporary_name, write_atomically
+from ._meta_init import refuse_unset_buffers
 from ._models import model_of, persistent_buffers as _persistent_buffers
 from ._spec import placements_for, spec_of
 from ._tree import tree_flatten_with_paths
@@ -158,7 +159,7 @@ def _classify(keys: list[str], leaves: list[Any]) -> tuple[dict[str, torch.Tenso
 BUFFERS = "buffers."  # the dotted prefix of the model's buffers among a checkpoint's entries
 
 
-def _model_buffers(state: Any, apply: Any, keys: list[str]) -> tuple[list[str], list[torch.Tensor]]:
+def _model_buffers(state: Any, apply: Any, keys: list[str], loading: bool = False) -> tuple[list[str], list[torch.Tensor]]:
     """(entry names, tensors) of the persistent buffers of the model `state`'s parameters belong
     to (Note [checkpointed buffers]); none when no functionalized model has their names. The
     parameters are `state.params`, `state["params"]`, the state itself, or one of its top-level
@@ -178,8 +179,8 @@ def _model_buffers(state: Any, apply: Any, keys: list[str]) -> tuple[list[str], 
             continue
         # Only one of several models with these names is the module a train step updates and loads into.
         info = model_of(
-            tree, apply, "the state's params", where=lambda i: bool(_persistent_buffers(i)), alike=False,
-            reason=" and hold buffers",
+            tree, apply, "the state's params", where=lambda i: bool(_persistent_buffers(i)) or (loading and bool(i.unset_buffers)),
+            alike=False, reason=" and hold buffers",
             hint="say whose buffers the checkpoint holds with apply=apply (the function sf.functionalize returned for it)",
         )
         if info is not None:
@@ -188,6 +189,8 @@ def _model_buffers(state: Any, apply: Any, keys: list[str]) -> tuple[list[str], 
         if apply is not None:
             model_of(subtrees[0], apply, "the state's params")  # raises: no part of the state is apply's model's
         return [], []
+    if loading:  # buffers init="empty" left unset that this checkpoint cannot hold (Note [buffers under init="empty"])
+        refuse_unset_buffers(info, "sf.load")
     buffers = _persistent_buffers(info)
     names = [BUFFERS + n for n in buffers]
     clash = sorted(set(names) & set(keys))
@@ -678,7 +681,7 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True, apply: Any 
         if _donate.is_donated(x):
             raise _donate.DonatedError(x._local_tensor._message)
     n_state = len(keys)
-    bkeys, bleaves = _model_buffers(like, apply, keys)
+    bkeys, bleaves = _model_buffers(like, apply, keys, loading=True)
     keys, leaves = keys + bkeys, leaves + bleaves
     tensors, described, values = _classify(keys, leaves)
     saved_t, saved_v = meta["tensors"], meta["values"]

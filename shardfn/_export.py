@@ -48,6 +48,7 @@ from . import _watch
 from ._agree import Item, agree, check_sync, replicated_dims
 from ._checkpoint import LoadReport
 from ._files import replace_synced, temporary_name
+from ._meta_init import refuse_unset_buffers
 from ._models import model_of, persistent_buffers as _persistent_buffers
 from ._state import params_of as _params_of
 from ._tree import tree_flatten_with_paths
@@ -349,6 +350,7 @@ def import_state_dict(
     src = _Source(source)
     tree = _params_of(like)
     info = model_of(tree, apply, "like")
+    refuse_unset_buffers(info, "sf.import_state_dict")  # Note [buffers under init="empty"]
     paths, leaves, _ = tree_flatten_with_paths(tree)
     names = {p: (info.aliases[p] if info is not None else [p]) for p in paths}
     buffers = (dict(info.module.named_buffers(remove_duplicate=False)) if info is not None else {})

@@ -336,7 +336,9 @@ def from_state_dict(apply: Apply, state_dict: dict[str, torch.Tensor]) -> dict:
     """Builds a parameter tree for `apply` from `module.state_dict()`-style names.
 
     Tied aliases are accepted (and must hold the same values as their first name); buffers found in
-    `state_dict` are copied into the module's buffers.
+    `state_dict` are copied into the module's buffers. Values take the module's dtypes; a shape
+    other than the module's, or tied names holding different values, is a `ValueError` before
+    anything is written.
 
     Args:
         apply: the function `sf.functionalize` returned.
@@ -358,9 +360,23 @@ def from_state_dict(apply: Apply, state_dict: dict[str, torch.Tensor]) -> dict:
             f"state_dict does not match {type(info.module).__name__}: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
-    buffers = dict(info.module.named_buffers())
+    # Checked before anything is written, as module.load_state_dict does: shapes (a buffer of
+    # another shape would broadcast into the module's), and tied names holding different values.
+    module = info.module
+    like = {p: module.get_parameter(p) for p in info.param_paths}
+    buffers = dict(module.named_buffers())
+    wrong = [f"{n}: {tuple(state_dict[n].shape)} where the module has {tuple(t.shape)}"
+             for n, t in [*like.items(), *buffers.items()] if n in state_dict and state_dict[n].shape != t.shape]
+    for p in info.param_paths:
+        for alias in info.aliases[p]:
+            if alias != p and alias in state_dict and state_dict[alias].shape == like[p].shape and not torch.equal(state_dict[alias], state_dict[p]):
+                wrong.append(f"{alias}: tied to {p}, holds other values")
+    if wrong:
+        raise ValueError(f"state_dict does not fit {type(module).__name__}: " + "; ".join(wrong[:5])
+                         + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""))
     with torch.no_grad():
         for name, b in buffers.items():
             if name in state_dict:
                 b.copy_(state_dict[name])
-    return nest((p, state_dict[p]) for p in info.param_paths)
+    # The module's dtypes, as load_state_dict's copy into its parameters gives them.
+    return nest((p, state_dict[p] if state_dict[p].dtype == like[p].dtype else state_dict[p].to(like[p].dtype)) for p in info.param_paths)

@@ -589,18 +589,68 @@ def empty_shard(leaf: torch.Tensor, mesh: Any, placements: Any) -> Any:
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=d.shape, stride=d.stride())
 
 
-def empty_buffers(module: nn.Module | None, device: Any) -> None:
-    """Makes `module`'s meta buffers real and uninitialized on `device` (`init="empty"`); a buffer
-    shared by several modules stays one tensor."""
+# Note [buffers under init="empty"]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `init="empty"` skips the parameters' initializers: their values come later (a checkpoint, an
+# import) or do not matter. A buffer is another thing: the ones a module does not save (a rotary
+# table's `inv_freq`, a scale registered with `persistent=False`) come back from no checkpoint, so
+# an uninitialized one would stay garbage through `sf.load` and train with it, silently. So a
+# module built under `sf.meta_device()` gets its meta buffers computed, as an eager build would
+# (the replay of the buffers' part of the recording: small, and the same on every rank). A module
+# built on plain `torch.device("meta")` has no recording to compute them from: its floating-point
+# buffers are filled with NaN and its others with zero, and the model remembers them
+# (`ModelInfo.unset_buffers`): `sf.load` and `sf.import_state_dict`, which bring real values for
+# the parameters, refuse such a model when one of those buffers is one no checkpoint holds (not in
+# its `state_dict`) and nothing has written it since. (NaN alone is not loud enough: Hugging Face's
+# Llama with a NaN `inv_freq` computes finite, wrong logits.)
+def empty_buffers(module: nn.Module | None, device: Any, info: Any = None) -> None:
+    """Makes `module`'s meta buffers real on `device` (`init="empty"`; Note [buffers under
+    init="empty"]): computed when `info` (the functionalized model) recorded its construction,
+    else NaN (floating point) or zero. A buffer shared by several modules stays one tensor."""
     if module is None:
         return
+    if not any(b is not None and b.is_meta for b in module.buffers()):
+        return
+    cap = getattr(info, "meta_init", None) if info is not None else None
+    if cap is not None and cap.record is not None and cap.problem is None and cap.record.refused is None:
+        try:
+            materialize(info, set(), lambda path, value: None, buffer_device=device)
+            return
+        except (ValueError, NotImplementedError):
+            pass  # a buffer the recording cannot give exactly: NaN, as without a recording
     made: dict[int, torch.Tensor] = {}
-    for m in module.modules():
+    for name, m in module.named_modules(remove_duplicate=False):
         for k, b in m._buffers.items():
             if b is not None and b.is_meta:
                 if id(b) not in made:
-                    made[id(b)] = torch.empty_like(b, device=device)
-                m._buffers[k] = made[id(b)]
+                    made[id(b)] = torch.full_like(b, float("nan") if b.is_floating_point() or b.is_complex() else 0, device=device)
+                m._buffers[k] = t = made[id(b)]
+                if info is not None:
+                    info.unset_buffers[f"{name}.{k}" if name else k] = (weakref.ref(t), t._version)
+
+
+def refuse_unset_buffers(info: Any, where: str) -> None:
+    """Refuses (before anything is read) a model with buffers `init="empty"` left unset that no
+    checkpoint holds (Note [buffers under init="empty"])."""
+    if info is None or not info.unset_buffers:
+        return
+    saved = set(info.module.state_dict(keep_vars=True))
+    unset = []
+    for name, (ref, version) in list(info.unset_buffers.items()):
+        t = ref()
+        if t is None or t._version != version:  # gone, or written since
+            del info.unset_buffers[name]
+        elif name not in saved:
+            unset.append(name)
+    if unset:
+        raise ValueError(
+            f"{where}: the model's buffers {unset[:5]} hold no values: init=\"empty\" could not compute them (the module "
+            "was built on plain torch.device(\"meta\"), with no recording of its construction), and no checkpoint holds "
+            "them (the module does not save them: persistent=False, as a rotary table's inv_freq). Build the module "
+            "under `with sf.meta_device():` (init=\"empty\" then computes its buffers, still leaving the parameters "
+            "uninitialized), or set these buffers yourself before loading (Note [buffers under init=\"empty\"] in "
+            "shardfn/_meta_init.py)"
+        )
 
 
 def _rng_state(rec: _Record) -> torch.Tensor:

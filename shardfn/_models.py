@@ -38,6 +38,8 @@ class ModelInfo:
     meta_init: Any = None  # a meta-device module: its recorded construction (`_meta_init.Capture`)
     runtimes: list = field(default_factory=list)  # active runtimes, innermost last (`_runtime.activate`)
     slots: dict = field(default_factory=dict)  # dotted name -> (its module's path, its key in `_parameters`/`_buffers`)
+    # buffers `init="empty"` could not compute (Note [buffers under init="empty"]): name -> (weakref, version)
+    unset_buffers: dict = field(default_factory=dict)
     compiling: Any = None  # the compiled units of the step running now (Note [compiled units] in `_compiled.py`)
 
     @property

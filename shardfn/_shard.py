@@ -79,7 +79,7 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None, *, sync: 
         for i in meta:
             out[i] = empty_shard(leaves[i], mesh, placements_for(spec_list[i], mesh, leaves[i].shape))
         owner = model_of(flat=(paths, leaves), where=lambda m: m.returned_tree(paths, leaves))
-        empty_buffers(owner.module if owner is not None else None, mesh.device_type)
+        empty_buffers(owner.module if owner is not None else None, mesh.device_type, owner)
     elif meta:
         at = {paths[i]: i for i in meta}
         info = _init_model(init, paths, leaves, paths[min(meta)])

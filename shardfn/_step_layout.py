@@ -279,7 +279,7 @@ class StepLayout:
         # Buffers the replay makes real are every rank's alike already (Note [meta init]): not sent.
         replayed = {n for n, b in info.module.named_buffers() if b.is_meta} if info is not None else set()
         if empty:  # values do not matter: the shards stay uninitialized
-            empty_buffers(info.module if info is not None else None, device)
+            empty_buffers(info.module if info is not None else None, device, info)
         elif meta:
             if info is None:
                 raise ValueError(

@@ -19,8 +19,9 @@ from torch.distributed.tensor import DTensor, Partial
 
 import shardfn as sf
 from shardfn import _checkpoint
+from shardfn.models import GPT
 from shardfn._pool import RankError
-from reference import OPT, global_batch, local_batch, make_loss_fn, make_model, units_of
+from reference import GPT_CFG, OPT, global_batch, local_batch, make_loss_fn, make_model, units_of
 
 STEPS = 3
 
@@ -140,6 +141,35 @@ def test_resume_at_another_world_size(pools, gpt_checkpoint, world):
             if isinstance(v, torch.Tensor) and v.is_floating_point():
                 torch.testing.assert_close(continued[k], v, rtol=1e-5, atol=1e-6, msg=str(k))
         assert got["losses"] == pytest.approx(saved["straight_losses"][STEPS:], rel=1e-6)
+
+
+def rank_resume_from_empty(path: str, how: str) -> dict:
+    """A big model resumed without initializing it: built on the meta device, `init="empty"`, then
+    the checkpoint. The GPT's `emb_scale` is a buffer the checkpoint does not hold (persistent=False)."""
+    torch.manual_seed(0)
+    with sf.meta_device() if how == "recorded" else torch.device("meta"):
+        model = GPT(GPT_CFG)
+    apply, params = sf.functionalize(model, units=units_of("gpt"))
+    step = sf.train_step(make_loss_fn("gpt", apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1))
+    state = step.init(params, init="empty")
+    try:
+        state = sf.load(path, like=state)
+    except ValueError as e:
+        return {"error": str(e), "scale": float(model.emb_scale)}
+    state, losses = train(step, state, STEPS, 2 * STEPS)
+    return {"losses": losses, "scale": float(model.emb_scale)}
+
+
+def test_a_model_resumed_from_init_empty_has_its_buffers(pools, gpt_checkpoint):
+    """Note [buffers under init="empty"] in `shardfn/_meta_init.py`: under `sf.meta_device()` the
+    buffers are computed, and the run goes on as the uninterrupted one; on plain meta no value can
+    be had for a buffer no checkpoint holds, and `sf.load` refuses, naming it (it trained on
+    uninitialized memory)."""
+    path, saved = gpt_checkpoint
+    for r in pools(2).run(rank_resume_from_empty, path, "recorded"):
+        assert r["scale"] == 1.0 and r["losses"] == saved["straight_losses"][STEPS:], r
+    for r in pools(2).run(rank_resume_from_empty, path, "plain"):
+        assert "buffers ['emb_scale'] hold no values" in r["error"] and "sf.meta_device()" in r["error"], r
 
 
 # -- a plain DTensor tree, uneven and empty shards, another mesh ------------------------------------

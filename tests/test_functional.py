@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import optree
 import pytest
 import torch
 from torch import nn
@@ -130,6 +131,17 @@ def test_tree_paths_and_state_dict_round_trip():
     assert all(torch.equal(a, b) for a, b in zip(torch.utils._pytree.tree_leaves(back), torch.utils._pytree.tree_leaves(params)))
     with pytest.raises(ValueError, match="missing"):
         sf.from_state_dict(apply, {k: v for k, v in sd.items() if k != "ln_f.weight"})
+    # What load_state_dict checks, before anything is written: shapes (a buffer of another shape
+    # would broadcast into the module's), tied names holding other values; the module's dtypes.
+    pos = apply.buffers["pos"].clone()
+    for bad, match in [({"pos": torch.tensor(3)}, r"pos: \(\) where the module has \(8,\)"),
+                       ({"ln_f.weight": torch.ones(3)}, r"ln_f.weight: \(3,\) where"),
+                       ({"head.weight": sd["head.weight"] + 1}, "head.weight: tied to wte.weight, holds other values")]:
+        with pytest.raises(ValueError, match=match):
+            sf.from_state_dict(apply, {**sd, **bad})
+        assert torch.equal(apply.buffers["pos"], pos)
+    half = sf.from_state_dict(apply, {k: v.half() if v.is_floating_point() else v for k, v in sd.items()})
+    assert {x.dtype for x in optree.tree_leaves(half)} == {torch.float32}
 
 
 def test_to_state_dict_of_gradients_with_frozen_leaves():
