@@ -102,7 +102,29 @@ class _Refuse:
 
 
 def _rebuild(local: torch.Tensor, spec: Any, requires_grad: bool) -> DTensor:
+    _refuse_another_job(spec, local)
     return wrap(local, spec, requires_grad)
+
+
+def _refuse_another_job(spec: Any, local: torch.Tensor) -> None:
+    """A DTensor pickled (`torch.save` of a state) in a job of another layout: its mesh names ranks
+    this job does not have, or leaves this rank out, and its shard is another rank's share. Such a
+    file holds one rank's shards; `sf.save` / `sf.load` reshard (the check: before anything is used)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    mesh = spec.mesh
+    ranks = mesh.mesh.flatten().tolist()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    coordinate = mesh.get_coordinate()
+    if max(ranks) >= world or coordinate is None:
+        raise ValueError(
+            f"this file holds a DTensor of shape {tuple(spec.shape)} over a mesh of ranks {ranks}, pickled in a job of "
+            f"another layout than this one (world size {world}, rank {rank}): a state saved with torch.save holds one "
+            "rank's shards and loads only into a job laid out as the one that saved it. Save with sf.save(state, path) "
+            "and load with sf.load(path, like=state) to resume at another world size or mesh"
+        )
 
 
 # Note [cheap donation]

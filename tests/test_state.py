@@ -255,6 +255,29 @@ def test_states_trees_and_gradients_pickle(pools, world):
         assert all(out.values()), (rank, out)
 
 
+def rank_pickle_to(path: str) -> None:
+    model = make_model("mlp")
+    apply, params = sf.functionalize(model, units=units_of("mlp"))
+    step = sf.train_step(make_loss_fn("mlp", apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1))
+    torch.save(step.init(params), f"{path}/state{dist.get_rank()}.pt")
+
+
+def rank_unpickle_from(path: str) -> str:
+    try:
+        torch.load(f"{path}/state{dist.get_rank()}.pt", weights_only=False)
+    except ValueError as e:
+        return str(e)
+    return "NO ERROR"
+
+
+def test_a_state_pickled_in_another_job_layout_is_refused_as_it_loads(pools, tmp_path):
+    """A state `torch.save`d per rank at world 3 and loaded at world 2 built DTensors over a mesh of
+    three ranks, which failed later inside torch (a size mismatch in a gather or the step's copy in)."""
+    pools(3).run(rank_pickle_to, str(tmp_path))
+    for msg in pools(2).run(rank_unpickle_from, str(tmp_path)):
+        assert "over a mesh of ranks [0, 1, 2]" in msg and "world size 2" in msg and "sf.load(path, like=state)" in msg, msg
+
+
 def rank_gathered_snapshot(strategy: str) -> dict:
     """`sf.gather` of a state's parameters and of the step's gradients, kept while training goes on:
     leaves whole on this rank (one rank, `no_shard`, a `P()` leaf) come back from the gather in memory
