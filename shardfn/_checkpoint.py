@@ -639,6 +639,24 @@ def _list(keys: list[str], n: int = 8) -> str:
     return ", ".join(keys[:n]) + (f", ... ({len(keys)} in all)" if len(keys) > n else "")
 
 
+def _makes_state_later(like: Any) -> bool:
+    """Whether `like` holds a wrapped torch optimizer's state with a leaf it has made none for yet."""
+    from .optim._torch import TorchOptimizerState
+
+    opt_state = getattr(like, "opt_state", None)
+    if opt_state is None and isinstance(like, dict):
+        opt_state = like.get("opt_state")
+    if opt_state is None:
+        return False
+    def empty_leaf(tree: Any) -> bool:  # a leaf's state dict is empty (its tree is the parameters')
+        if isinstance(tree, dict):
+            return not tree or any(empty_leaf(v) for v in tree.values() if isinstance(v, (dict, list, tuple)))
+        return isinstance(tree, (list, tuple)) and any(empty_leaf(v) for v in tree)
+
+    nodes = optree.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, TorchOptimizerState), none_is_leaf=True)
+    return any(isinstance(x, TorchOptimizerState) and empty_leaf(x.per_leaf) for x in nodes)
+
+
 def load(path: str | os.PathLike, *, like: Any, strict: bool = True, apply: Any = None) -> Any:
     """Loads a checkpoint into `like`, resharding to its layout; returns the loaded state.
 
@@ -707,11 +725,21 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True, apply: Any 
     old = not meta.get("buffers")
     strict_missing = [k for k in missing if not (old and k.startswith(BUFFERS) and k in bkeys)]
     unexpected = sorted(saved - set(keys))
-    # Saved optimizer state of a parameter that `like` has (and loads) but keeps no state for:
-    # dropping it would resume a different run, silently. (State of a parameter that is gone from
-    # `like` is an ordinary unexpected entry.)
+    if n_state and not set(keys[:n_state]) & saved:  # (the model's buffers aside: they are named alike in any tree)
+        raise ValueError(
+            f"`like` and the checkpoint {path!r} have no entry in common: it holds [{_list(sorted(saved), 4)}], like "
+            f"[{_list(keys[:n_state], 4)}]. Pass a tree built as the saved one was (the state itself; its parameters "
+            "alone as {'params': state.params})"
+        )
+    # Saved optimizer state of a parameter for which `like` holds a wrapped torch optimizer that has
+    # made no state yet (before its first step): dropping it would resume a different run,
+    # silently, even with strict=False. (Another optimizer's state, state of a parameter gone from
+    # `like`, or a `like` of parameters only are ordinary unexpected entries, which strict=False
+    # leaves unread: fine-tuning with another optimizer, taking the weights out.)
     own = [k[len("params."):] for k in keys if k.startswith("params.")]
-    lost = [k for k in unexpected if k.startswith("opt_state.") and any(f".{p}." in f"{k}." for p in own)]
+    stateful = {p for p in own if any(k.startswith("opt_state.") and f".{p}." in f"{k}." for k in keys)}
+    lost = [k for k in unexpected if _makes_state_later(like) and k.startswith("opt_state.")
+            and any(f".{p}." in f"{k}." for p in own if p not in stateful)]
     if lost:
         raise ValueError(
             f"the checkpoint {path!r} holds optimizer state that `like` has no place for: [{_list(lost)}]. Build "

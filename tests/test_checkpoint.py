@@ -172,6 +172,36 @@ def test_a_model_resumed_from_init_empty_has_its_buffers(pools, gpt_checkpoint):
         assert "buffers ['emb_scale'] hold no values" in r["error"] and "sf.meta_device()" in r["error"], r
 
 
+def rank_weights_out_of_a_training_checkpoint(path: str) -> dict:
+    """The parameters taken out of an AdamW run's checkpoint: into a tree of parameters alone, and
+    into a state with another optimizer (fine-tuning with SGD), with strict=False; a bare parameter
+    tree, which names no entry as the checkpoint does, is refused rather than loading nothing."""
+    out = {}
+    for name in ("params only", "sgd state", "bare"):
+        apply, params = sf.functionalize(make_model("gpt"), units=units_of("gpt"))
+        opt = sf.optim.sgd(0.1) if name == "sgd state" else sf.optim.adamw(**OPT)
+        state = sf.train_step(make_loss_fn("gpt", apply), opt, sf.mesh(dp=-1)).init(params)
+        like = {"params": state.params} if name == "params only" else state.params if name == "bare" else state
+        try:
+            got, report = sf.load(path, like=like, strict=False, apply=apply)
+        except ValueError as e:
+            out[name] = str(e)
+            continue
+        out[name] = local({"params": got["params"] if isinstance(got, dict) else got.params})
+        out[name + " unexpected"] = sorted({k.split(".")[1] for k in report.unexpected_keys if k.startswith("opt_state.")})
+    return out
+
+
+def test_the_weights_load_out_of_a_training_checkpoint(pools, gpt_checkpoint):
+    path, saved = gpt_checkpoint
+    res = pools(2).run(rank_weights_out_of_a_training_checkpoint, path)
+    params = {k: v for k, v in saved["saved"].items() if k.startswith("params.")}
+    for name in ("params only", "sgd state"):
+        assert_same(assemble([r[name] for r in res]), params)
+    assert res[0]["params only unexpected"] == ["0"] and res[0]["sgd state unexpected"] == ["0"], res[0]
+    assert "no entry in common" in res[0]["bare"] and "{'params': state.params}" in res[0]["bare"], res[0]["bare"]
+
+
 # -- a plain DTensor tree, uneven and empty shards, another mesh ------------------------------------
 def plain_tree(mesh, fill: float | None = None):
     g = torch.Generator().manual_seed(3)
