@@ -158,6 +158,8 @@ def export(
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise ValueError(f"metadata holds str keys and str values (safetensors' rule), got {k!r}: {v!r}")
+        if k == "format" and v != "pt":  # what Hugging Face's loaders read to take the file as torch tensors
+            raise ValueError(f"metadata['format'] is 'pt' in a file sf.export writes (torch tensors), got {v!r}")
         meta[k] = v
     entries, _ = _entries(tree_or_state, apply)
     final = os.path.abspath(os.fspath(path))

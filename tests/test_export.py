@@ -150,6 +150,8 @@ def test_import_checks_names_and_shapes(tmp_path):
     assert set(load_file(tmp_path / "m.safetensors")) == set(sd)
     with pytest.raises(ValueError, match="str keys and str values"):
         sf.export(params, tmp_path / "n.safetensors", metadata={"n": 1})
+    with pytest.raises(ValueError, match="metadata\\['format'\\] is 'pt'"):  # Hugging Face reads it
+        sf.export(params, tmp_path / "n.safetensors", metadata={"format": "np"})
 
 
 def test_import_refuses_what_it_cannot_place():
