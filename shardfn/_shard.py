@@ -60,7 +60,9 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None, *, sync: 
             and DTensor leaves (already laid out) are never sent.
 
     Returns:
-        A tree of `torch.distributed.tensor.DTensor`, the structure of `params`.
+        A tree of `torch.distributed.tensor.DTensor`, the structure of `params`: new leaves (each
+        `requires_grad` as its source), not a function of `params` for autograd. A gradient flows to
+        the sharded leaves; to differentiate through a layout, gather (`sf.gather`, `apply`).
 
     Example:
         >>> sharded = sf.shard(params, sf.specs(params, mesh), mesh)
@@ -69,6 +71,12 @@ def shard(params: Any, specs: Any, mesh: DeviceMesh, init: Any = None, *, sync: 
         >>> apply, params = sf.functionalize(model, units=r"blocks\\.\\d+")
         >>> sharded = sf.shard(params, sf.specs(params, mesh), mesh, init=model)
     """
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            "sf.shard inside a torch.func transform: it makes new leaves, which no transform differentiates "
+            "through. Shard outside the transform and differentiate with respect to the sharded tree (through "
+            "sf.gather or apply)"
+        )
     check_sync(sync, "sf.shard")
     paths, leaves, spec_list, treespec = match_specs(params, specs, mesh)
     if sync is not None:  # one layout on every rank: a spec set otherwise on one rank is refused by name

@@ -372,3 +372,16 @@ def test_every_layout_shard_gather_transforms_apply(pools, world):
         assert [r["local"]["wte.weight"][0] for r in res] == [(0, 14), (27, 40), (14, 27), (40, 53)]
         assert [r["local"]["blocks.0.fc.bias"][0] for r in res] == [(0, 35), (35, 70), (70, 105), (105, 140)]
         assert [r["local"]["blocks.0.out.weight"] for r in res] == [[(0, 18), (0, 70)], [(18, 35), (0, 70)], [(0, 18), (70, 140)], [(18, 35), (70, 140)]]
+
+
+def test_shard_inside_a_torch_func_transform_is_refused():
+    """`sf.shard` makes new leaves: inside `torch.func.grad` it raised torch's internal
+    "requires_grad_() inside a functorch transform"; now shardfn says what to do instead."""
+    mesh = sf.mesh(dp=-1)
+    w = torch.randn(4, 3)
+
+    def f(w):
+        return sf.gather(sf.shard({"w": w}, {"w": sf.P("dp")}, mesh))["w"].sum()
+
+    with pytest.raises(NotImplementedError, match="sf.shard inside a torch.func transform"):
+        torch.func.grad(f)(w)
