@@ -238,7 +238,7 @@ class GradientCore:
         """
         paths, leaves, spec_list, treespec = self.layout.leaf_specs(params)
         info = model_info(self.apply, paths, leaves)
-        trained = trained_leaves(info, paths, self.frozen)
+        trained = trained_leaves(info, paths, self.frozen, leaves)
         _refuse_sparse_gradients(info, paths, trained)
         units, where, dtype_of, direct_gather, groups = self.layout.flat_units(info, paths, leaves, spec_list, trained)
         self.engine = self._make_engine(info, units, dtype_of, direct_gather, groups)
@@ -638,9 +638,13 @@ def _add_loss(total: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
     return x.clone() if total is None else total + x
 
 
-def trained_leaves(info: Any, paths: list[str], frozen: list) -> list[bool]:
+def trained_leaves(info: Any, paths: list[str], frozen: list, leaves: list | None = None) -> list[bool]:
     """Which leaves are trained: not named by a `frozen=` pattern, and not `requires_grad=False` on
-    the module's parameter (as peft freezes). `info` is the model's (None for a plain function)."""
+    the module's parameter (as peft freezes). `info` is the model's (None for a plain function).
+
+    The tree's own leaves carry no freezing (`sf.functionalize` hands them out detached): a leaf of
+    `leaves` set to `requires_grad=True` where the module or `frozen=` freezes it is refused, as
+    the user meant to train it and it would stay frozen."""
     needs_grad = dict(info.module.named_parameters(remove_duplicate=True)) if info is not None else {}
     names = {p: info.aliases[p] if info is not None else [p] for p in paths}  # a tied leaf: every name
     for rx in frozen:
@@ -649,10 +653,21 @@ def trained_leaves(info: Any, paths: list[str], frozen: list) -> list[bool]:
                 f"frozen={rx.pattern!r} matches no parameter (patterns match dotted names in full); "
                 f"the names look like {[n for p in paths[:6] for n in names[p]][:6]}"
             )
-    return [
+    trained = [
         not any(rx.fullmatch(n) for rx in frozen for n in names[p]) and (p not in needs_grad or needs_grad[p].requires_grad)
         for p in paths
     ]
+    if leaves is not None:
+        asked = [p for p, t, x in zip(paths, trained, leaves) if not t and isinstance(x, torch.Tensor) and x.requires_grad]
+        if asked:
+            raise ValueError(
+                f"leaves {asked[:5]} of the tree require grad, but they are frozen: shardfn reads which leaves train from "
+                "the module's parameters (requires_grad as they were set on the module: the tree sf.functionalize "
+                "returns is detached, and a leaf's own flag is not read) and from frozen=. To train them, set it on the "
+                "module (model.get_parameter(name).requires_grad_(True), or model.requires_grad_(True)) before "
+                "step.init; to freeze others, frozen= or requires_grad_(False) on the module's parameters"
+            )
+    return trained
 
 
 def _cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:

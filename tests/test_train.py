@@ -923,3 +923,21 @@ def test_accumulation_refuses_a_batch_it_would_cut_wrongly():
     assert all(torch.equal(before[k], after[k]) for k in before)
     state, m = step(state, dict(x=x, y=y))  # examples on dim 0 of every leaf: trains
     assert torch.isfinite(m["loss"])
+
+
+def test_a_leaf_set_to_require_grad_where_the_module_freezes_it_is_refused():
+    """Freezing is read from the module's parameters and `frozen=`; the tree's leaves come detached.
+    A leaf the user set to `requires_grad=True` where its module parameter is frozen (a second
+    stage that unfreezes a backbone through the tree) trained nothing for it: refused, naming it."""
+    model = make_model("mlp")
+    model[0].requires_grad_(False)
+    apply, params = sf.functionalize(model, units=units_of("mlp"))
+    step = sf.train_step(make_loss_fn("mlp", apply), sf.optim.sgd(0.1), sf.mesh(dp=-1))
+    assert not any(x.requires_grad for x in optree.tree_leaves(params))
+    params["0"]["weight"].requires_grad_(True)
+    with pytest.raises(ValueError, match=r"leaves \['0.weight'\] of the tree require grad, but they are frozen"):
+        step.init(params)
+    model[0].weight.requires_grad_(True)  # through the module: trained
+    state = step.init(params)
+    trained = dict(zip(step.core.paths, step.core.trained))
+    assert trained["0.weight"] and not trained["0.bias"] and all(v for k, v in trained.items() if not k.startswith("0.")), trained
