@@ -242,6 +242,16 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
             f"this {type(module).__name__} was already functionalized (its parameters are on the meta "
             "device now); reuse the first (apply, params), or build a new module"
         )
+    taken = [(n, p._shardfn_taken_by) for n, p in module.named_parameters() if hasattr(p, "_shardfn_taken_by")]
+    if taken:
+        names = [n for n, _ in taken]
+        raise ValueError(
+            f"parameters {names[:5]}{' and more' if len(names) > 5 else ''} of this {type(module).__name__} were handed to "
+            f"the tree of an earlier sf.functionalize (of a {taken[0][1]}, which shares these modules with this one, or "
+            "holds this one): the module now holds placeholders on the meta device in their place. Functionalize one "
+            "module that holds every model sharing them (an nn.Module with both as children; tied weights stay tied), "
+            "or reuse the earlier (apply, params)"
+        )
     patterns = compile_patterns(units, "units", "dotted submodule names")
     unit_names = [n for n, _ in module.named_modules() if n and any(p.fullmatch(n) for p in patterns)]
     if patterns and not unit_names:
@@ -283,6 +293,7 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
                 continue
             if id(p) not in meta:
                 meta[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                meta[id(p)]._shardfn_taken_by = type(module).__name__  # another functionalize refuses it
             mod._parameters[name] = meta[id(p)]
     module._shardfn_functionalized = True
     for i, name in enumerate(unit_names):

@@ -174,3 +174,30 @@ def test_to_state_dict_between_models_with_the_same_names():
     assert torch.equal(sf.to_state_dict(tree, b_apply)["pos"], b_model.pos)
     assert list(sf.to_state_dict({"w": torch.zeros(2)})) == ["w"]  # no model has these names
     del a_apply, b_apply
+
+
+def test_a_module_whose_parameters_an_earlier_functionalize_took_is_refused():
+    """Two models sharing a submodule, functionalized one after the other: the second found the
+    shared parameter already on the meta device and returned it as a leaf (a tied head then computed
+    on uninitialized memory, 2e12 off). Refused, saying to functionalize one module holding both."""
+
+    class Enc(torch.nn.Module):
+        def __init__(self, emb):
+            super().__init__()
+            self.emb = emb
+
+        def forward(self, x):
+            return self.emb(x)
+
+    emb = torch.nn.Embedding(11, 8)
+    enc, dec = Enc(emb), Enc(emb)
+    sf.functionalize(enc)
+    with pytest.raises(ValueError, match=r"parameters \['emb.weight'\] of this Enc were handed to the tree of an earlier"):
+        sf.functionalize(dec)
+    model = make_model("gpt")
+    sf.functionalize(model)
+    with pytest.raises(ValueError, match="an nn.Module with both as children"):
+        sf.functionalize(model.blocks[0])
+    both = torch.nn.ModuleDict({"enc": Enc(emb2 := torch.nn.Embedding(11, 8)), "dec": Enc(emb2)})
+    apply, params = sf.functionalize(both)  # one module holding both: tied, exact
+    assert sf.tree_paths(params) == ["enc.emb.weight"]
