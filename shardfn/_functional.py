@@ -41,6 +41,20 @@ def _owner(path: str) -> str:
     return path.rpartition(".")[0]
 
 
+def _refuse_meta_leaves(leaves: list, args: tuple, kwargs: dict) -> None:
+    """Meta-device parameters (a module built on meta, not initialized yet) with real inputs: torch
+    computes some ops of the two (a CPU matmul with a meta operand) on uninitialized memory."""
+    if not any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves):
+        return
+    real = [x for x in optree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and not x.is_meta]
+    if real:
+        raise ValueError(
+            f"apply got parameters on the meta device and inputs on {real[0].device}: the tree holds no values yet (a "
+            "module built on the meta device). Initialize it first: step.init(params) or sf.shard(params, specs, "
+            "mesh, init=model) for a module built under sf.meta_device()"
+        )
+
+
 def _slots(info: ModelInfo, flat: dict[str, torch.Tensor]) -> list[tuple[dict, str]] | None:
     """For each name of `flat`, in order, the dict (`_parameters` or `_buffers` of its module, found
     now: a submodule may have been replaced) and key that hold it; None if a name is neither. The
@@ -177,6 +191,7 @@ class Apply:
                 with _watch.watched("apply on a sharded tree"), ShardedForward(self, params) as (gathered, runtime):
                     with _runtime.activate(runtime, self.info):
                         return self._call_flat(gathered, args, buffers, kwargs)
+            _refuse_meta_leaves(leaves, args, kwargs)
             flat = self.flat_params(params)
         if rt is not None:
             args, kwargs = rt.cast_inputs(self.info, args, kwargs)

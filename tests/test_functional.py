@@ -201,3 +201,13 @@ def test_a_module_whose_parameters_an_earlier_functionalize_took_is_refused():
     both = torch.nn.ModuleDict({"enc": Enc(emb2 := torch.nn.Embedding(11, 8)), "dec": Enc(emb2)})
     apply, params = sf.functionalize(both)  # one module holding both: tied, exact
     assert sf.tree_paths(params) == ["enc.emb.weight"]
+
+
+def test_apply_refuses_meta_parameters_with_real_inputs():
+    """torch computes a CPU matmul with a meta operand on uninitialized memory: refused."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(3, 2)
+    apply, params = sf.functionalize(model)
+    with pytest.raises(ValueError, match="parameters on the meta device and inputs on cpu"):
+        apply(params, torch.randn(4, 3))
+    assert apply(params, torch.randn(4, 3, device="meta")).shape == (4, 2)  # shapes only: as torch
