@@ -498,8 +498,10 @@ def _culprit(e: Exception, errdir: str, nprocs: int) -> RankError:
         signame = signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else None
         causes = {
             "SIGKILL": "often the out-of-memory killer",
-            "SIGABRT": "with gloo, often a collective mismatch: the ranks ran different collectives, e.g. a model or "
-                       "unit called more times on some ranks than on others; the rank's output above says which",
+            "SIGABRT": "with gloo, often a collective mismatch: the ranks ran different collectives (a model or unit "
+                       "called more times on some ranks than on others), or one collective on tensors of different sizes "
+                       "(gloo's 'EnforceNotMet ... N vs M': an sf.all_gather of batch shares of unequal size, which, "
+                       "as in JAX, needs one shape on every rank); the rank's output above says which",
         }
         how = (f"killed by {signame}: {causes.get(signame, 'a signal')}" if signame
                else f"exit code {code}: os._exit, a signal, or out of memory")
