@@ -622,9 +622,15 @@ def _explain(e: BaseException, off_schedule: bool = False) -> BaseException | No
             "(heads % tp == 0), or keep its leaves whole on tp (drop their rules)"
         )
     if isinstance(e, torch.utils.checkpoint.CheckpointError):
+        # torch's check that the recompute saved what the forward saved: a unit's forward that runs
+        # other units (their gathers differ between the two), or a forward that is not the same
+        # computation twice (a cached parametrization, a value read from outside that changed).
         return NotImplementedError(
-            "remat of a unit whose forward runs other units (nested units, or a unit calling another) is "
-            f"not supported yet: leave those units out of remat= ({msg.splitlines()[0]})"
+            "remat recomputed a unit's forward and it did not save what the forward saved (torch.utils.checkpoint's "
+            "check). Either the unit's forward runs other units (nested units, or a unit calling another), which "
+            "remat does not support yet, or the forward is not the same computation when run again (a "
+            "torch.nn.utils.parametrize.cached() block, state changed between the two runs): leave that unit out "
+            f"of remat= ({msg.splitlines()[0]})"
         )
     return None
 

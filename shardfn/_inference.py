@@ -10,13 +10,13 @@ Note [reads outside a unit, in inference]
 -----------------------------------------
 A model may read a unit's parameter outside that unit's forward: a head tied by hand to an
 embedding that is a unit (`F.linear(h, self.emb.weight)`), another method of the unit
-(`self.emb.attend(h)`), a block's weight after the block ran. Outside its unit's forward, a
-parameter's module attribute is therefore not the placeholder (whose memory is given back) but a
-`Param` (`_param.py`), as in a train step: metadata needs nothing, and any op on it receives the
-leaf's full value, gathered on its own (one collective, so every rank makes the same reads, as for
-any collective) and kept until the call returns. As the unit's forward starts, its attributes
-become the gathered placeholders, so the module computes on plain tensors; as it ends, the
-`Param`s come back.
+(`self.emb.attend(h)`), a block's weight after the block ran. Here that memory is given back, and
+torch refuses the read ("data is not allocated yet", "out of bounds for storage of size 0"): the
+call raises a `ValueError` that says so and what to do (`apply(sf.gather(tree), ...)`, or make the
+reader part of the unit). The attributes stay plain tensors outside their unit, rather than
+`Param`s that gather on a read as in a train step: code that branches on tensor subclasses
+(`nn.TransformerEncoder`'s fast path tests `has_torch_function` on its first layer's weights)
+must take the path it takes on the module itself, whose outputs differ at padded positions.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
 from ._flat import _alias, _storage_alloc, _storage_free
-from ._param import Param
 from ._runtime import RuntimeDefaults
 from ._tree import tree_flatten_with_paths
 
@@ -60,6 +59,10 @@ class _Unit:
         _storage_free(self.buf)
 
 
+# What torch says when an op reads a tensor whose storage was given back (`resize_(0)`).
+_FREED_READS = ("data is not allocated yet", "out of bounds for storage of size 0")
+
+
 class ShardedForward(RuntimeDefaults):
     """Context: placeholders for every parameter name, and the runtime that fills them per unit."""
 
@@ -74,61 +77,35 @@ class ShardedForward(RuntimeDefaults):
             groups.setdefault(info.unit_of[path], []).append((path, leaf))
         self.units = {u: _Unit(g) for u, g in groups.items()}
         self.flat: dict[str, torch.Tensor] = {}
-        # Note [reads outside a unit, in inference]: outside its unit's forward, a unit's leaf is a
-        # Param that gathers it on its own when read; (unit, j) -> its source, and its value once read.
-        self._sources: dict[tuple[int, int], Any] = {}
-        self._read_values: dict[tuple[int, int], torch.Tensor] = {}
-        self._swaps: dict[int, list[tuple[Any, str, torch.Tensor, Param]]] = {}
-        for u, unit in self.units.items():
-            for j, ((path, ph), src) in enumerate(zip(unit.placeholders.items(), unit.sources)):
-                if u == -1:  # the root: gathered for the whole call
-                    for name in info.aliases[path]:
-                        self.flat[name] = ph
-                    continue
-                self._sources[(u, j)] = src
-                outside = Param.make(ph, self._read, (u, j))
+        for unit in self.units.values():
+            for path, ph in unit.placeholders.items():
                 for name in info.aliases[path]:
-                    self.flat[name] = outside
-                    owner, _, attr = name.rpartition(".")
-                    self._swaps.setdefault(u, []).append((info.module.get_submodule(owner), attr, ph, outside))
+                    self.flat[name] = ph
 
     def __enter__(self):
         if -1 in self.units:
             self.units[-1].gather()
         return self.flat, self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         for unit in self.units.values():
             unit.free()
-        self._read_values.clear()
-
-    def _read(self, p: Param) -> torch.Tensor:
-        """A unit's leaf read outside the unit's forward: its full value, gathered once per call."""
-        value = self._read_values.get(p.where)
-        if value is None:
-            src = self._sources[p.where]
-            with torch.no_grad():
-                value = C.full_tensor(src, "apply on a sharded tree") if isinstance(src, DTensor) else src.detach()
-            self._read_values[p.where] = value
-        return value
-
-    def _swap(self, u: int, inside: bool) -> None:
-        """Unit `u`'s module attributes: its gathered placeholders (its forward runs) or its Params."""
-        for mod, attr, ph, outside in self._swaps.get(u, ()):
-            new, old = (ph, outside) if inside else (outside, ph)
-            # Only where `apply` bound this call's own tensor (a module may have been swapped out).
-            if mod._parameters.get(attr) is old:
-                mod._parameters[attr] = new
+        if isinstance(exc, RuntimeError) and any(m in str(exc) for m in _FREED_READS):
+            raise ValueError(
+                "apply on a sharded tree: the model read a unit's parameter outside that unit's forward (a head tied "
+                "by hand to an embedding unit, another method of a unit, a block's weight after it ran), whose memory "
+                "is given back as the unit's forward ends (Note [reads outside a unit, in inference] in "
+                "shardfn/_inference.py). Call apply(sf.gather(tree), ...) (the whole model on every rank), or choose "
+                "units that hold what reads them (a tied embedding and head in one unit, or in the root)"
+            ) from exc
 
     # runtime protocol (see shardfn/_runtime.py)
     def pre_forward(self, info, u: int, args: Any, kwargs: dict) -> None:
         if info is self.apply.info and u in self.units:
             self.units[u].gather()
-            self._swap(u, True)
         return None
 
     def post_forward(self, info, u: int, output: Any) -> None:
         if info is self.apply.info and u in self.units:
-            self._swap(u, False)
             self.units[u].free()
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Callable, NamedTuple, Optional, Union
 
+import optree
 import torch
 
 from ._base import EmptyState, GradientTransformation, OptState, Params, Updates, transformation
@@ -115,6 +116,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     _check_nonneg("eps", eps)
 
     def init(params: Params) -> ScaleByAdamState:
+        _refuse_complex(params, "scale_by_adam (adam, adamw)")
         return ScaleByAdamState(count=new_count(), mu=zeros_like(params), nu=zeros_like(params))
 
     def make(inplace: bool):
@@ -144,6 +146,19 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         return update
 
     return transformation(init, make(False), make(True))
+
+
+def _refuse_complex(params: Params, what: str) -> None:
+    """Adam's second moment of a complex value: torch.optim takes the real and imaginary parts as
+    two reals (`view_as_real`), a plain `u * u` would square the complex number: refused."""
+    for path, x in zip(*optree.tree_flatten_with_path(params, none_is_leaf=True)[:2]):
+        if isinstance(x, torch.Tensor) and x.is_complex():
+            name = ".".join(str(k) for k in path)
+            raise NotImplementedError(
+                f"{what}: leaf {name!r} is {x.dtype}, and complex leaves are not supported yet (torch.optim.Adam treats "
+                "the real and imaginary parts as two reals). Use sf.optim.from_torch(torch.optim.AdamW, ...), or hold "
+                "the parameter as real pairs (torch.view_as_real) in the module"
+            )
 
 
 def trace(momentum: float, nesterov: bool = False, dampening: float = 0.0) -> GradientTransformation:
