@@ -14,7 +14,6 @@ the hooks cost one lookup.
 
 from __future__ import annotations
 
-import re
 import weakref
 from typing import Any, Sequence
 
@@ -40,9 +39,6 @@ __all__ = ["functionalize", "Apply", "to_state_dict", "from_state_dict"]
 
 def _owner(path: str) -> str:
     return path.rpartition(".")[0]
-
-
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 def _refuse_meta_leaves(leaves: list, args: tuple, kwargs: dict) -> None:
@@ -276,16 +272,6 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
     if patterns and not unit_names:
         names = [n for n, _ in module.named_modules() if n][:8]
         raise ValueError(f"units {units!r} match no submodule; submodule paths look like {names}")
-    # A container is never called: its parameters would be read outside any unit forward, each rank
-    # reading what its own routing reads (the experts a rank's tokens go to): not one schedule.
-    containers = [n for n in unit_names if isinstance(module.get_submodule(n), _CONTAINERS)]
-    if containers:
-        kind = type(module.get_submodule(containers[0])).__name__
-        raise ValueError(
-            f"units {units!r} match {containers[:3]}, a {kind}, which is never called (no forward of its own): a unit is "
-            f"gathered as its forward runs. Match its elements instead (units=r\"{re.escape(containers[0])}\\.\\d+\"), "
-            "or the module that calls them"
-        )
 
     aliases: dict[str, list[str]] = {}
     first_path: dict[int, str] = {}
