@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import _collectives as C
+from . import _debug
 from ._manual import AxisGroup, Region, axis_group, axis_names
 
 __all__ = ["pvary", "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute", "all_to_all", "axis_index", "axis_size"]
@@ -166,6 +167,8 @@ class _Collective(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, op: _Op) -> torch.Tensor:  # type: ignore[override]
         run = op.run if op.group.size > 1 else op.alone
+        if _debug.ON and op.group.size > 1 and x.device.type != "meta":
+            _debug.check_same_shape(x._local_tensor if isinstance(x, DTensor) else x, op.group.group, op.what)
         if isinstance(x, DTensor):
             return _on_local(x, run if x.device.type != "meta" else op.meta, isinstance(op, (_Sum, _Copy, _Permute)), op.what)
         if x.device.type == "meta":

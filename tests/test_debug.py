@@ -345,3 +345,35 @@ def test_the_guard_allocator_names_a_write_just_outside_a_block(tmp_path, where,
     else:
         assert out.returncode == -6 and "freed" not in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
         assert message in out.stderr and "found at its free" in out.stderr, out.stderr[-2000:]
+
+
+def rank_unequal_gather(debug: bool) -> str:
+    """A contrastive loss gathering embeddings over "dp" when the ranks' shares differ (5 rows over
+    2 ranks: 3 and 2). Debug mode compares the operands' shapes first and names each rank's."""
+    rank = dist.get_rank()
+    mesh = sf.mesh(dp=-1)
+    model = torch.nn.Linear(4, 4)
+    apply, params = sf.functionalize(model)
+    sharded = sf.shard(params, sf.specs(params, mesh), mesh)
+
+    def loss_fn(p, x):
+        e = apply(p, x)
+        return (e @ sf.all_gather(e, "dp", tiled=True).T).mean()
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0)).split([3, 2])[rank]
+    _debug.enable(debug)
+    try:
+        sf.value_and_grad(loss_fn)(sharded, x)
+    except ValueError as e:
+        return str(e)
+    finally:
+        _debug.enable(False)
+    return "NO ERROR"
+
+
+def test_debug_mode_names_a_collective_of_unequal_shapes(pools):
+    """Without debug mode gloo aborts the rank (unequal sizes in one all-gather); with it, every rank
+    raises a ValueError naming each rank's shape before anything is sent."""
+    for msg in pools(2).run(rank_unequal_gather, True):
+        assert "sf.all_gather: the ranks passed tensors of different shapes" in msg, msg
+        assert "rank 0: (3, 4) torch.float32, rank 1: (2, 4) torch.float32" in msg, msg
