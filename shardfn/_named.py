@@ -168,7 +168,7 @@ class _Collective(torch.autograd.Function):
     def forward(x: torch.Tensor, op: _Op) -> torch.Tensor:  # type: ignore[override]
         run = op.run if op.group.size > 1 else op.alone
         if _debug.ON and op.group.size > 1 and x.device.type != "meta":
-            _debug.check_same_shape(x._local_tensor if isinstance(x, DTensor) else x, op.group.group, op.what)
+            _debug.check_same_shape(x.to_local() if isinstance(x, DTensor) else x, op.group.group, op.what)
         if isinstance(x, DTensor):
             return _on_local(x, run if x.device.type != "meta" else op.meta, isinstance(op, (_Sum, _Copy, _Permute)), op.what)
         if x.device.type == "meta":
