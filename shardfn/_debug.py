@@ -23,7 +23,8 @@ debug mode:
   of `_collectives` is remembered with its memory until it is complete);
 - a named collective (`sf.psum`, `sf.all_gather`, ...) whose operand has another shape or dtype on
   some rank of its axis raises `ValueError` on every rank, naming each rank's (one small collective
-  more per call, `check_same_shape`); without debug mode gloo aborts the rank on unequal sizes.
+  more per call, `_named._check_same_shape`); without debug mode gloo aborts the rank on unequal
+  sizes.
 
 None of it changes a result: a train step gives bitwise the same parameters with debug mode on as
 off (`tests/test_debug.py`). It costs a fill per free, a Python call per op in the step and a heap
@@ -121,25 +122,6 @@ _set_versions = torch._C._autograd._unsafe_set_version_counter
 _STALE = 1 << 30  # `_flat.STALE`: the version of every reader of a freed unit (Note [stale parameters])
 _PATTERN = 0xA5
 _UNITS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every FlatUnit, for naming the unit of a stale tensor
-
-
-def check_same_shape(t: torch.Tensor, group: Any, what: str) -> None:
-    """Debug mode: a named collective's operand has one shape and dtype on every rank of `group`
-    (as in JAX; unequal sizes abort gloo, or wait or mix values on other backends). One more small
-    collective per call, which is why it is checked in debug mode only."""
-    import torch.distributed as dist
-
-    mine = (tuple(t.shape), str(t.dtype))
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    if any(x != mine for x in every):
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(every)))
-        shown = ", ".join(f"rank {r}: {tuple(s)} {d}" for r, (s, d) in zip(ranks, every))
-        raise ValueError(
-            f"{what}: the ranks passed tensors of different shapes or dtypes ({shown}). As in JAX, a collective takes "
-            "one shape on every rank along its axis: with batch shares of unequal size, pad the blocks to one size "
-            "(with a mask) before gathering, or reduce sums and counts with sf.psum"
-        )
 
 
 class UseAfterFreeError(RuntimeError):

@@ -160,6 +160,22 @@ class _AllToAll(_Op):
         return replace(self, split_dim=self.split_dim + 1, concat_dim=self.concat_dim + 1)
 
 
+def _check_same_shape(t: torch.Tensor, group: AxisGroup, what: str) -> None:
+    """Debug mode: a named collective's operand has one shape and dtype on every rank of its axis
+    (as in JAX; unequal sizes abort gloo, or wait or mix values on other backends). One more small
+    collective per call, which is why it is checked in debug mode only."""
+    mine = (tuple(t.shape), str(t.dtype))
+    every = C.all_gather_object(mine, f"{what}'s shape check (debug mode)", group.group)
+    if any(x != mine for x in every):
+        ranks = range(len(every)) if group.group is None else torch.distributed.get_process_group_ranks(group.group)
+        shown = ", ".join(f"rank {r}: {tuple(s)} {d}" for r, (s, d) in zip(ranks, every))
+        raise ValueError(
+            f"{what}: the ranks passed tensors of different shapes or dtypes ({shown}). As in JAX, a collective takes "
+            "one shape on every rank along its axis: with batch shares of unequal size, pad the blocks to one size "
+            "(with a mask) before gathering, or reduce sums and counts with sf.psum"
+        )
+
+
 class _Collective(torch.autograd.Function):
     """Runs an `_Op` (see the module's docstring). The communication runs under
     `torch._C._DisableFuncTorch()`, so it composes with torch.func's transforms."""
@@ -168,7 +184,7 @@ class _Collective(torch.autograd.Function):
     def forward(x: torch.Tensor, op: _Op) -> torch.Tensor:  # type: ignore[override]
         run = op.run if op.group.size > 1 else op.alone
         if _debug.ON and op.group.size > 1 and x.device.type != "meta":
-            _debug.check_same_shape(x.to_local() if isinstance(x, DTensor) else x, op.group.group, op.what)
+            _check_same_shape(x.to_local() if isinstance(x, DTensor) else x, op.group, op.what)
         if isinstance(x, DTensor):
             return _on_local(x, run if x.device.type != "meta" else op.meta, isinstance(op, (_Sum, _Copy, _Permute)), op.what)
         if x.device.type == "meta":
