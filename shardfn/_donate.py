@@ -97,7 +97,7 @@ class _Refuse:
     def __init__(self, message: str):
         self.message = message
 
-    def __call__(self, protocol_or_memo: Any):
+    def __call__(self, *args: Any, **kwargs: Any):
         raise DonatedError(self.message)
 
 
@@ -232,7 +232,11 @@ class Donation:
         self.message = message
         self._refuse = _Refuse(message)
         self._placeholders: dict[tuple, _Donated] = {}
-        self._donated_attrs = {"__reduce_ex__": self._refuse, "__deepcopy__": self._refuse}  # shared by every donated DTensor
+        # Shared by every donated DTensor. Its methods that would reach a collective or hand out the
+        # local tensor (full_tensor, redistribute, to_local) raise here, before anything is sent:
+        # through a collective the placeholder reached C++ on some runs (a segfault), and only the
+        # ranks that read it would have issued one.
+        self._donated_attrs = {name: self._refuse for name in ("__reduce_ex__", "__deepcopy__", "full_tensor", "redistribute", "to_local")}
 
     def placeholder(self, like: torch.Tensor) -> "_Donated":
         key = (like.shape, like.stride(), like.dtype, like.device)
