@@ -648,6 +648,7 @@ def _makes_state_later(like: Any) -> bool:
         opt_state = like.get("opt_state")
     if opt_state is None:
         return False
+
     def empty_leaf(tree: Any) -> bool:  # a leaf's state dict is empty (its tree is the parameters')
         if isinstance(tree, dict):
             return not tree or any(empty_leaf(v) for v in tree.values() if isinstance(v, (dict, list, tuple)))
@@ -738,7 +739,8 @@ def load(path: str | os.PathLike, *, like: Any, strict: bool = True, apply: Any 
     # leaves unread: fine-tuning with another optimizer, taking the weights out.)
     own = [k[len("params."):] for k in keys if k.startswith("params.")]
     stateful = {p for p in own if any(k.startswith("opt_state.") and f".{p}." in f"{k}." for k in keys)}
-    lost = [k for k in unexpected if _makes_state_later(like) and k.startswith("opt_state.")
+    later = _makes_state_later(like)
+    lost = [k for k in unexpected if later and k.startswith("opt_state.")
             and any(f".{p}." in f"{k}." for p in own if p not in stateful)]
     if lost:
         raise ValueError(

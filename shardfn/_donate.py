@@ -102,11 +102,11 @@ class _Refuse:
 
 
 def _rebuild(local: torch.Tensor, spec: Any, requires_grad: bool) -> DTensor:
-    _refuse_another_job(spec, local)
+    _refuse_another_job(spec)
     return wrap(local, spec, requires_grad)
 
 
-def _refuse_another_job(spec: Any, local: torch.Tensor) -> None:
+def _refuse_another_job(spec: Any) -> None:
     """A DTensor pickled (`torch.save` of a state) in a job of another layout: its mesh names ranks
     this job does not have, or leaves this rank out, and its shard is another rank's share. Such a
     file holds one rank's shards; `sf.save` / `sf.load` reshard (the check: before anything is used)."""

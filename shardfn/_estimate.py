@@ -1149,6 +1149,7 @@ def _optimizer_bytes(opt, treespec, shapes: list, probe_bytes: int) -> tuple[int
     st = opt.init(ptree)
     step_ = in_place(opt, "step_")
     counter = _Counter()
+    made = 0  # state the update made and left alive (torch's optimizers make theirs at the first step)
     # What exists before the update is not its memory (an in-place op returns its input; torch's
     # optimizers detach the gradients they are given).
     counter.known(x._local_tensor if isinstance(x, DTensor) else x for x in optree.tree_leaves((small, grads, st), none_is_leaf=True))
@@ -1164,11 +1165,7 @@ def _optimizer_bytes(opt, treespec, shapes: list, probe_bytes: int) -> tuple[int
                 del updates, st2, new
     except Exception:  # noqa: BLE001 - an optimizer that needs more than plain tensors: count one update's worth
         return state_bytes, 2 * total
-    # What the update made and left alive is state made at the first step (torch's optimizers,
-    # wrapped by `from_torch`, make theirs then, not at `init`): counted as state, the rest of the
-    # update's peak as its temporaries.
-    if step_ is None:
-        made = 0
+    # What the update made and left alive is state (counted as such), the rest of its peak temporaries.
     return state_bytes + int(made / f), int((counter.peak - made) / f)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Callable, NamedTuple, Optional, Union
 
-import optree
 import torch
 
+from .._tree import tree_flatten_with_paths
 from ._base import EmptyState, GradientTransformation, OptState, Params, Updates, transformation
 from ._local import bump, clone, flatten, flatten_as, foreach, locals_, new_count, unflatten, zeros_like
 from ._norm import global_norm
@@ -151,9 +151,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 def _refuse_complex(params: Params, what: str) -> None:
     """Adam's second moment of a complex value: torch.optim takes the real and imaginary parts as
     two reals (`view_as_real`), a plain `u * u` would square the complex number: refused."""
-    for path, x in zip(*optree.tree_flatten_with_path(params, none_is_leaf=True)[:2]):
+    paths, leaves, _ = tree_flatten_with_paths(params, none_is_leaf=True)
+    for name, x in zip(paths, leaves):
         if isinstance(x, torch.Tensor) and x.is_complex():
-            name = ".".join(str(k) for k in path)
             raise NotImplementedError(
                 f"{what}: leaf {name!r} is {x.dtype}, and complex leaves are not supported yet (torch.optim.Adam treats "
                 "the real and imaginary parts as two reals). Use sf.optim.from_torch(torch.optim.AdamW, ...), or hold "
