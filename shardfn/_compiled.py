@@ -70,8 +70,9 @@ tensor-parallel steering inside their graphs:
 Sequence parallelism (`activation_specs`) and a mesh with tp and cp axes are refused with
 `NotImplementedError` where the step is built.
 
-A step whose units' forwards never run (units that are containers, a `ModuleDict` whose children
-the parent calls) compiles nothing: the first such step warns. Not compiled yet: the step as one graph
+A step whose units' forwards never run (the parent calls a unit's children, not the unit)
+compiles nothing: the first such step warns. (A container, which has no forward, is not a unit:
+Note [containers are not units] in `_functional.py`.) Not compiled yet: the step as one graph
 (collectives inside, bucketed by the compiler).
 
 Note [compiled code in a step]
@@ -303,8 +304,8 @@ class CompiledUnits:
             self.warned_no_call = True
             warnings.warn(
                 f"compile=True compiled nothing in this step: no unit's forward ran (units {[n for n, _ in self.modules][:4]}). "
-                "A unit that is a container (an nn.ModuleDict or ModuleList whose children its parent calls) has no forward "
-                "of its own to compile: name the modules that are called as units, or leave compile=False",
+                "A unit whose parent calls its children, not the unit itself, runs no forward of its own to compile: name "
+                "the modules that are called as units, or leave compile=False",
                 UserWarning,
                 stacklevel=4,
             )

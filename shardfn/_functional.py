@@ -14,6 +14,8 @@ the hooks cost one lookup.
 
 from __future__ import annotations
 
+import re
+import warnings
 import weakref
 from typing import Any, Sequence
 
@@ -272,6 +274,7 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
     if patterns and not unit_names:
         names = [n for n, _ in module.named_modules() if n][:8]
         raise ValueError(f"units {units!r} match no submodule; submodule paths look like {names}")
+    unit_names = _without_containers(module, unit_names, units)
 
     aliases: dict[str, list[str]] = {}
     first_path: dict[int, str] = {}
@@ -318,6 +321,53 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
         sub.register_forward_hook(post)
     register(info)
     return Apply(info), params
+
+
+# Note [containers are not units]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A unit is gathered when its module's forward starts and freed when it ends (Note [unit
+# schedule] in `_engine.py`). A container (an `nn.ModuleList` or `nn.ModuleDict`, any module
+# without a forward of its own) is never called: its parent calls its children, and may call
+# different ones on different ranks (a mixture of experts routes each rank's tokens to its own
+# experts). As a unit it would have no point in the forward where every rank gathers it, and each
+# read of its leaves would be a collective of its own, issued on the ranks whose code made it: the
+# ranks' collectives would differ and the job abort. FSDP2 refuses such a module. Here a container
+# that `units=` matches is not made a unit: its leaves belong to the unit that holds it, or to the
+# root, gathered with it and read in place, whichever children each rank calls. The numbers are
+# those of the model; what is lost is the memory a unit of its own would have saved, which a
+# warning says, with the fix: match the modules that are called (`r"experts\.\d+"`), or give the
+# container a forward.
+def _is_container(module: nn.Module) -> bool:
+    return type(module).forward is nn.Module.forward
+
+
+def _children_pattern(module: nn.Module, name: str) -> str:
+    """A `units=` pattern for the children of container `name`: what to match instead of it."""
+    keys = [k for k, _ in module.get_submodule(name).named_children()]
+    tail = r"\d+" if keys and all(k.isdigit() for k in keys) else r"\w+"
+    return re.escape(name) + r"\." + tail
+
+
+def _without_containers(module: nn.Module, unit_names: list[str], units: Any) -> list[str]:
+    """`unit_names` less the containers among them (Note [containers are not units]), with a warning."""
+    containers = [n for n in unit_names if _is_container(module.get_submodule(n))]
+    if not containers:
+        return unit_names
+    kept = [n for n in unit_names if n not in containers]
+    holder = {n: (kept[i] if (i := unit_of_module(n, kept)) >= 0 else "the root") for n in containers}
+    kinds = sorted({type(module.get_submodule(n)).__name__ for n in containers})
+    shown = ", ".join(f"{n!r} -> {h if h == 'the root' else repr(h)}" for n, h in list(holder.items())[:4])
+    warnings.warn(
+        f"units {units!r} match {len(containers)} module(s) with no forward of their own ({'/'.join(kinds)}: {shown}"
+        f"{' and more' if len(containers) > 4 else ''}), which are never called, so they cannot be units: their "
+        "parameters join the unit that holds them, or the root, gathered with it and read in place by whichever "
+        "children each rank calls (Note [containers are not units] in shardfn/_functional.py). To gather them on "
+        f"their own, match the modules that are called (r'{_children_pattern(module, containers[0])}'), or give the "
+        "container a forward",
+        UserWarning,
+        stacklevel=3,
+    )
+    return kept
 
 
 def to_state_dict(tree: Any, apply: Apply | None = None) -> dict[str, torch.Tensor]:

@@ -754,16 +754,25 @@ def test_a_new_sequence_length_on_a_tensor_parallel_mesh_is_a_new_graph(pools):
 
 
 def test_compile_warns_when_no_unit_forward_runs():
-    """Units that are containers (a ModuleDict whose children the parent calls) have no forward of
-    their own: compile=True would compile nothing; it says so."""
+    """Units whose forward the model never calls (the parent calls their children) have nothing to
+    compile: compile=True would compile nothing; it says so. (Containers, which have no forward at
+    all, are not units: Note [containers are not units].)"""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return x + self.fc(x)
+
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict(dict(fc=torch.nn.Linear(4, 4))) for _ in range(2))
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
 
         def forward(self, x):
             for b in self.blocks:
-                x = x + b["fc"](x)
+                x = x + b.fc(x)
             return x.pow(2).mean()
 
     torch.manual_seed(0)

@@ -301,10 +301,11 @@ def _build(case):
     return model
 
 
-def _reference(case, world):
+def _reference(case, world, sgd: bool = False):
     model = _build(case)
     params = nest(model.named_parameters())
-    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if _trained(model, n, case)], lr=LR, eps=EPS, weight_decay=WD)
+    trained = [p for n, p in model.named_parameters() if _trained(model, n, case)]
+    opt = torch.optim.SGD(trained, lr=LR, momentum=0.9) if sgd else torch.optim.AdamW(trained, lr=LR, eps=EPS, weight_decay=WD)
     losses = []
     for i in range(STEPS):
         total = 0.0
@@ -374,6 +375,90 @@ def test_user_patterns_are_exact(pools, strategy, world):
         for name, (loss_err, param_err, frozen_kept) in rank_result.items():
             assert loss_err < 1e-5 and param_err < 1e-5, (name, loss_err, param_err)
             assert frozen_kept, name
+
+
+class _Routed(nn.Module):
+    """Top-1 routing of whole sequences to three experts kept in an nn.ModuleList: with two sequences
+    a rank, each rank calls the experts its own sequences go to, and the ranks' sets differ."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, 3)
+        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+        self.used: list = []
+
+    def forward(self, h):
+        e = self.router(h.mean(1)).argmax(-1)
+        self.used.append(sorted(set(e.tolist())))
+        out = torch.zeros_like(h)
+        for k in range(3):
+            m = e == k
+            if m.any():
+                out[m] = self.experts[k](h[m])
+        return h + torch.tanh(out)
+
+
+class MoENet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(ln=nn.LayerNorm(D), moe=_Routed())) for _ in range(2))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for b in self.blocks:
+            h = b["moe"](b["ln"](h))
+        return self.head(h)
+
+
+# units= naming containers (Note [containers are not units]): the experts' list alone (-> the root),
+# the list inside a unit that is called (-> that unit), and blocks that are ModuleDicts (-> the root).
+CONTAINER_UNITS = {
+    "experts": r"blocks\.\d+\.moe\.experts",
+    "experts_in_a_unit": [r"blocks\.\d+\.moe", r"blocks\.\d+\.moe\.experts"],
+    "blocks_that_are_dicts": r"blocks\.\d+",
+}
+
+
+def rank_containers_as_units(strategy: str) -> dict:
+    """Experts routed differently on each rank, with `units=` naming containers: exact, where the
+    experts' list as a unit of its own aborted the job (each rank gathering the experts it read)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = dict(build=lambda: MoENet())
+    # SGD: an expert no rank routes to in a step keeps its value and momentum, as in torch.optim; Adam's
+    # bias correction would count the skipped step (one step count for all leaves, Note [leaves
+    # without a gradient] in shardfn/_train.py)
+    ref, ref_losses = _reference(case, world, sgd=True)
+    out = {}
+    for name, units in CONTAINER_UNITS.items():
+        model = _build(case)
+        with pytest.warns(UserWarning, match="no forward of their own") as seen:
+            apply, params = sf.functionalize(model, units=units)
+        step = sf.train_step(lambda p, x: ce(apply(p, x), x), sf.optim.sgd(LR, momentum=0.9), _mesh(strategy, world), strategy=strategy)
+        state = step.init(params)
+        losses = []
+        for i in range(STEPS):
+            state, m = step(state, batch(i, world).chunk(world)[rank])
+            losses.append(m["loss"].item())
+        used = [b["moe"].used for b in model.blocks]
+        out[name] = dict(err=_param_err(state, ref), loss=max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
+                         used=used, warning=str(seen[0].message))
+    return out
+
+
+@pytest.mark.parametrize("world,strategy", [(2, "full_shard"), (3, "shard_grad_op"), (2, "hybrid_shard")])
+def test_units_that_are_containers_train_exactly(pools, world, strategy):
+    results = pools(world).run(rank_containers_as_units, strategy)
+    for name in CONTAINER_UNITS:
+        for r in results:
+            assert r[name]["err"] < 1e-5 and r[name]["loss"] < 1e-5, (name, r[name])
+        # the ranks called different experts in some step: a collective per read would not match
+        used = [r[name]["used"] for r in results]
+        assert any(len({repr(u[b][i]) for u in used}) > 1 for b in range(2) for i in range(STEPS)), (name, used)
+    warning = results[0]["experts"]["warning"]
+    assert "'blocks.0.moe.experts' -> the root" in warning and r"r'blocks\.0\.moe\.experts\.\d+'" in warning, warning
+    assert "'blocks.0.moe.experts' -> 'blocks.0.moe'" in results[0]["experts_in_a_unit"]["warning"]
 
 
 # -- refusals, failures and what follows them -----------------------------------------------------
