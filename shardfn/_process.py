@@ -28,7 +28,7 @@ returns inside a backward before it reads `_functorch._transforms`.
 | `_mesh._AXES_GROUPS` | per mesh (by identity, `ByMesh`): the process group over several of its axes | process groups |
 | `_manual._GROUPS` | per mesh (by identity) and axes named in `sf.shard_map` collectives: the process group over them | process groups |
 | `_checkpoint._background_group`, `_in_flight` | background saves' group, the save running | process groups, process |
-| `_watch._WATCH`, `WHERE`, `FAILED_HERE`, `TOLD`, `RETURNED`, `_STEP_FAILED`, `_LINGER`, `PG_TIMEOUT_S` | fail fast: the watch thread and the stores, where this rank is, whether it failed, was told of a failure or returned | process |
+| `_watch._WATCH`, `WHERE`, `FAILED_HERE`, `TOLD`, `RETURNED`, `_STEPS_ENDED`, `_STEP_FAILED`, `_LINGER`, `PG_TIMEOUT_S` | fail fast: the watch thread and the stores, where this rank is, whether it failed, was told of a failure or returned, the steps it ended and the last if it raised | process |
 | `_layouts._ASKING` | how many asked-for relayouts (`sf.constrain`, sequence parallelism's gathers) are moving data now: their gathers are no fallback | process |
 | `_models.REGISTRY` | the live functionalized models (weakly held) | cache |
 | `_functorch._transforms` | the torch.func transforms `sf.gather` ran under, weakly held, read only in a forward to name a sharded leaf read directly | cache |

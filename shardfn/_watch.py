@@ -696,7 +696,12 @@ def report_failure(exc: BaseException) -> None:
 
 def report_step(exc: BaseException | None) -> None:
     """Records that this rank's train step raised `exc` (None: a step succeeded since). The caller
-    may catch it and go on; a peer left waiting on this rank in vain then learns why (`explain`)."""
+    may catch it and go on; a peer left waiting on this rank in vain then learns why (`explain`).
+
+    Every step that ends is counted, and a failure is recorded with its step's number: a step that
+    raised on every rank (a refusal the ranks agreed on, a user error each rank met) leaves them in
+    step, and is no explanation of a later stall (Note [out of step])."""
+    _STEPS_ENDED[0] += 1
     w = _WATCH[0] if _WATCH else None
     if w is None or (exc is None and not _STEP_FAILED[0]):
         return
@@ -704,13 +709,32 @@ def report_step(exc: BaseException | None) -> None:
         return
     if exc is None:
         w.delete(f"stepfailed/{w.rank}")
-        _STEP_FAILED[0] = False
+        _STEP_FAILED[0] = 0
     else:
-        w.set(f"stepfailed/{w.rank}", exception_text(exc))
-        _STEP_FAILED[0] = True
+        w.set(f"stepfailed/{w.rank}", f"{_STEPS_ENDED[0]} {exception_text(exc)}")
+        _STEP_FAILED[0] = _STEPS_ENDED[0]
 
 
-_STEP_FAILED = [False]  # whether this rank's last step raised (its record is in the store)
+_STEPS_ENDED = [0]  # how many train steps this rank has ended, each way
+_STEP_FAILED = [0]  # the number of this rank's last step if it raised (its record is in the store), else 0
+
+
+# Note [out of step]
+# ~~~~~~~~~~~~~~~~~~
+# A rank whose step raised, and whose code caught the exception and went on, is at another point of
+# the program than its peers: they wait in that step's collectives for it, or it waits in the next
+# step's for them. When a wait times out, that failure is the cause to name. But a step that raised
+# on every rank (the ranks ran different units, a debug-mode shape check, a refusal each rank made)
+# leaves them together, and a later stall has another cause: so a failure is named only when the
+# rank that asks did not fail the same step (the ranks count the steps they end alike: each ends
+# every step it starts, one way or the other). Taking every failure for the cause named the wrong
+# rank, and kept the stalled rank from being asked where it was.
+def _failed_step(raw: str | None) -> "tuple[int, str] | None":
+    """A `stepfailed/` record: (the step's number, what it raised)."""
+    if raw is None:
+        return None
+    n, _, what = raw.partition(" ")
+    return int(n), what
 
 
 def report_returned() -> None:
@@ -840,8 +864,8 @@ def _explain(w: _Watch, err: BaseException, op: str) -> "_Found | None":
     if v is not None:
         return _Found(v["rank"], "verdict" if v["kind"] == "failed" else v["kind"], v["text"], f"({me} stopped in {op})", True)
     # A peer whose last step raised and which went on: the root cause, even once it returned.
-    stepped = [(r, w.get(f"stepfailed/{r}")) for r in others]
-    stepped = [(r, what) for r, what in stepped if what is not None]
+    failed = {r: _failed_step(w.get(f"stepfailed/{r}")) for r in others}
+    stepped = [(r, f[1]) for r, f in failed.items() if f is not None and f[0] != _STEP_FAILED[0]]
     if stepped:
         r, what = stepped[0]
         return _Found(r, "failed", f"{w.who(r)}'s train step raised {what}, and rank {r} went on (the exception was caught)",
@@ -891,8 +915,9 @@ def _explain(w: _Watch, err: BaseException, op: str) -> "_Found | None":
             r = silent[0][0]
             return _Found(r, "stalled", f"{w.who(r)} stopped reporting (hung, or its host is gone)",
                     f"while {me} timed out in {op}{lim}")
-    if _STEP_FAILED[0]:  # this rank's own last step raised and it went on: its peers are elsewhere
-        what = w.get(f"stepfailed/{w.rank}") or "an exception"
+    alone = not all(f is not None and f[0] == _STEP_FAILED[0] for f in failed.values())
+    if _STEP_FAILED[0] and alone:  # this rank's own last step raised and it went on: its peers are elsewhere
+        what = (_failed_step(w.get(f"stepfailed/{w.rank}")) or (0, "an exception"))[1]
         return _Found(w.rank, "failed", f"{me}'s last train step raised {what}, and {me} went on (the exception was caught)",
                       f"and then failed to meet the other ranks in {op}: the ranks are out of step. Let a step's exception "
                       "end the function on every rank, or restart the processes")

@@ -371,10 +371,10 @@ def rank_unequal_gather(debug: bool) -> str:
     return "NO ERROR"
 
 
-def test_debug_mode_names_a_collective_of_unequal_shapes():
+def test_debug_mode_names_a_collective_of_unequal_shapes(pools):
     """Without debug mode gloo aborts the rank (unequal sizes in one all-gather); with it, every rank
-    raises a ValueError naming each rank's shape before anything is sent. (Ranks of their own: a
-    step that raised on every rank leaves the pool's ranks marked as having gone on after it.)"""
-    for msg in sf.launch(rank_unequal_gather, True, nprocs=2, timeout=120):
+    raises a ValueError naming each rank's shape before anything is sent. (The pool's ranks go on
+    after it, together: Note [out of step].)"""
+    for msg in pools(2).run(rank_unequal_gather, True):
         assert "sf.all_gather: the ranks passed tensors of different shapes" in msg, msg
         assert "rank 0: (3, 4) torch.float32, rank 1: (2, 4) torch.float32" in msg, msg

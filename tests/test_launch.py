@@ -605,6 +605,47 @@ def test_a_step_that_failed_on_one_rank_which_went_on_is_named():
     assert out[0][-1].startswith("RankError: rank 1's train step raised") and "in sf.gather" in out[0][-1], out
 
 
+def _every_rank_fails_a_step_then_one_stalls() -> str:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    apply, params = sf.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), units=r"\d")
+    fail = [False]
+
+    def loss_fn(p, x):
+        if fail[0]:
+            raise ValueError("planted on every rank")
+        return apply(p, x).pow(2).mean()
+
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.1), sf.mesh(dp=-1))
+    state = step.init(params)
+    for failing in (True, False, True, True):  # every rank raises, catches and goes on: still in step
+        fail[0] = failing
+        try:
+            state, _ = step(state, torch.ones(2, 4))
+        except ValueError:
+            pass
+    if rank == 1:
+        time.sleep(8)  # stalls in its own code
+        return "slept"
+    try:
+        sf.gather(state.params)
+    except sf.RankError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_step_that_failed_on_every_rank_is_not_taken_for_the_cause_of_a_later_stall():
+    """Every rank's step raised the same error, each caught it and went on (together: Note [out of
+    step]); later rank 1 stalls in its own code. Rank 0 names the stall, not the step every rank
+    failed, which once named the wrong cause and kept the stalled rank from saying where it was."""
+    said, slept = sf.launch(_every_rank_fails_a_step_then_one_stalls, nprocs=2, timeout=3)
+    assert slept == "slept"
+    assert "rank 1 stalled: it is running its own code" in said, said
+    assert "went on" not in said and "planted" not in said, said
+
+
 def test_a_rank_error_passed_on_is_named_once(tmp_path):
     """A rank's RankError, passed on by the launch, reads "RankError: rank 1 ...", not "RankError: RankError: ..."."""
     from shardfn import _launch
