@@ -338,7 +338,9 @@ def functionalize(module: nn.Module, units: str | Sequence[str] | None = None) -
 # warning says, with the fix: match the modules that are called (`r"experts\.\d+"`), or give the
 # container a forward.
 def _is_container(module: nn.Module) -> bool:
-    return type(module).forward is nn.Module.forward
+    """No forward of its own: not in its class (nn.Module's raises), nor set on it (torch.compile's
+    wrapper sets one), nor a call of its own."""
+    return type(module).forward is nn.Module.forward and "forward" not in vars(module) and type(module).__call__ is nn.Module.__call__
 
 
 def _children_pattern(module: nn.Module, name: str) -> str:
