@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -145,16 +146,22 @@ def _position(axes: tuple[str, ...], sizes: dict, coords: dict) -> int:
     return index
 
 
-def _memory(t: torch.Tensor) -> int | None:
-    """A key for the memory `t` views (None where there is none to name: meta, wrappers)."""
+def _memory(t: torch.Tensor) -> "torch.UntypedStorage | None":
+    """The storage `t` views (None where there is none to name: meta, wrappers, no data).
+
+    Note [memory written in place]: a write is remembered by the storage it went to, held weakly,
+    never by its address: torch keeps one Python object per storage for as long as the storage
+    lives, so the entry goes when the memory is given back, and a tensor allocated later at the
+    same address (an invariant value, typed varying by a write it never saw) is not confused with
+    it."""
     try:
         t = torch._C._functorch.get_unwrapped(t) if torch._C._functorch.is_functorch_wrapped_tensor(t) else t
         if t.device.type == "meta" or isinstance(t, torch.distributed.tensor.DTensor):
             return None
-        ptr = t.untyped_storage().data_ptr()
+        storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError, AttributeError):
         return None
-    return ptr or None
+    return storage if storage.data_ptr() else None
 
 
 class Region:
@@ -173,7 +180,8 @@ class Region:
         self.collectives = 0  # named collectives called in the region
         self.paused = False
         self._mode: "_Tracking | None" = None
-        self._writes: dict[int, frozenset] = {}  # memory written in place -> the axes written into it
+        # memory written in place -> the axes written into it (Note [memory written in place])
+        self._writes: "weakref.WeakKeyDictionary[torch.UntypedStorage, frozenset]" = weakref.WeakKeyDictionary()
 
     def track(self) -> None:
         """Starts typing the calls made in the region from here on (Note [varying axes])."""

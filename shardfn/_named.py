@@ -212,12 +212,25 @@ class _Collective(torch.autograd.Function):
 
 
 class _Extremum(torch.autograd.Function):
-    """pmax / pmin: the gradient goes to the ranks that hold the extremum, shared among ties."""
+    """pmax / pmin: the gradient goes to the ranks that hold the extremum, shared among ties. A NaN
+    on any rank makes the result NaN there, as `torch.amax` of the global value does, whichever
+    rank holds it (a reduction that compared NaNs would give the other ranks' value or not,
+    by rank order)."""
 
     @staticmethod
     def forward(x: torch.Tensor, group: AxisGroup, op: str, what: str) -> torch.Tensor:  # type: ignore[override]
         def run(t: torch.Tensor) -> torch.Tensor:
-            return C.all_reduce_blocking(t.detach().contiguous().clone(), group.group, what, op)
+            t = t.detach().contiguous()
+            if not t.is_floating_point():
+                return C.all_reduce_blocking(t.clone(), group.group, what, op)
+            # One reduction of the values (NaNs out of the comparison) and of NaN flags (+1 under a
+            # max, -1 under a min: the flag of any rank wins either way).
+            nan = torch.isnan(t)
+            sign = 1.0 if op == "max" else -1.0
+            both = torch.cat([t.masked_fill(nan, -sign * float("inf")).reshape(-1), (sign * nan.to(t.dtype)).reshape(-1)])
+            both = C.all_reduce_blocking(both, group.group, what, op)
+            n = t.numel()
+            return both[:n].view(t.shape).masked_fill(both[n:].view(t.shape) != 0, float("nan"))
 
         if isinstance(x, DTensor):
             if any(p.is_partial() for p in x.placements):
@@ -229,25 +242,34 @@ class _Extremum(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
         x, ctx.group, _, ctx.what = inputs
-        ctx.save_for_backward(x, output)
-        ctx.save_for_forward(x, output)
+        # Which elements hold the extremum, not the output itself: a write into the result in place
+        # (`m.mul_(2)`, as any collective's result allows) leaves the backward what it needs.
+        hit = (x == output).to(x.dtype)
+        ctx.save_for_backward(hit)
+        ctx.save_for_forward(hit)
 
     @staticmethod
-    def _share(ctx, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        hit = (x == out).to(x.dtype)
+    def _share(ctx, hit: torch.Tensor) -> torch.Tensor:
         with torch._C._DisableFuncTorch():
             count = C.all_reduce_blocking(hit.detach().clone(), ctx.group.group, ctx.what)
         return hit / count
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        x, out = ctx.saved_tensors
-        return grad * _Extremum._share(ctx, x, out), None, None, None
+        (hit,) = ctx.saved_tensors
+        return grad * _Extremum._share(ctx, hit), None, None, None
 
     @staticmethod
     def jvp(ctx, tangent: torch.Tensor, *_: None) -> torch.Tensor:  # type: ignore[override]
-        x, out = ctx.saved_tensors
-        return _Collective.apply(tangent * _Extremum._share(ctx, x, out), _Sum(ctx.group, ctx.what))
+        (hit,) = ctx.saved_tensors
+        return _Collective.apply(tangent * _Extremum._share(ctx, hit), _Sum(ctx.group, ctx.what))
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, op, what):  # type: ignore[override]
+        """Elementwise over ranks: a batch dim is one more dim of the operand (every rank's the same)."""
+        if in_dims[0] is None:
+            return _Extremum.apply(x, group, op, what), None
+        return _Extremum.apply(x.movedim(in_dims[0], 0), group, op, what), 0
 
 
 def lift(reg: Region, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
@@ -402,6 +424,8 @@ def psum_scatter(x: torch.Tensor, axis: "str | Sequence[str]", dim: int = 0, til
     with `tiled=True`, `dim` is cut in `axis_size` equal pieces. Its transpose is `all_gather`."""
     reg, axes = axis_names(axis, "psum_scatter")
     x = _tensor(x, "psum_scatter")
+    if x.dtype == torch.bool:  # a sum of bools: gloo would OR them (as sf.psum, refused)
+        raise ValueError("sf.psum_scatter of a bool tensor: cast it first (x.int() to count)")
     dim = _dim(dim, x.ndim, "psum_scatter", "dim")
     group = axis_group(reg.mesh, axes)
     n = x.shape[dim]
