@@ -19,6 +19,8 @@ units (one per `blocks.N`):
                      init_device_mesh("cpu", (world,)); torch.optim.AdamW(fused=True)
   ddp                DistributedDataParallel(forward_sync_buffers=False, gradient_as_bucket_view=True);
                      torch.optim.AdamW(fused=True)
+  shardfn_step       (opt-in) sf.train_step(..., compile="step"): the forward and backward as one
+                     Inductor graph, the gathers and reduce-scatters inside it
   step_graph         (not shardfn; opt-in) the whole step as one graph, a plain-torch prototype of
                      SimpleFSDP's design: DTensor parameters gathered inside the compiled forward,
                      the gathers recomputed in the backward, Inductor bucketing the collectives
@@ -95,11 +97,12 @@ NAMES = {
     "fsdp2": "FSDP2",
     "ddp": "DDP",
     "shardfn_compile": "shardfn full_shard compile=True",
+    "shardfn_step": "shardfn full_shard compile=\"step\" (the step as one graph)",
     "fsdp2_compile": "FSDP2 + per-block torch.compile",
     "ddp_compile": "DDP + torch.compile",
     "step_graph": "whole step as one graph (prototype, plain torch)",
 }
-COMPILED = ("shardfn_compile", "fsdp2_compile", "ddp_compile", "step_graph")  # Inductor (C++ on CPU); the first step compiles
+COMPILED = ("shardfn_compile", "shardfn_step", "fsdp2_compile", "ddp_compile", "step_graph")  # Inductor (C++ on CPU); the first step compiles
 STRATEGY = {"shardfn": "full_shard", "shardfn_no_shard": "no_shard"}
 
 
@@ -175,7 +178,7 @@ def _functional(model: str, cfg: dict):
 
 
 class _Shardfn(_Impl):
-    def __init__(self, model: str, cfg: dict, strategy: str, compile: bool = False):
+    def __init__(self, model: str, cfg: dict, strategy: str, compile: bool | str = False):
         import shardfn as sf
 
         self.kind = "shardfn"
@@ -324,6 +327,8 @@ def _make(impl: str, model: str, cfg: dict, **kw) -> _Impl:
         return _Shardfn(model, cfg, STRATEGY[impl])
     if impl == "shardfn_compile":
         return _Shardfn(model, cfg, "full_shard", compile=True)
+    if impl == "shardfn_step":
+        return _Shardfn(model, cfg, "full_shard", compile="step")
     if impl in COMPILED:
         return _Torch(model, cfg, impl.removesuffix("_compile"), compile=True, **kw)
     return _Torch(model, cfg, impl, **kw)
@@ -723,7 +728,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--models", default=MODELS, help="comma-separated: mlp,gpt,deep")
     p.add_argument("--world", type=int, default=WORLD)
     p.add_argument("--impls", default=IMPLS, help="comma-separated: shardfn,shardfn_vg,shardfn_no_shard,fsdp2,ddp, "
-                   "and compiled: shardfn_compile,fsdp2_compile,ddp_compile, and step_graph (the whole step as one "
+                   "and compiled: shardfn_compile,shardfn_step,fsdp2_compile,ddp_compile, and step_graph (the whole step as one "
                    "graph, a plain-torch prototype of SimpleFSDP's design)")
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--steps", type=int, default=STEPS)
@@ -818,7 +823,7 @@ def main() -> None:
                 r["sent_mb"] = max(o["ddp_hook_bytes_per_step"] + o["py_bytes_per_step"] for o in out) / 1e6
                 r["sent_how"] = (f"comm hook: {out[0]['ddp_buckets_per_step']} bucket(s) all-reduced "
                                  f"(+ Python-visible: {out[0]['py_names'] or 'none'})")
-            elif impl == "step_graph":
+            elif impl in ("step_graph", "shardfn_step"):
                 r["sent_mb"] = float("nan")
                 r["sent_how"] = "functional collectives inside the compiled graph: not counted"
             else:
@@ -901,7 +906,7 @@ def _report(args, res, floors, notes, profiles, wall) -> None:
         print("|---|---|---:|---:|---:|")
         for model, impl in compiled:
             rows = res[model]
-            eager = rows.get(impl.removesuffix("_compile") if impl != "shardfn_compile" else "shardfn")
+            eager = rows.get(impl.removesuffix("_compile") if impl not in ("shardfn_compile", "shardfn_step") else "shardfn")
             speed = _fmt(eager["median_ms"] / rows[impl]["median_ms"], 2) if eager is not None else "-"
             print(f"| {model.upper()} | {NAMES[impl]} | {_fmt(rows[impl].get('first_ms', float('nan')) / 1000, 1)} | "
                   f"{_fmt(rows[impl]['median_ms'])} | {speed} |")

@@ -72,8 +72,8 @@ Sequence parallelism (`activation_specs`) and a mesh with tp and cp axes are ref
 
 A step whose units' forwards never run (the parent calls a unit's children, not the unit)
 compiles nothing: the first such step warns. (A container, which has no forward, is not a unit:
-Note [containers are not units] in `_functional.py`.) Not compiled yet: the step as one graph
-(collectives inside, bucketed by the compiler).
+Note [containers are not units] in `_functional.py`.) The whole step as one graph, collectives
+inside, is `compile="step"` (Note [the step as one graph] in `_step_graph.py`).
 
 Note [compiled code in a step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -160,9 +160,11 @@ def compile_options(compile: Any, where: str) -> dict | None:
     """The `torch.compile` options of a `compile=` setting: None for False (eager).
 
     Args:
-        compile: the `compile=` argument: False, True, or a dict of `torch.compile` options
-            (`fullgraph`, `dynamic`, `backend`, `mode`, `options`, `disable`); True is
-            `{"fullgraph": True}`, and a dict is taken over that.
+        compile: the `compile=` argument: False, True, "step", or a dict of `torch.compile` options
+            (`fullgraph`, `dynamic`, `backend`, `mode`, `options`, `disable`, and `step`); True is
+            `{"fullgraph": True}`, "step" `{"fullgraph": True, "step": True}` (the whole step as
+            one graph, Note [the step as one graph] in `_step_graph.py`), and a dict is taken over
+            the first.
         where: what the option was given to, for messages (`"sf.train_step"`).
 
     Raises:
@@ -173,8 +175,10 @@ def compile_options(compile: Any, where: str) -> dict | None:
         return None
     if compile is True:
         return {"fullgraph": True}
+    if compile == "step":  # Note [the step as one graph] in `_step_graph.py`
+        return {"fullgraph": True, "step": True}
     if isinstance(compile, dict):
-        bad = sorted(k for k in compile if k not in _TORCH_COMPILE_KEYS)
+        bad = sorted(k for k in compile if k not in (*_TORCH_COMPILE_KEYS, "step"))
         if bad:
             raise ValueError(
                 f"{where}(..., compile={compile!r}): {bad} are not torch.compile options; use some of "
@@ -183,8 +187,8 @@ def compile_options(compile: Any, where: str) -> dict | None:
         _refuse_cuda_graphs(compile, where)
         return {"fullgraph": True, **compile}
     raise ValueError(
-        f"{where}(..., compile={compile!r}): compile must be False (the default), True, or a dict of "
-        "torch.compile options"
+        f"{where}(..., compile={compile!r}): compile must be False (the default), True (each unit compiled), \"step\" "
+        "(the whole step as one graph), or a dict of torch.compile options (with \"step\": True for the whole step)"
     )
 
 

@@ -38,7 +38,9 @@ from ._remat import install as install_remat
 from ._rng import RANDOMNESS, folded
 from ._remat import select_units
 from ._shard import gather
+from ._loss import add_loss, loss_of, split_batch, split_loss
 from ._step_layout import StepLayout
+from ._step_graph import WholeStep, refuse_unsupported, step_option
 from ._held import HeldTree
 from ._tp import TensorParallel
 from .optim._norm import local_sumsq
@@ -78,26 +80,6 @@ class MixedPrecision:
 _MP_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
-def _loss_of(out: Any) -> Any:
-    """The loss of what `loss_fn` returned, as it returned it (a DTensor under tensor parallel)."""
-    return out[0] if isinstance(out, tuple) and len(out) == 2 else out
-
-
-def _split_loss(out: Any) -> tuple[torch.Tensor, Any]:
-    if isinstance(out, tuple) and len(out) == 2:
-        loss, aux = out
-    else:
-        loss, aux = out, None
-    if isinstance(loss, DTensor):  # tensor parallel: the loss every tp rank computed
-        loss = C.full_tensor(loss, "the loss")
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(f"loss_fn must return a scalar tensor (or (loss, aux)), got {type(loss).__name__} {getattr(loss, 'shape', '')}")
-    loss = loss.reshape(())
-    if not loss.requires_grad:
-        raise ValueError("the loss does not depend on the params: loss_fn must compute it from its `params` argument")
-    return loss, aux
-
-
 def _rng_state(device_type: str) -> tuple:
     return torch.get_rng_state(), torch.cuda.get_rng_state() if device_type == "cuda" else None
 
@@ -113,32 +95,6 @@ def _empty_share(batch: Any) -> bool:
     an empty first dim, and there is one at least."""
     dims = [x.shape[0] for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.dim() > 0]
     return bool(dims) and not any(dims)
-
-
-def _split_batch(batch: Any, k: int) -> list[Any]:
-    if k == 1:
-        return [batch]
-    leaves, spec = optree.tree_flatten(batch)
-    parts = []
-    for x in leaves:
-        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % k:
-            got = f"a tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__} leaf"
-            raise ValueError(
-                f"accumulation_steps={k} splits every batch leaf along dim 0 in {k} equal parts; got {got}. "
-                f"Pass a batch of tensors whose first dim is a multiple of {k} (bind constants into loss_fn instead)"
-            )
-        parts.append(x.chunk(k))
-    firsts = sorted({int(x.shape[0]) for x in leaves})
-    if len(firsts) > 1:  # a leaf that is no example per row (class weights, a shared matrix) would be cut too
-        paths = optree.tree_paths(batch)
-        shown = ", ".join(f"{''.join(f'[{p!r}]' for p in path) or '(the batch)'}: {tuple(x.shape)}" for path, x in zip(paths, leaves))
-        raise ValueError(
-            f"accumulation_steps={k} splits every batch leaf along dim 0 into {k} micro-batches, and the leaves' first "
-            f"dims differ ({shown}), so some leaf is not one example per row: it would be cut too. Give every batch leaf "
-            "the examples on dim 0, and bind what is shared by all of them (class weights, a mask, a table) into "
-            "loss_fn instead"
-        )
-    return [optree.tree_unflatten(spec, [p[i] for p in parts]) for i in range(k)]
 
 
 class Gradients(NamedTuple):
@@ -205,8 +161,10 @@ class GradientCore:
         self.group_bytes = GROUP_BYTES if group_bytes is None else group_bytes
         self.keep_last_unit = keep_last_unit
         self.off_schedule = False  # Note [steps off the unit schedule]
-        self.compile = compile  # torch.compile options, or None (Note [compiled units] in `_compiled.py`)
+        # torch.compile options (Note [compiled units]); whether the step is one graph (Note [the step as one graph])
+        self.compile, self.whole_step = step_option(compile)
         self.compiled: CompiledUnits | None = None
+        self.step_graph: WholeStep | None = None
         # Note [activation layouts] in `_layouts.py`: checked here, hooked at build.
         self.layouts = ActivationSpecs(activation_specs) if activation_specs is not None else None
         if compile is not None and activation_specs is not None:
@@ -216,8 +174,10 @@ class GradientCore:
             )
         self.layout = StepLayout(mesh, specs, strategy, self.mp, offload, self.group_bytes, keep_last_unit,
                                  accumulation_steps, accumulation)
-        if compile is not None and self.layout.tp_axis is not None:
-            self.compile = on_tensor_parallel(compile, tuple(mesh.mesh_dim_names or ()), self.layout.tp_size, self.mp)
+        if self.whole_step:
+            refuse_unsupported(self)
+        elif compile is not None and self.layout.tp_axis is not None:
+            self.compile = on_tensor_parallel(self.compile, tuple(mesh.mesh_dim_names or ()), self.layout.tp_size, self.mp)
         self.engine: Engine | None = None
         self.tp: TensorParallel | None = None
         self._tp_batch_checked = False
@@ -343,10 +303,13 @@ class GradientCore:
             return
         if info is None:
             raise NotImplementedError(
-                "compile=True compiles the units of a model from sf.functionalize; this tree belongs to no functionalized "
-                "model (a loss_fn over plain tensors): functionalize the model, or leave compile=False"
+                "compile=True (and \"step\") compiles the units of a model from sf.functionalize; this tree belongs to no "
+                "functionalized model (a loss_fn over plain tensors): functionalize the model, or leave compile=False"
             )
-        self.compiled = CompiledUnits(info, self.compile)
+        if self.whole_step:
+            self.step_graph = WholeStep(self, info, self.compile)
+        else:
+            self.compiled = CompiledUnits(info, self.compile)
 
     def _install_remat(self, info: Any) -> None:
         """Wraps the forward of each unit `remat` chooses (`_remat.py`)."""
@@ -426,6 +389,8 @@ class GradientCore:
         if changed:
             self._buffers.sync([x > 0 for x in flags[n_had : n_had + n_buf]], [x > 0 for x in flags[n_had + n_buf :]])
         aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux, none_is_leaf=True)
+        if self.step_graph is not None and not self.off_schedule:
+            self.step_graph.ready = True  # the first step ran eager (Note [the step as one graph])
         return Gradients(self.held.grads, loss_mean, grad_norm, skip, aux)
 
     def _draws(self):
@@ -438,6 +403,8 @@ class GradientCore:
     def _gradients_scheduled_or_gathered(self, batch: Any) -> tuple[torch.Tensor, Any]:
         """The step on the unit schedule; if the model leaves it (Note [steps off the unit
         schedule]), the same step again, with the same random draws and buffers, on the gathered tree."""
+        if self.step_graph is not None and self.step_graph.ready:
+            return self.step_graph.gradients(batch)
         rng = _rng_state(self.mesh.device_type)
         try:
             return self._gradients_on_schedule(batch)
@@ -476,14 +443,14 @@ class GradientCore:
         tp = self.tp.context() if self.tp is not None else contextlib.nullcontext()
         try:
             with _runtime.activate(engine), torch.enable_grad(), tp, _debug.reads_checked(skip=self.compiled is not None):
-                for m, micro in enumerate(_split_batch(batch, k)):
+                for m, micro in enumerate(split_batch(batch, k)):
                     last = m == k - 1
                     engine.begin(accumulate=m > 0 and not local, reduce=last or not local)
                     with step_region(self.mesh, self.layout.data_axes, lift) as reg:
                         out = self.loss_fn(engine.user_tree, micro)
-                        spread = reg.spread(_loss_of(out))  # Note [named collectives in a step]
-                        loss, aux = _split_loss(out)
-                    loss_sum = _add_loss(loss_sum, loss)
+                        spread = reg.spread(loss_of(out))  # Note [named collectives in a step]
+                        loss, aux = split_loss(out)
+                    loss_sum = add_loss(loss_sum, loss)
                     engine.end_forward()
                     torch.autograd.backward(loss * (scale * self.layout.data_world / spread))
                     engine.end()
@@ -516,12 +483,12 @@ class GradientCore:
             trained = [x for x, t in zip(leaves, self.trained) if t]
             sums: list = [None] * len(trained)
             try:
-                for micro in _split_batch(batch, k):
+                for micro in split_batch(batch, k):
                     with step_region(self.mesh, self.layout.data_axes, lift) as reg:
                         out = self.loss_fn(full, micro)
-                        spread = reg.spread(_loss_of(out))
-                        loss, aux = _split_loss(out)
-                    loss_sum = _add_loss(loss_sum, loss)
+                        spread = reg.spread(loss_of(out))
+                        loss, aux = split_loss(out)
+                    loss_sum = add_loss(loss_sum, loss)
                     grads = torch.autograd.grad(loss * (scale * self.layout.data_world / spread), trained, allow_unused=True, retain_graph=k > 1)
                     sums = [g if s is None else s if g is None else s + g for s, g in zip(sums, grads)]
             except RuntimeError as e:
@@ -633,15 +600,6 @@ def _explain(e: BaseException, off_schedule: bool = False) -> BaseException | No
             f"of remat= ({msg.splitlines()[0]})"
         )
     return None
-
-
-def _add_loss(total: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
-    """`total` + `loss` (detached), in the loss's dtype or float32 if that is narrower: an fp64
-    loss is reported in fp64, a bf16 one in fp32 (`metrics["grad_norm"]` is in the gradients'
-    dtype, fp32 at least)."""
-    x = loss.detach()
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
-    return x.clone() if total is None else total + x
 
 
 def trained_leaves(info: Any, paths: list[str], frozen: list, leaves: list | None = None) -> list[bool]:

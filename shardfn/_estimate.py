@@ -948,6 +948,12 @@ def estimate_memory(step: Any, params: Any, batch: Any = None, *, world: int | N
     if not (hasattr(step, "core") and hasattr(step, "opt")):
         raise ValueError(f"sf.estimate_memory takes a train step (sf.train_step(...)), got {type(step).__name__}")
     core = step.core
+    if core.whole_step:
+        raise NotImplementedError(
+            'sf.estimate_memory replays the unit schedule, and a compile="step" step runs as one graph whose memory the '
+            "compiler decides (Note [the step as one graph] in shardfn/_step_graph.py): estimate the same step without "
+            "it, or measure the compiled step's peak"
+        )
     W = core.layout.shard_world if world is None else int(world)
     if W < 1:
         raise ValueError(f"world must be a positive shard world size, got {world!r}")
@@ -982,7 +988,8 @@ def _batch_size(batch: Any) -> int | None:
 
 
 def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> MemoryEstimate:
-    from ._core import _split_batch, model_info, trained_leaves
+    from ._core import model_info, trained_leaves
+    from ._loss import split_batch
     from ._step_layout import nested_units
 
     core = step.core
@@ -1030,7 +1037,7 @@ def _estimate(step, params, batch, W: int, rank: int, probe_bytes: int) -> Memor
         context = step.context  # Note [context parallelism]: this rank's chunks, attention as the ring
         if context is not None:
             meta_batch = context.cut(meta_batch)
-        mb = _split_batch(meta_batch, k)[0]
+        mb = split_batch(meta_batch, k)[0]
         counter = _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, mb,
                             attention=context.attention if context is not None else None)
         events = counter.events

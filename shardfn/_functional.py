@@ -173,8 +173,30 @@ class Apply:
                 flat[name] = leaf
         return flat
 
-    @torch.compiler.disable(reason=_EAGER_APPLY)
     def __call__(self, params: Any, *args: Any, buffers: Any = None, **kwargs: Any) -> Any:
+        if self.info.whole_step and torch.compiler.is_compiling():  # Note [the step as one graph] in `_step_graph.py`
+            return self._traced(params, args, buffers, kwargs)
+        return self._eager(params, *args, buffers=buffers, **kwargs)
+
+    def _traced(self, params: Any, args: tuple, buffers: Any, kwargs: dict) -> Any:
+        """`apply` inside the step's graph: `params` is the nested dict of the full leaves the graph
+        gathered; the module runs through `torch.func.functional_call`, which dynamo traces."""
+        if self._method != "forward":
+            raise NotImplementedError(f'compile="step" runs apply (the forward); apply.method({self._method!r}) runs eager only')
+        flat: dict[str, torch.Tensor] = {}
+        for path in self.info.param_paths:
+            node = params
+            for k in path.split("."):
+                node = node[k]
+            for name in self.info.aliases[path]:
+                flat[name] = node
+        if buffers is not None:
+            bpaths, bleaves, _ = tree_flatten_with_paths(buffers)
+            flat.update(zip(bpaths, bleaves))
+        return torch.func.functional_call(self.info.module, flat, args, kwargs, tie_weights=False, strict=False)
+
+    @torch.compiler.disable(reason=_EAGER_APPLY)
+    def _eager(self, params: Any, *args: Any, buffers: Any = None, **kwargs: Any) -> Any:
         rt = self.info.runtime  # Note [unit runtime] in `_runtime.py`
         # A train step hands `loss_fn` its own parameter objects: it says which tensors the model
         # computes on (Note [parameters outside apply] in `_param.py`).

@@ -177,7 +177,7 @@ def value_and_grad(
     frozen: Any = None,
     group_bytes: int | None = None,
     keep_last_unit: bool = True,
-    compile: bool | dict = False,
+    compile: bool | str | dict = False,
     randomness: str = "per_rank",
     activation_specs: Any = None,
 ) -> ValueAndGrad:
@@ -195,7 +195,8 @@ def value_and_grad(
         strategy, mixed_precision, remat, accumulation_steps, accumulation, apply, frozen,
             group_bytes, keep_last_unit, randomness: as in `train_step`.
         compile: as in `train_step`: False (the default) runs eager; True or a dict of
-            `torch.compile` options compiles each unit's forward and backward. A compiled
+            `torch.compile` options compiles each unit's forward and backward; "step" the whole
+            forward and backward as one graph, from the second call. A compiled
             `loss_fn` or model is refused at the first call with a `ValueError`.
         activation_specs: as in `train_step`: `[(regex, P), ...]` laying out the outputs of the
             matched modules over the mesh's tp axis (sequence parallelism: `sf.rules.LLAMA_SP`,

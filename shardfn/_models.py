@@ -41,6 +41,7 @@ class ModelInfo:
     # buffers `init="empty"` could not compute (Note [buffers under init="empty"]): name -> (weakref, version)
     unset_buffers: dict = field(default_factory=dict)
     compiling: Any = None  # the compiled units of the step running now (Note [compiled units] in `_compiled.py`)
+    whole_step: bool = False  # a step's graph is being traced or run (Note [the step as one graph] in `_step_graph.py`)
 
     @property
     def runtime(self) -> Any:

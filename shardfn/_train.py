@@ -56,6 +56,11 @@ class TrainStep:
                 f"batch_specs= names batch dims split over a cp axis, and this mesh has none (axes {names}): build the mesh "
                 "with one, e.g. sf.mesh(dp=2, cp=2), or leave batch_specs out"
             )
+        if compile is not None and compile.get("step") and "cp" in names:
+            raise NotImplementedError(
+                'compile="step" (the whole step as one graph) does not run with context parallelism yet: the ring runs '
+                "eager; use compile=True, whose units compile as the graphs around it"
+            )
         if compile is not None and "cp" in names and "tp" in names:
             raise NotImplementedError(
                 f"compile=True with tensor parallel (a mesh with tp and cp axes {names}) is not supported yet: leave "
@@ -357,7 +362,7 @@ def train_step(
     group_bytes: int | None = None,
     check_memory: bool | int | None = None,
     keep_last_unit: bool = True,
-    compile: bool | dict = False,
+    compile: bool | str | dict = False,
     randomness: str = "per_rank",
     batch_specs: Any = None,
     activation_specs: Any = None,
@@ -411,7 +416,10 @@ def train_step(
             around it; a dict of `torch.compile` options is taken over that (Note [compiled units]
             in `shardfn/_compiled.py`). On a (dp, tp) mesh from the second step; not with
             `activation_specs` nor on a mesh with tp and cp axes yet (`NotImplementedError`); on a
-            cp mesh the units compile around the ring attention.
+            cp mesh the units compile around the ring attention. "step" (or a dict with
+            `"step": True`) compiles the whole forward and backward as one graph, gathers and
+            reduce-scatters inside, from the second step (Note [the step as one graph] in
+            `shardfn/_step_graph.py`).
             A `loss_fn` or blocks compiled by the user are refused at `init` with a `ValueError`.
         randomness: "per_rank" (the default): each data-parallel rank draws its own random numbers
             in the step (dropout masks differ over the global batch; tensor-parallel peers draw the

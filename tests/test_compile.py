@@ -782,3 +782,128 @@ def test_compile_warns_when_no_unit_forward_runs():
     with pytest.warns(UserWarning, match=r"compiled nothing in this step: no unit's forward ran \(units \['blocks\.0', 'blocks\.1'\]\)"):
         state, _ = step(state, torch.randn(3, 4))
     state, _ = step(state, torch.randn(3, 4))  # said once
+
+
+# -- compile="step": the whole step as one graph --------------------------------------------------
+
+class _WithUnusedHead(torch.nn.Module):
+    """The test GPT and a head no loss reaches: torch.optim skips it (no weight decay, no moments),
+    and so must a step whose graph never reads it (Note [leaves without a gradient])."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = make_model("gpt")
+        self.unused = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.gpt(x)
+
+
+STEP_CASES = {  # option -> train_step keywords (besides strategy)
+    "plain": {},
+    # a head no loss reaches, a frozen block, clipping and accumulation at once
+    "options": {"accumulation_steps": 2, "max_grad_norm": 0.05, "frozen": r"gpt\.blocks\.0\..*"},
+}
+
+
+def rank_step_graph_against_eager(strategy: str, case: str, backend: str) -> dict:
+    """5 AdamW steps eager, then the same with compile="step": the parameters, the losses, the graphs
+    compiled, and the gathers and reductions shardfn itself issued in the steps the graph ran."""
+    import warnings
+
+    from shardfn import _collectives as C
+    from reference import local_batch, rel_err
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning)
+        _fresh_dynamo()
+        for compile in (False, {"step": True, "backend": backend}):
+            if case == "options":
+                torch.manual_seed(0)
+                apply, params = sf.functionalize(_WithUnusedHead(), units=r"gpt\.blocks\.\d+")
+            else:
+                apply, params = _gpt()
+            kw = STEP_CASES[case]
+            step = sf.train_step(make_loss_fn("gpt", apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1), strategy=strategy,
+                                 compile=compile, **kw)
+            state = step.init(params)
+            losses, sent = [], {}
+            for i in range(5):
+                C.STATS.reset()
+                state, metrics = step(state, local_batch(global_batch("gpt", i, world, per_rank=2 * kw.get("accumulation_steps", 1)), rank, world))
+                losses.append(metrics["loss"].item())
+                if i > 0:
+                    sent = {k: v for k, v in C.STATS.calls.items() if v}
+            out[bool(compile)] = (sf.to_state_dict(sf.gather(state.params), apply), losses, sent,
+                                  step.core.step_graph.graphs if compile else 0)
+    (eager, le, _, _), (compiled, lc, sent, graphs) = out[False], out[True]
+    return dict(params=max(rel_err(compiled[k], v) for k, v in eager.items()),
+                loss=max(abs(a - b) / abs(b) for a, b in zip(lc, le)), graphs=graphs, sent=sent,
+                head_kept=case != "options" or torch.equal(compiled["unused.weight"], eager["unused.weight"]))
+
+
+@pytest.mark.parametrize("world,strategy,case", [(2, "full_shard", "plain"), (3, "full_shard", "options"),
+                                                 (2, "shard_grad_op", "options"), (3, "no_shard", "plain")])
+def test_the_step_as_one_graph_equals_the_eager_step(pools, world, strategy, case):
+    """compile="step" (Note [the step as one graph]): after its first, eager, step, the forward, the
+    gathers, the backward and the reduce-scatters run as one compiled graph; 5 AdamW steps equal the
+    eager step's, a head no loss reaches is skipped as eagerly, one graph is compiled, and shardfn's
+    own collectives in the graph's steps are the metrics' all-reduce (and the all-reduce of the
+    leaves whole on every rank under no_shard) alone: the gathers and reduce-scatters are the graph's."""
+    for r in pools(world).run(rank_step_graph_against_eager, strategy, case, "aot_eager"):
+        assert r["params"] < 1e-5 and r["loss"] < 1e-5, r
+        assert r["graphs"] == 1 and r["head_kept"], r
+        assert set(r["sent"]) == {"all_reduce"}, r
+
+
+def test_the_step_as_one_graph_with_inductor(pools):
+    """The same with Inductor's C++ code (its fused sums round differently: see the compiled units'
+    test above)."""
+    for r in pools(2).run(rank_step_graph_against_eager, "full_shard", "plain", "inductor"):
+        assert r["params"] < 3e-5 and r["loss"] < 1e-5, r
+        assert r["graphs"] == 1, r
+
+
+def test_the_step_as_one_graph_refuses_what_it_does_not_run_yet():
+    apply, params = _gpt()
+    loss_fn = make_loss_fn("gpt", apply)
+    mesh = sf.mesh(dp=-1)
+    assert _compiled.compile_options("step", "x") == {"fullgraph": True, "step": True}
+    for kw, what in [(dict(mixed_precision=sf.MixedPrecision(param_dtype=torch.bfloat16)), "mixed precision"),
+                     (dict(remat=True), "remat"), (dict(strategy="hybrid_shard"), "hybrid_shard")]:
+        on = sf.mesh(replicate=1, shard=-1) if what == "hybrid_shard" else mesh
+        with pytest.raises(NotImplementedError, match=f'compile="step" .* does not run with {what}'):
+            sf.train_step(loss_fn, sf.optim.adamw(**OPT), on, compile="step", **kw)
+    with pytest.raises(NotImplementedError, match="takes the torch.compile options backend and dynamic"):
+        sf.train_step(loss_fn, sf.optim.adamw(**OPT), mesh, compile={"step": True, "mode": "max-autotune"}).init(params)
+    step = sf.train_step(loss_fn, sf.optim.adamw(**OPT), mesh, compile="step")
+    state = step.init(params)
+    with pytest.raises(NotImplementedError, match="sf.estimate_memory replays the unit schedule"):
+        sf.estimate_memory(step, params, global_batch("gpt", 0, 1))
+    del state
+
+
+def test_a_step_graph_dropped_lets_its_model_go():
+    """torch keeps every backend it was given and dynamo its graphs on the code object it compiled:
+    a compile="step" step, once dropped, must not keep its model (and every buffer) alive, nor make
+    the next step of the process a recompile of a shared frame."""
+    import gc
+    import weakref
+
+    from reference import OPT
+
+    alive = []
+    for i in range(2):
+        model = make_model("gpt")
+        apply, params = sf.functionalize(model, units=units_of("gpt"))
+        step = sf.train_step(make_loss_fn("gpt", apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1), compile={"step": True, "backend": "aot_eager"})
+        state = step.init(params)
+        for j in range(2):
+            state, _ = step(state, global_batch("gpt", j, 1))
+        assert step.core.step_graph.graphs == 1
+        alive.append(weakref.ref(model))
+        del model, apply, params, step, state
+        gc.collect()
+    assert [r() for r in alive] == [None, None]
