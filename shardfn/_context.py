@@ -282,6 +282,8 @@ class ContextParallel:
         watch = self.watch
         if watch is None:
             return self._attend(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if not isinstance(q, DTensor):  # Note [what the ring attends over] in `_positions.py`
+            watch.check_attention(q, k, v, bool(is_causal))
         with watch.paused():  # the ring mixes positions across the ranks, as it should
             out = self._attend(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         watch.attended(q, out)

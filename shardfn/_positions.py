@@ -19,9 +19,9 @@ ring carries the queries' marks to its output. What it then refuses, naming the 
 of the model that called it:
 
 - a slice, select, narrow, split or pad of a marked dim that does not keep it whole (a shift, a
-  crop, a pick of one position), an index or gather along it, a roll, window (`unfold`), FFT,
-  pooling op, group norm, batch norm in training (its statistics) or convolution (a kernel longer
-  than one) over it, and a `cat` that joins something that is not the sequence to it (a prompt),
+  crop, a pick of one position), an index or gather along it, a scatter or index write along it,
+  a roll, window (`unfold`), FFT, pooling op, resampling (`F.interpolate`), group norm, batch norm
+  in training (its statistics) or convolution (a kernel longer than one) over it, and a `cat` that joins something that is not the sequence to it (a prompt),
   or joins sequences end to end;
 - a softmax, log-softmax, log-sum-exp, max, min, sort, norm, product or cumulative op over a marked
   dim, unless it reduces everything to one number; and such a number (a max of the position ids)
@@ -50,6 +50,22 @@ chunked loss, the tokens a mask keeps, a mixture of experts routing tokens to ex
 and mix no positions. Where such a dim is unflattened again, the innermost dim as long as a chunk
 is the sequence (batch-major layout).
 
+Note [what the ring attends over]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The ring (Note [context parallelism] in `_context.py`) passes keys and values around the cp
+ranks as the chunks of the sequence, and masks causal pairs by chunk: what it attends over, dim
+-2 of q, k and v, must be the sequence the step cut, whole on this rank's chunks. The first step
+checks it from the marks: attention over the heads of each token (q laid out (batch, sequence,
+heads, head_dim), a transpose forgotten), or over blocks of the sequence made by a reshape (the
+sequence's marks on another dim) is refused, where the ring computed something else than one
+process without a word. A tensor without marks is not refused: the check loses the trail at an
+op it does not follow, so no marks is no evidence; attention among values the sequence never
+reached (a Perceiver's latents, as long as a rank's share) therefore still runs as the ring,
+which is wrong under a causal mask; such attention must not go through
+`F.scaled_dot_product_attention` in a cp step. Queries over the sequence attending, without a causal mask, to keys and
+values no rank cut (a memory every rank holds whole: an encoder's output) pass: each rank's
+copy is the same, and attention over the copies the ring brings is attention over one.
+
 Note [positions counted from this rank's length]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A model that is not given its tokens' positions counts them from the length it sees: Hugging
@@ -58,8 +74,10 @@ of positions to the length, a hand-written model slices a table of sinusoids. Un
 is a rank's two chunks, so every rank trains positions 0..T/cp - 1 for tokens elsewhere in the
 sequence, without an error (measured: Llama's loss 1.4e-5 off at the first step, GPT-2's 1.1e-3,
 parameters 5% and 75% off after two steps). So an `arange` as long as a rank's share of a
-sequence dim, and a slice of a tensor that is not the sequence down to that length (unless its
-values are alike along that dim: BERT's token-type zeros), are marked as positions counted so.
+sequence dim, a slice of a tensor that is not the sequence down to that length (unless its
+values are alike along that dim: BERT's token-type zeros), and any run 0, 1, 2, ... as long as
+that share however it was made (a `linspace`, a cumulative sum of ones, `torch.tensor(range(t))`,
+NumPy's `arange`), met as an op's input or output, are marked as positions counted so.
 The marks follow views, casts, lookups and masks built from them, and where such positions meet
 the sequence's values in a floating-point result (rotary angles multiplied in, a position
 embedding added) the step is refused, naming where they were counted. Masks built by comparing
@@ -104,7 +122,14 @@ _VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias", "unsqueeze", "squ
 _SAME = {"clone", "_to_copy", "detach", "alias", "lift_fresh", "contiguous", "native_dropout", "dropout", "repeat_interleave"}
 _POOLING_OPS = {"adaptive_max_pool2d", "adaptive_max_pool1d", "_adaptive_avg_pool2d", "adaptive_avg_pool1d", "max_pool2d_with_indices",
                 "max_pool1d", "avg_pool2d", "avg_pool1d", "native_group_norm", "max_pool3d_with_indices", "avg_pool3d",
-                "_adaptive_avg_pool3d", "adaptive_max_pool3d"}  # outputs with the input's dims where they were
+                "_adaptive_avg_pool3d", "adaptive_max_pool3d",
+                # resampling (F.interpolate): each output position reads its neighbours
+                "upsample_linear1d", "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_bilinear2d",
+                "upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_bicubic2d", "_upsample_bilinear2d_aa",
+                "_upsample_bicubic2d_aa", "upsample_trilinear3d", "upsample_nearest3d", "_upsample_nearest_exact3d",
+                }  # outputs with the input's dims where they were
+# Writes by index along a dim (self, dim, index, src or value): along the sequence, positions move.
+_SCATTERS = {"scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy", "index_fill", "index_reduce"}
 # Batch norms: in training, statistics over every dim but the channels (dim 1); otherwise pointwise.
 _BATCH_NORMS = {"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
                 "_native_batch_norm_legit_no_training", "_batch_norm_with_update", "_batch_norm_with_update_functional",
@@ -259,23 +284,53 @@ def _index_in_place(src: torch.Tensor, idx: list, sdims: frozenset) -> frozenset
     return frozenset(out)
 
 
+def _progression(t: torch.Tensor, lengths: set) -> bool:
+    """Whether `t` is a run of positions as long as this rank's share: one dim of such a length
+    (the others of one), its values an arithmetic progression (`linspace(0, t - 1, t)`,
+    `ones(t).cumsum(0) - 1`, `torch.tensor(range(t))`, NumPy's `arange`)."""
+    if type(t) is not torch.Tensor:  # values read only from plain tensors (a wrapper subclass may hold no memory)
+        return False
+    n = t.numel()
+    if n < 3 or n not in lengths or max(t.shape) != n or t.is_complex() or t.dtype == torch.bool or t.device.type == "meta":
+        return False
+    end = t.storage_offset() + sum((k - 1) * st for k, st in zip(t.shape, t.stride())) + 1
+    if t.untyped_storage().nbytes() < end * t.element_size():  # a view of memory given back (a freed unit's)
+        return False
+    x = t.detach().reshape(-1).to(torch.float64)
+    step = x[1:] - x[:-1]
+    return bool(step[0] != 0) and torch.allclose(step, step[:1].expand_as(step), rtol=1e-4, atol=1e-6 * float(step[0].abs()))
+
+
 def _count_positions(watch: "PositionWatch", func, args, kwargs, out: torch.Tensor) -> None:
     """Marks a tensor of positions counted from this rank's length as if it were the whole
     sequence's (Note [positions counted from this rank's length]): an `arange` as long as a
     chunk pair, or a slice of a tensor that is not the sequence down to that length, along a
-    dim whose values are not all alike."""
+    dim whose values are not all alike; or a run of positions as long as this rank's share,
+    however made (`_progression`), among an op's inputs or as its output."""
     name = func._overloadpacket.__name__
     if name == "arange" and out.ndim == 1 and int(out.shape[0]) in watch.lengths and out.shape[0] > 1:
         step = args[2] if len(args) > 2 else kwargs.get("step", 1)
         if step == 1:
             watch.counted[out] = f"{func} counted {out.shape[0]} positions, this rank's length, at {_caller()}"
+            return
     elif name == "slice" and args and isinstance(args[0], torch.Tensor):
         a = args[0]
         d = _norm(int(args[1] if len(args) > 1 else kwargs.get("dim", 0)), a.ndim)
         n = int(out.shape[d])
-        if n in watch.lengths and n > 1 and a.shape[d] > n and not _alike_along(a, d):
+        # A table's positions are its rows (a matrix's features, its last dim, cut to a width that
+        # happens to be this rank's length, are no positions: a fused weight's slice).
+        if n in watch.lengths and n > 1 and a.shape[d] > n and (d != a.ndim - 1 or a.ndim == 1) and not _alike_along(a, d):
             watch.counted[out] = (f"{func} cut dim {d} of a {tuple(a.shape)} tensor that is not the sequence (a table "
                                   f"of positions) to {n}, this rank's length, at {_caller()}")
+            return
+    runs = [x for x in (*[a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)], out)
+            if x.ndim <= 2 and _progression(x, watch.lengths)]
+    if runs:
+        what = (f"{func} computed on {runs[0].numel()} positions 0, 1, 2, ... (as many as this rank's length: a linspace, "
+                f"a cumulative sum, a tensor built of range(t) or NumPy's arange), at {_caller()}")
+        for x in runs:
+            watch.counted[x] = what
+        watch.counted[out] = what
 
 
 def _meet_counted(watch: "PositionWatch", func, name: str, args, ins: list, outs: list, counted: str) -> bool:
@@ -331,6 +386,36 @@ class PositionWatch(TorchDispatchMode):
             yield
         finally:
             self._paused -= 1
+
+    def check_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
+        """The ring attends over dim -2 of q, k and v as the sequence the step cut: anything else
+        there (heads, latents no rank cut, blocks of the sequence) is refused, since the ring would
+        pass it around the ranks as chunks of a sequence (Note [what the ring attends over])."""
+        if self.found is not None:
+            return None
+        if not is_causal and not any(x in self.dims for x in (k, v)):
+            check = (("query", q),)  # keys and values no rank cut: a memory every rank holds whole
+        else:
+            check = (("query", q), ("key", k), ("value", v))
+        for name, x in check:
+            dims = self.dims.get(x, frozenset())
+            seq = x.ndim - 2
+            # Refused where the marks say so; a tensor whose trail the check lost (an op it does
+            # not follow) carries none, and runs as the ring, as before the check.
+            if not dims or (seq in dims and (x.ndim - 1) not in dims and int(x.shape[seq]) in self.lengths):
+                continue
+            where = (f"the sequence is its dim {sorted(dims)[0] - x.ndim}" if (x.ndim - 1) not in dims and seq not in dims else
+                     "its features hold the sequence" if (x.ndim - 1) in dims else
+                     f"it holds {x.shape[seq]} positions, not this rank's {sorted(self.lengths)}: part of the sequence")
+            return self._refuse(
+                f"scaled_dot_product_attention got a {name} of shape {tuple(x.shape)} whose dim -2, which attention runs "
+                f"over, is not the sequence the step cut ({where})",
+                "Under cp, F.scaled_dot_product_attention runs as the ring over the cut sequence, which must be dim -2 of "
+                "q, k and v, whole on this rank's chunks: (batch, heads, sequence, head_dim). Attention over other dims "
+                "(heads, latents, blocks of the sequence) would be passed around the ranks as if it were the sequence: "
+                "transpose q, k and v to put the sequence at dim -2, write attention over other dims by hand, or train "
+                "without a cp axis")
+        return None
 
     def attended(self, q: torch.Tensor, out: torch.Tensor) -> None:
         """The ring's output keeps the queries' sequence dims."""
@@ -440,6 +525,15 @@ class PositionWatch(TorchDispatchMode):
             return
         if name in ("embedding", "index", "index_select", "gather"):
             self._lookup(func, name, args, kwargs, outs)
+            return
+        if name in _SCATTERS and a is not None:
+            d = _norm(int(args[1]), a.ndim)
+            marked = frozenset().union(*(self.dims.get(x, frozenset()) for x in ins if x.ndim == a.ndim))
+            if any(d in self.dims.get(x, ()) and not self._merged(x, d) for x in ins if x.ndim == a.ndim):
+                return self._refuse(f"{func} wrote by index along dim {d} of a {tuple(a.shape)} tensor, a sequence dim",
+                                    "A scatter or index write along the positions moves values between them, on this "
+                                    "rank's chunks alone: train this model without a cp axis")
+            self._set(outs[0], marked if d not in marked else dims, pooled)
             return
         if name in ("native_layer_norm", "_fused_rms_norm", "rms_norm") and a is not None:
             n = len(args[1])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import optree
 import pytest
 import torch
@@ -256,7 +257,43 @@ def _both_ways(p, b):  # causal attention read forwards and backwards (flipped),
     return F.cross_entropy(y[:, 0].flatten(0, 1) @ p["head"], b[1].flatten())
 
 
+def _heads_as_sequence(p, b):  # q laid out (batch, sequence, heads, head_dim): attention over each token's heads
+    x = (b[0] @ p["w"]).unflatten(-1, (2, 3))
+    y = F.scaled_dot_product_attention(x, x, x).flatten(2)
+    return F.cross_entropy(y.flatten(0, 1) @ p["head"], b[1].flatten())
+
+
+def _memory(p, b):  # the sequence's queries over a memory every rank holds whole, no causal mask: exact
+    x = (b[0] @ p["w"])[:, None]
+    mem = p["w"][None, None].expand(x.shape[0], 1, 4, 6)
+    y = F.scaled_dot_product_attention(x, mem, mem)[:, 0]
+    return F.cross_entropy(y.flatten(0, 1) @ p["head"], b[1].flatten())
+
+
+def _positions_made(how):  # rotary-like angles from positions counted from this rank's length
+    def loss_fn(p, b):
+        t = b[0].shape[1]
+        pos = {"linspace": lambda: torch.linspace(0, t - 1, t), "cumsum": lambda: torch.ones(t).cumsum(0) - 1,
+               "numpy": lambda: torch.from_numpy(np.arange(t)).float()}[how]()
+        h = (b[0] @ p["w"]) * torch.cos(pos[:, None] * 0.3)
+        return F.cross_entropy(h.flatten(0, 1) @ p["head"], b[1].flatten())
+    return loss_fn
+
+
+def _feature_slice(p, b):  # a weight's features cut to a width that is a rank's length (4): no positions
+    return F.cross_entropy((torch.tanh(b[0] @ p["w"][:, :4]) @ p["w"]).flatten(0, 1) @ p["head"], b[1].flatten())
+
+
+_NOT_THE_SEQUENCE = ["scaled_dot_product_attention got a query", "is not the sequence the step cut"]
 POSITION_CASES = {  # loss_fn, the words its refusal must hold (None: it trains)
+    # Note [what the ring attends over]
+    "heads_as_sequence": (_heads_as_sequence, _NOT_THE_SEQUENCE + ["the sequence is its dim -3"]),
+    "memory": (_memory, None),
+    # Note [positions counted from this rank's length]
+    "linspace_positions": (_positions_made("linspace"), ["aten.linspace.default computed on 4 positions", "pass the global position ids"]),
+    "cumsum_positions": (_positions_made("cumsum"), ["aten.cumsum.default computed on 4 positions"]),
+    "numpy_positions": (_positions_made("numpy"), ["computed on 4 positions", "NumPy's arange"]),
+    "feature_slice": (_feature_slice, None),
     "pooled": (_pooled_classifier, ["aten.mean.dim pooled dim 1", "aten._log_softmax", "h.mean(1)", "sf.psum"]),
     "pooled_then_psum": (_pooled_then_psum, None),
     "last_token": (_last_token, ["aten.select.int cut dim 1", "[:, -1]", "a pick of one position"]),
@@ -729,7 +766,7 @@ def test_the_watch_passes_per_token_models_and_finds_what_mixes_positions():
         "gpt2 without position ids": (tf.GPT2LMHeadModel(tf.GPT2Config(**gpt2)), dict(input_ids=ids, attention_mask=mask),
                                       counted + ["modeling_gpt2.py"]),
         "bert without position ids": (tf.BertForMaskedLM(tf.BertConfig(**bert)), dict(input_ids=ids, attention_mask=mask),
-                                      counted + ["aten.slice.Tensor cut dim 1 of a (1, 512) tensor that is not the sequence"]),
+                                      counted + ["aten.slice.Tensor computed on 8 positions 0, 1, 2"]),
         "llama labels=": (llama, dict(input_ids=ids, position_ids=pos, attention_mask=mask, labels=ids, use_cache=False),
                           ["aten.constant_pad_nd", "loss_utils.py", "nn.functional.pad(labels"]),
         "llama without a mask": (llama, dict(input_ids=ids, position_ids=pos, use_cache=False),
@@ -755,6 +792,12 @@ _TABLE = torch.randn(16, 4)  # a table of positions (sinusoids, learned), longer
 _CONV3, _CONV1, _CONV_SEQ = torch.nn.Conv1d(4, 4, 3, padding=1), torch.nn.Conv1d(4, 4, 1), torch.nn.Conv1d(8, 8, 1)
 SINGLE_OPS = {  # a function of x (batch, sequence, features), the start of what the watch says (None: nothing)
     "per token": (lambda x: torch.relu(_LIN(x)).sum(), None),
+    "resampled over the sequence": (lambda x: F.interpolate(x.transpose(1, 2), scale_factor=0.5, mode="linear").sum(),
+                                    "aten.upsample_linear1d.default ran over dim 2"),
+    "scattered along the sequence": (lambda x: torch.zeros(2, 1, 4).scatter_reduce(1, torch.zeros(2, 8, 4, dtype=torch.long), x,
+                                                                                    "amax", include_self=False).sum(),
+                                     "aten.scatter_reduce.two wrote by index along dim 1"),
+    "added by index over features": (lambda x: torch.zeros(2, 8, 2).index_add(2, torch.tensor([0, 1, 0, 1]), x).square().sum(), None),
     "layer norm": (lambda x: F.layer_norm(_LIN(x), (4,)).mean(), None),
     "max over features": (lambda x: x.amax(-1).sum(), None),
     "the whole max": (lambda x: x.amax() * x.sum(), None),
