@@ -79,6 +79,8 @@ from . import _collectives as C
 from ._engine import _PostBackward, _PostBackwardEager
 from ._flat import _split_dim, _together, buffer_sizes, place
 from ._functorch import unwrap
+from ._manual import step_region
+from ._named import lift
 from ._recompute import UnitViews
 from . import _schedule as schedule
 from ._schedule import ROOT, Phase
@@ -620,6 +622,9 @@ def _run_meta(core, info, paths, treespec, leaves, trained, unit_dtype, micro, a
             stack.enter_context(counter)
             stack.enter_context(_runtime.activate(probe, info))
             stack.enter_context(torch.enable_grad())
+            # the named collectives loss_fn may call (sf.psum of a global token count) run on meta
+            # tensors in the step's region, as in the step (Note [named collectives in a step])
+            stack.enter_context(step_region(core.mesh, core.layout.data_axes, lift))
             out = core.loss_fn(tree, micro)
             loss = out[0] if isinstance(out, tuple) and len(out) == 2 else out
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

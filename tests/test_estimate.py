@@ -473,3 +473,21 @@ def test_the_estimate_leaves_the_model_as_it_was_and_names_what_it_cannot_run():
     with pytest.raises(NotImplementedError, match="shape depends on values .*boolean-mask indexing"):
         sf.estimate_memory(step, params, batch=x)
     assert not hasattr(masked, "table")
+
+
+def test_a_loss_normalized_with_named_collectives_is_estimated():
+    """A loss_fn that reduces with sf.psum (the global token mean) runs in the step's region when the
+    estimate runs it too: it is estimated, not refused as a psum outside per-shard code."""
+    import torch.nn.functional as F
+
+    import shardfn as sf
+
+    def loss_fn(p, b):
+        x, y = b
+        nll = F.cross_entropy((x @ p["w"]).flatten(0, 1), y.flatten(), reduction="sum")
+        return sf.psum(nll, "dp") / sf.psum(torch.tensor(float(y.numel())), "dp")
+
+    params = {"w": torch.randn(8, 5)}
+    step = sf.train_step(loss_fn, sf.optim.sgd(0.1), sf.mesh(dp=-1))
+    est = sf.estimate_memory(step, params, batch=(torch.randn(2, 8, 8), torch.randint(0, 5, (2, 8))))
+    assert est.peak > 0
