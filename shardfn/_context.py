@@ -62,7 +62,7 @@ from . import _collectives as C
 from ._manual import axis_group
 from ._mesh import device_mesh
 from ._named import _Collective, _Permute
-from ._positions import PositionWatch
+from ._positions import PositionWatch, check_attention
 from ._spec import P
 
 __all__ = ["ContextParallel", "ContextParallelWarning"]
@@ -283,7 +283,7 @@ class ContextParallel:
         if watch is None:
             return self._attend(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if not isinstance(q, DTensor):  # Note [what the ring attends over] in `_positions.py`
-            watch.check_attention(q, k, v, bool(is_causal))
+            check_attention(watch, q, k, v, bool(is_causal))
         with watch.paused():  # the ring mixes positions across the ranks, as it should
             out = self._attend(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         watch.attended(q, out)

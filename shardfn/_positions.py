@@ -104,7 +104,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["PositionWatch"]
+__all__ = ["PositionWatch", "check_attention"]
 
 _aten = torch.ops.aten
 
@@ -284,6 +284,38 @@ def _index_in_place(src: torch.Tensor, idx: list, sdims: frozenset) -> frozenset
     return frozenset(out)
 
 
+def check_attention(watch: "PositionWatch", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
+    """The ring attends over dim -2 of q, k and v as the sequence the step cut: what the marks show
+    is something else there (each token's heads, blocks of the sequence) is refused on `watch`,
+    since the ring would pass it around the ranks as chunks of a sequence (Note [what the ring
+    attends over])."""
+    if watch.found is not None:
+        return None
+    if not is_causal and not any(x in watch.dims for x in (k, v)):
+        check = (("query", q),)  # keys and values no rank cut: a memory every rank holds whole
+    else:
+        check = (("query", q), ("key", k), ("value", v))
+    for name, x in check:
+        dims = watch.dims.get(x, frozenset())
+        seq = x.ndim - 2
+        # Refused where the marks say so; a tensor whose trail the check lost (an op it does
+        # not follow) carries none, and runs as the ring, as before the check.
+        if not dims or (seq in dims and (x.ndim - 1) not in dims and int(x.shape[seq]) in watch.lengths):
+            continue
+        where = (f"the sequence is its dim {sorted(dims)[0] - x.ndim}" if (x.ndim - 1) not in dims and seq not in dims else
+                 "its features hold the sequence" if (x.ndim - 1) in dims else
+                 f"it holds {x.shape[seq]} positions, not this rank's {sorted(watch.lengths)}: part of the sequence")
+        return watch._refuse(
+            f"scaled_dot_product_attention got a {name} of shape {tuple(x.shape)} whose dim -2, which attention runs "
+            f"over, is not the sequence the step cut ({where})",
+            "Under cp, F.scaled_dot_product_attention runs as the ring over the cut sequence, which must be dim -2 of "
+            "q, k and v, whole on this rank's chunks: (batch, heads, sequence, head_dim). Attention over other dims "
+            "(heads, blocks of the sequence) would be passed around the ranks as if it were the sequence: "
+            "transpose q, k and v to put the sequence at dim -2, write attention over other dims by hand, or train "
+            "without a cp axis")
+    return None
+
+
 def _progression(t: torch.Tensor, lengths: set) -> bool:
     """Whether `t` is a run of positions as long as this rank's share: one dim of such a length
     (the others of one), its values an arithmetic progression (`linspace(0, t - 1, t)`,
@@ -386,36 +418,6 @@ class PositionWatch(TorchDispatchMode):
             yield
         finally:
             self._paused -= 1
-
-    def check_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
-        """The ring attends over dim -2 of q, k and v as the sequence the step cut: anything else
-        there (heads, latents no rank cut, blocks of the sequence) is refused, since the ring would
-        pass it around the ranks as chunks of a sequence (Note [what the ring attends over])."""
-        if self.found is not None:
-            return None
-        if not is_causal and not any(x in self.dims for x in (k, v)):
-            check = (("query", q),)  # keys and values no rank cut: a memory every rank holds whole
-        else:
-            check = (("query", q), ("key", k), ("value", v))
-        for name, x in check:
-            dims = self.dims.get(x, frozenset())
-            seq = x.ndim - 2
-            # Refused where the marks say so; a tensor whose trail the check lost (an op it does
-            # not follow) carries none, and runs as the ring, as before the check.
-            if not dims or (seq in dims and (x.ndim - 1) not in dims and int(x.shape[seq]) in self.lengths):
-                continue
-            where = (f"the sequence is its dim {sorted(dims)[0] - x.ndim}" if (x.ndim - 1) not in dims and seq not in dims else
-                     "its features hold the sequence" if (x.ndim - 1) in dims else
-                     f"it holds {x.shape[seq]} positions, not this rank's {sorted(self.lengths)}: part of the sequence")
-            return self._refuse(
-                f"scaled_dot_product_attention got a {name} of shape {tuple(x.shape)} whose dim -2, which attention runs "
-                f"over, is not the sequence the step cut ({where})",
-                "Under cp, F.scaled_dot_product_attention runs as the ring over the cut sequence, which must be dim -2 of "
-                "q, k and v, whole on this rank's chunks: (batch, heads, sequence, head_dim). Attention over other dims "
-                "(heads, latents, blocks of the sequence) would be passed around the ranks as if it were the sequence: "
-                "transpose q, k and v to put the sequence at dim -2, write attention over other dims by hand, or train "
-                "without a cp axis")
-        return None
 
     def attended(self, q: torch.Tensor, out: torch.Tensor) -> None:
         """The ring's output keeps the queries' sequence dims."""
