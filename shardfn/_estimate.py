@@ -956,8 +956,8 @@ def estimate_memory(step: Any, params: Any, batch: Any = None, *, world: int | N
     if core.whole_step:
         raise NotImplementedError(
             'sf.estimate_memory replays the unit schedule, and a compile="step" step runs as one graph whose memory the '
-            "compiler decides (Note [the step as one graph] in shardfn/_step_graph.py): estimate the same step without "
-            "it, or measure the compiled step's peak"
+            "compiler decides (Note [the step as one graph] in shardfn/_step_graph.py): estimate the same step with "
+            "compile=True or False (the eager schedule's memory), or measure the compiled step's peak"
         )
     W = core.layout.shard_world if world is None else int(world)
     if W < 1:

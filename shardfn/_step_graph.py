@@ -11,9 +11,13 @@ backward is the reduce-scatter (`all_gather_tensor_autograd`), cuts the gathered
 full leaves, and runs `loss_fn` on the tree of them (`apply` calls `torch.func.functional_call`,
 which dynamo traces, in place of the eager engine). Autograd through that graph gives each rank
 the sum over ranks of the gradient of its shards: the reduce-scatter, bucketed and reordered
-against compute by the compiler, not by hooks. Under `full_shard` the gathers are recomputed for
-the backward (selective checkpointing: no full parameter is saved for it, as the eager schedule
-frees each unit after its forward); under `shard_grad_op` the gathered parameters are kept.
+against compute by the compiler, not by hooks. What the backward keeps is the compiler's: it keeps
+the gathered parameters (collectives are not recomputed), so under every strategy the step's
+memory is `shard_grad_op`'s, not `full_shard`'s. Recomputing the gathers for the backward
+(SimpleFSDP's selective checkpointing around the forward) was tried: in torch 2.13 it left
+functional collectives unwaited in some processes (a second compiled model, dynamic shapes), a few
+MB held per step for good, and it turned any Python side effect of `loss_fn` into a checkpoint
+error; it is not used.
 Leaves whole on every rank (`no_shard`, or a spec that replicates a leaf) are read in place from
 the shard buffer, and their gradients are all-reduced after the backward, in one call per unit.
 The optimizer, clipping and the donation of the state run after the graph, eager, on the same
@@ -37,7 +41,6 @@ Collectives inside the graph are functional ones that `shardfn._collectives.STAT
 
 from __future__ import annotations
 
-import functools
 import logging
 import operator
 import time
@@ -47,7 +50,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from . import _collectives as C
 from ._loss import add_loss, split_batch, split_loss
@@ -75,7 +77,7 @@ def refuse_unsupported(core: Any) -> None:
     layout = core.layout
     why = None
     if layout.tp_axis is not None:
-        why = "a tensor-parallel mesh"
+        why = f"a mesh of axes {tuple(core.mesh.mesh_dim_names or ())} (tensor parallel, or axes beside the data axis)"
     elif core.layouts is not None:
         why = "activation_specs (sequence parallelism)"
     elif core.mp.param_dtype is not None or core.mp.reduce_dtype is not None:
@@ -92,12 +94,6 @@ def refuse_unsupported(core: Any) -> None:
             "unit's forward and backward compiled, the schedule eager), or leave it out (Note [the step as one "
             "graph] in shardfn/_step_graph.py)"
         )
-
-
-def _must_recompute_gathers(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if op in (torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.wait_tensor.default):
-        return CheckpointPolicy.MUST_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE
 
 
 class WholeStep:
@@ -177,9 +173,6 @@ class WholeStep:
         return (out[0], out[1]) if isinstance(out, tuple) and len(out) == 2 else (out, None)
 
     def step(self, locals_: list[torch.Tensor], batch: Any) -> Any:
-        if self.core.strategy == "full_shard" and any(u.S and u.world > 1 for u in self.units):
-            context = functools.partial(create_selective_checkpoint_contexts, _must_recompute_gathers)
-            return checkpoint(self._forward, locals_, batch, use_reentrant=False, context_fn=context)
         return self._forward(locals_, batch)
 
     # -- one step -------------------------------------------------------------------------------
@@ -199,7 +192,7 @@ class WholeStep:
         try:
             with torch.enable_grad():
                 for micro in split_batch(batch, k):
-                    loss, aux = split_loss(self._fn(self, locals_, micro))
+                    loss, aux = split_loss(self._traced(locals_, micro))
                     loss_sum = add_loss(loss_sum, loss)
                     unused &= set(self.last_unused)
                     grads = torch.autograd.grad(loss * scale, wants, allow_unused=True) if wants else ()
@@ -211,6 +204,24 @@ class WholeStep:
             _log.info('shardfn: compile="step" compiled the step in %.1f s (%d graph(s))', self.compile_seconds, self.graphs)
         self._put(locals_, iter(sums), unused)
         return loss_sum, aux
+
+    def _traced(self, locals_: list[torch.Tensor], micro: Any) -> Any:
+        """The compiled function on one micro-batch; what dynamo could not trace as one graph is a
+        `NotImplementedError` that says so, with dynamo's reason, before anything is applied."""
+        try:
+            return self._fn(self, locals_, micro)
+        except Exception as e:
+            if not type(e).__module__.startswith("torch._dynamo"):
+                raise
+            said = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise NotImplementedError(
+                'compile="step" could not trace loss_fn and the model as one graph, so this step computed nothing. What '
+                "stops it: the named collectives (sf.psum, ...), logging or I/O in loss_fn or the model (Hugging Face's "
+                "loss with labels= logs a warning: compute the loss from the logits), Python that reads tensor values "
+                "(.item(), an if on a tensor), and Python values that change every step (a global step counter: each "
+                "value is a graph, up to dynamo's limit; pass it as a tensor in the batch). compile=True compiles each "
+                f"unit and runs the rest eager. Dynamo said: {type(e).__name__}: {said}"
+            ) from e
 
     def _put(self, locals_: list[torch.Tensor], sums: Any, unused: set[int]) -> None:
         """The graph's gradients into the units' gradient buffers; leaves whole on every rank summed

@@ -841,6 +841,8 @@ def rank_step_graph_against_eager(strategy: str, case: str, backend: str) -> dic
     (eager, le, _, _), (compiled, lc, sent, graphs) = out[False], out[True]
     return dict(params=max(rel_err(compiled[k], v) for k, v in eager.items()),
                 loss=max(abs(a - b) / abs(b) for a, b in zip(lc, le)), graphs=graphs, sent=sent,
+                # functional collectives the graphs issued and never waited for (torch's registry)
+                unwaited=torch._C._distributed_c10d._get_work_registry_size(),
                 head_kept=case != "options" or torch.equal(compiled["unused.weight"], eager["unused.weight"]))
 
 
@@ -854,7 +856,7 @@ def test_the_step_as_one_graph_equals_the_eager_step(pools, world, strategy, cas
     leaves whole on every rank under no_shard) alone: the gathers and reduce-scatters are the graph's."""
     for r in pools(world).run(rank_step_graph_against_eager, strategy, case, "aot_eager"):
         assert r["params"] < 1e-5 and r["loss"] < 1e-5, r
-        assert r["graphs"] == 1 and r["head_kept"], r
+        assert r["graphs"] == 1 and r["head_kept"] and r["unwaited"] == 0, r
         assert set(r["sent"]) == {"all_reduce"}, r
 
 
@@ -907,3 +909,40 @@ def test_a_step_graph_dropped_lets_its_model_go():
         del model, apply, params, step, state
         gc.collect()
     assert [r() for r in alive] == [None, None]
+
+
+def test_what_the_step_graph_cannot_trace_is_refused_with_dynamo_s_reason():
+    """A loss_fn that logs (as Hugging Face's loss does with labels=) cannot be one graph: the first
+    graph step is a NotImplementedError naming compile=True and dynamo's reason, and leaves the state
+    as it was; a Python side effect (a call counter) traces."""
+    import logging
+
+    from reference import OPT
+
+    apply, params = _gpt()
+    calls = [0]
+
+    def logs(p, b):
+        calls[0] += 1
+        logging.getLogger("a user's model").warning("once")
+        return make_loss_fn("gpt", apply)(p, b)
+
+    step = sf.train_step(logs, sf.optim.adamw(**OPT), sf.mesh(dp=-1), compile={"step": True, "backend": "aot_eager"})
+    state = step.init(params)
+    state, _ = step(state, global_batch("gpt", 0, 1))  # the first step runs eager
+    before = sf.copy(state)
+    with pytest.raises(NotImplementedError, match=r'compile="step" could not trace .* compile=True .* Dynamo said'):
+        step(state, global_batch("gpt", 1, 1))
+    for a, b in zip(optree.tree_leaves(sf.gather(before.params)), optree.tree_leaves(sf.gather(state.params))):
+        assert torch.equal(a, b)
+
+    def counts(p, b):
+        calls[0] += 1
+        return make_loss_fn("gpt", apply)(p, b)
+
+    apply, params = _gpt()
+    step = sf.train_step(counts, sf.optim.adamw(**OPT), sf.mesh(dp=-1), compile={"step": True, "backend": "aot_eager"})
+    state = step.init(params)
+    for i in range(3):
+        state, _ = step(state, global_batch("gpt", i, 1))
+    assert step.core.step_graph.graphs == 1
