@@ -304,7 +304,8 @@ class GradientCore:
         if info is None:
             raise NotImplementedError(
                 "compile=True (and \"step\") compiles the units of a model from sf.functionalize; this tree belongs to no "
-                "functionalized model (a loss_fn over plain tensors): functionalize the model, or leave compile=False"
+                "functionalized model (a loss_fn over plain tensors, or the model's parameters with other leaves beside "
+                "them): functionalize the model and pass its apply (sf.train_step(..., apply=apply)), or leave compile=False"
             )
         if self.whole_step:
             self.step_graph = WholeStep(self, info, self.compile)
