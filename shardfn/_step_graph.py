@@ -167,13 +167,11 @@ class WholeStep:
             node[keys[-1]] = value
         return tree
 
-    def _forward(self, locals_: list[torch.Tensor], batch: Any) -> tuple:
+    def step(self, locals_: list[torch.Tensor], batch: Any) -> tuple:
+        """What the graph computes: `loss_fn` on the gathered tree, as (loss, aux)."""
         out = self.core.loss_fn(self._tree(self._full_leaves(locals_)), batch)
         # the loss first: the graph's first output, from which the backend follows the gradient
         return (out[0], out[1]) if isinstance(out, tuple) and len(out) == 2 else (out, None)
-
-    def step(self, locals_: list[torch.Tensor], batch: Any) -> Any:
-        return self._forward(locals_, batch)
 
     # -- one step -------------------------------------------------------------------------------
     def gradients(self, batch: Any) -> tuple:
