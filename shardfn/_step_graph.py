@@ -52,7 +52,9 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from . import _collectives as C
+from . import _watch
 from ._loss import add_loss, split_batch, split_loss
+from ._tree import nest
 
 __all__ = ["WholeStep", "refuse_unsupported", "step_option"]
 
@@ -156,20 +158,9 @@ class WholeStep:
                 full[s.index] = _leaf(value, s.index)
         return full
 
-    def _tree(self, full: list[torch.Tensor | None]) -> dict:
-        """The nested-dict parameter tree `loss_fn` takes (that of `sf.functionalize`)."""
-        tree: dict = {}
-        for path, value in zip(self.core.paths, full):
-            node = tree
-            keys = path.split(".")
-            for k in keys[:-1]:
-                node = node.setdefault(k, {})
-            node[keys[-1]] = value
-        return tree
-
     def step(self, locals_: list[torch.Tensor], batch: Any) -> tuple:
         """What the graph computes: `loss_fn` on the gathered tree, as (loss, aux)."""
-        out = self.core.loss_fn(self._tree(self._full_leaves(locals_)), batch)
+        out = self.core.loss_fn(nest(zip(self.core.paths, self._full_leaves(locals_))), batch)
         # the loss first: the graph's first output, from which the backend follows the gradient
         return (out[0], out[1]) if isinstance(out, tuple) and len(out) == 2 else (out, None)
 
@@ -187,7 +178,7 @@ class WholeStep:
         loss_sum = aux = None
         unused: set[int] = set(range(self.n_leaves))
         self.info.whole_step = True
-        try:
+        try:  # the step's outcome is recorded as an eager step's is (Note [out of step] in `_watch.py`)
             with torch.enable_grad():
                 for micro in split_batch(batch, k):
                     loss, aux = split_loss(self._traced(locals_, micro))
@@ -195,8 +186,12 @@ class WholeStep:
                     unused &= set(self.last_unused)
                     grads = torch.autograd.grad(loss * scale, wants, allow_unused=True) if wants else ()
                     sums = [g if s is None else s if g is None else s + g for s, g in zip(sums, grads)]
+        except BaseException as e:
+            _watch.report_step(e)
+            raise
         finally:
             self.info.whole_step = False
+        _watch.report_step(None)
         if started is not None:
             self.compile_seconds = time.perf_counter() - started
             _log.info('shardfn: compile="step" compiled the step in %.1f s (%d graph(s))', self.compile_seconds, self.graphs)
