@@ -349,9 +349,10 @@ def _count_positions(watch: "PositionWatch", func, args, kwargs, out: torch.Tens
         a = args[0]
         d = _norm(int(args[1] if len(args) > 1 else kwargs.get("dim", 0)), a.ndim)
         n = int(out.shape[d])
-        # A table's positions are its rows (a matrix's features, its last dim, cut to a width that
-        # happens to be this rank's length, are no positions: a fused weight's slice).
-        if n in watch.lengths and n > 1 and a.shape[d] > n and (d != a.ndim - 1 or a.ndim == 1) and not _alike_along(a, d):
+        # Any dim: a table may hold its positions on its last dim (a sinusoid table stored
+        # (features, positions)), so a weight's features cut to a width equal to this rank's length
+        # are refused too (loud, where letting a table through would be silent).
+        if n in watch.lengths and n > 1 and a.shape[d] > n and not _alike_along(a, d):
             watch.counted[out] = (f"{func} cut dim {d} of a {tuple(a.shape)} tensor that is not the sequence (a table "
                                   f"of positions) to {n}, this rank's length, at {_caller()}")
             return

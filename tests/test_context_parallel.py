@@ -280,8 +280,10 @@ def _positions_made(how):  # rotary-like angles from positions counted from this
     return loss_fn
 
 
-def _feature_slice(p, b):  # a weight's features cut to a width that is a rank's length (4): no positions
-    return F.cross_entropy((torch.tanh(b[0] @ p["w"][:, :4]) @ p["w"]).flatten(0, 1) @ p["head"], b[1].flatten())
+def _table_on_its_last_dim(p, b):  # a table of positions stored (features, positions), cut to a rank's length (4)
+    h = torch.tanh(b[0] @ p["w"])
+    h = torch.cat([h[..., :4] + p["w"][:, :4].T, h[..., 4:]], -1)  # position i's row added to token i
+    return F.cross_entropy(h.flatten(0, 1) @ p["head"], b[1].flatten())
 
 
 _NOT_THE_SEQUENCE = ["scaled_dot_product_attention got a query", "is not the sequence the step cut"]
@@ -293,7 +295,7 @@ POSITION_CASES = {  # loss_fn, the words its refusal must hold (None: it trains)
     "linspace_positions": (_positions_made("linspace"), ["aten.linspace.default computed on 4 positions", "pass the global position ids"]),
     "cumsum_positions": (_positions_made("cumsum"), ["aten.cumsum.default computed on 4 positions"]),
     "numpy_positions": (_positions_made("numpy"), ["computed on 4 positions", "NumPy's arange"]),
-    "feature_slice": (_feature_slice, None),
+    "table_on_its_last_dim": (_table_on_its_last_dim, ["aten.slice.Tensor cut dim 1 of a (4, 6) tensor that is not the sequence"]),
     "pooled": (_pooled_classifier, ["aten.mean.dim pooled dim 1", "aten._log_softmax", "h.mean(1)", "sf.psum"]),
     "pooled_then_psum": (_pooled_then_psum, None),
     "last_token": (_last_token, ["aten.select.int cut dim 1", "[:, -1]", "a pick of one position"]),
