@@ -187,31 +187,31 @@ class Mallinfo2(ctypes.Structure):
 mallinfo2 = ctypes.CDLL(None).mallinfo2
 mallinfo2.restype = Mallinfo2
 
-def mapped_by_one_buffer():  # glibc's bytes in blocks it served with mmap, for one 1 MiB tensor
+def mapped_by_buffers():  # glibc's bytes in blocks it served with mmap, for 64 tensors of 1 MiB held at once
     before = mallinfo2().hblkhd
-    x = torch.empty(1 << 18)
+    xs = [torch.empty(1 << 18) for _ in range(64)]
     grew = mallinfo2().hblkhd - before
-    del x
+    del xs
     return grew
 
 with PeakMeter():
-    inside = mapped_by_one_buffer()
-after = mapped_by_one_buffer()
+    inside = mapped_by_buffers()
+after = mapped_by_buffers()
 os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # what the environment asks for is kept
 with PeakMeter():
     pass
-kept = mapped_by_one_buffer()
+kept = mapped_by_buffers()
 del os.environ["MALLOC_MMAP_THRESHOLD_"]
 os.environ["GLIBC_TUNABLES"] = "glibc.malloc.check=0:glibc.malloc.mmap_threshold=65536"  # the same, as a tunable
 with PeakMeter():
     pass
-tuned = mapped_by_one_buffer()
+tuned = mapped_by_buffers()
 del os.environ["GLIBC_TUNABLES"]
 with PeakMeter():
     with PeakMeter():  # an inner meter's exit leaves the outer one measuring as it began
         pass
-    nested = mapped_by_one_buffer()
-print(inside, after, kept, tuned, nested, mapped_by_one_buffer())
+    nested = mapped_by_buffers()
+print(inside, after, kept, tuned, nested, mapped_by_buffers())
 """
 
 
@@ -220,7 +220,11 @@ def test_the_meter_gives_the_malloc_threshold_back_when_it_exits():
     """Note [measured peak]: inside the meter a 1 MiB buffer is a mapping of its own (the RSS witness
     needs that); after it, it comes from the heap again: left at 64 KiB, every later step of the
     process mapped and unmapped its buffers, 1.4-1.7x slower. In a new process: one that has run
-    for a while may serve the buffer from a free block of its heap, whatever the threshold."""
+    for a while may serve the buffer from a free block of its heap, whatever the threshold. Even a
+    new one may hold a free block of 1 MiB or more (glibc serves a request from a free block before
+    it looks at the threshold; one such block made a single buffer's check fail): 64 buffers held
+    at once outrun its free blocks, so at least half of them are mapped while the threshold is low,
+    and none when it is back."""
     import subprocess
     import sys
 
@@ -228,5 +232,5 @@ def test_the_meter_gives_the_malloc_threshold_back_when_it_exits():
     out = subprocess.run([sys.executable, "-c", _THRESHOLD_CHECK], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     inside, after, kept, tuned, nested, again = (int(v) for v in out.stdout.split()[-6:])
-    assert inside >= 1 << 20 and after == 0 and nested >= 1 << 20 and again == 0, out.stdout
-    assert kept >= 1 << 20 and tuned >= 1 << 20, out.stdout  # MALLOC_MMAP_THRESHOLD_, GLIBC_TUNABLES: kept
+    assert inside >= 32 << 20 and after == 0 and nested >= 32 << 20 and again == 0, out.stdout
+    assert kept >= 32 << 20 and tuned >= 32 << 20, out.stdout  # MALLOC_MMAP_THRESHOLD_, GLIBC_TUNABLES: kept
