@@ -887,6 +887,15 @@ def _explain(w: _Watch, err: BaseException, op: str) -> "_Found | None":
     if dead:
         return _Found(dead[0], "died", f"{', '.join(w.who(r) for r in dead)} died without raising an exception ({how})",
                 f"while {me} was in {op}")
+    alone = not all(f is not None and f[0] == _STEP_FAILED[0] for f in failed.values())
+    # This rank's own last step raised and it went on: its peers are elsewhere. That is the cause
+    # before any peer that looks stalled: a peer seen in a step or a collective is one this rank
+    # left (a peer that died, returned, or failed a step of its own is named above).
+    if _STEP_FAILED[0] and alone:
+        what = (_failed_step(w.get(f"stepfailed/{w.rank}")) or (0, "an exception"))[1]
+        return _Found(w.rank, "failed", f"{me}'s last train step raised {what}, and {me} went on (the exception was caught)",
+                      f"and then failed to meet the other ranks in {op}: the ranks are out of step. Let a step's exception "
+                      "end the function on every rank, or restart the processes")
     if timed_out:
         now, outside, computing, silent = time.time(), [], [], []
         for r in _peers_waited_on(others):
@@ -915,12 +924,6 @@ def _explain(w: _Watch, err: BaseException, op: str) -> "_Found | None":
             r = silent[0][0]
             return _Found(r, "stalled", f"{w.who(r)} stopped reporting (hung, or its host is gone)",
                     f"while {me} timed out in {op}{lim}")
-    alone = not all(f is not None and f[0] == _STEP_FAILED[0] for f in failed.values())
-    if _STEP_FAILED[0] and alone:  # this rank's own last step raised and it went on: its peers are elsewhere
-        what = (_failed_step(w.get(f"stepfailed/{w.rank}")) or (0, "an exception"))[1]
-        return _Found(w.rank, "failed", f"{me}'s last train step raised {what}, and {me} went on (the exception was caught)",
-                      f"and then failed to meet the other ranks in {op}: the ranks are out of step. Let a step's exception "
-                      "end the function on every rank, or restart the processes")
     return None
 
 
