@@ -196,7 +196,6 @@ def mapped_by_buffers():  # glibc's bytes in blocks it served with mmap, for 64 
 
 with PeakMeter():
     inside = mapped_by_buffers()
-after = mapped_by_buffers()
 os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # what the environment asks for is kept
 with PeakMeter():
     pass
@@ -211,6 +210,8 @@ with PeakMeter():
     with PeakMeter():  # an inner meter's exit leaves the outer one measuring as it began
         pass
     nested = mapped_by_buffers()
+# last, as buffers served by the heap leave a free block of it that later requests reuse
+after = mapped_by_buffers()
 print(inside, after, kept, tuned, nested, mapped_by_buffers())
 """
 
