@@ -32,6 +32,7 @@ from ._inference import ShardedForward
 from ._meta_init import capture, check_outside_block
 from ._models import ModelInfo, model_of, persistent_buffers, register, unit_of_module
 from ._param import Param
+from ._schedule import cast_floating
 from ._shard import _holds_dtensor, gather
 from ._state import params_of
 from ._tree import compile_patterns, nest, tree_flatten_with_paths
@@ -92,6 +93,8 @@ def _unit_hooks(info: ModelInfo, index: int):
         model = ref()
         if model is not None and model.runtimes:
             return model.runtimes[-1].pre_forward(model, index, args, kwargs)
+        if model is not None and model.whole_step and model.whole_step_cast is not None:  # as the engine casts
+            return cast_floating(args, model.whole_step_cast), cast_floating(kwargs, model.whole_step_cast)
         return None
 
     def post(mod: nn.Module, args: Any, output: Any) -> Any:
@@ -193,6 +196,7 @@ class Apply:
         if buffers is not None:
             bpaths, bleaves, _ = tree_flatten_with_paths(buffers)
             flat.update(zip(bpaths, bleaves))
+        args, kwargs = cast_floating(args, self.info.whole_step_cast), cast_floating(kwargs, self.info.whole_step_cast)
         return torch.func.functional_call(self.info.module, flat, args, kwargs, tie_weights=False, strict=False)
 
     @torch.compiler.disable(reason=_EAGER_APPLY)

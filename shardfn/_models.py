@@ -42,6 +42,7 @@ class ModelInfo:
     unset_buffers: dict = field(default_factory=dict)
     compiling: Any = None  # the compiled units of the step running now (Note [compiled units] in `_compiled.py`)
     whole_step: bool = False  # a step's graph is being traced or run (Note [the step as one graph] in `_step_graph.py`)
+    whole_step_cast: Any = None  # the compute dtype the step's graph casts the model's and units' inputs to (mixed precision)
 
     @property
     def runtime(self) -> Any:

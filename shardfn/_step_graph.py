@@ -32,8 +32,8 @@ markers. Each compiled graph keeps its own list, set as that graph runs.
 The first step runs eager on the unit schedule (it checks the model as every first step does:
 units run on every rank, parameters not written in the forward, buffers); the steps after it run
 the graph. What is not built for it yet is refused where the step is built
-(`NotImplementedError`): tensor parallelism, context parallelism and `activation_specs`, mixed
-precision, offload, `remat` (the compiler decides what the backward keeps), `hybrid_shard`, a
+(`NotImplementedError`): tensor parallelism, context parallelism and `activation_specs`,
+offload, `remat` (the compiler decides what the backward keeps), `hybrid_shard`, a
 leaf split on another dim than 0, a `loss_fn` over no functionalized model, and the named
 collectives inside `loss_fn` (refused when the graph is traced, with dynamo's reason).
 Collectives inside the graph are functional ones that `shardfn._collectives.STATS` does not count.
@@ -82,8 +82,6 @@ def refuse_unsupported(core: Any) -> None:
         why = f"a mesh of axes {tuple(core.mesh.mesh_dim_names or ())} (tensor parallel, or axes beside the data axis)"
     elif core.layouts is not None:
         why = "activation_specs (sequence parallelism)"
-    elif core.mp.param_dtype is not None or core.mp.reduce_dtype is not None:
-        why = "mixed precision"
     elif core.offload is not None:
         why = "offload"
     elif core.remat:
@@ -138,21 +136,19 @@ class WholeStep:
 
     # -- what the graph computes --------------------------------------------------------------
     def _full_leaves(self, locals_: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Every leaf's full value, gathered from the units' shard buffers, in tree order."""
+        """Every leaf's full value, gathered from the units' shard buffers, in tree order, in the
+        unit's compute dtype (Note [mixed precision in the graph])."""
         full: list[torch.Tensor | None] = [None] * self.n_leaves
         for unit, local in zip(self.units, locals_):
             gathered = None
             if unit.S:
-                if unit.world > 1:
-                    gathered = funcol.all_gather_tensor_autograd(local[: unit.S], 0, unit.group).view(unit.world, unit.S)
-                else:
-                    gathered = local[: unit.S].view(1, unit.S)
+                gathered = _gather(local[: unit.S], unit).view(unit.world, unit.S)
             for s in unit.segments:
                 if s.sharded:
                     rows = gathered[:, s.offset : s.offset + s.seg_numel].reshape(unit.world * s.chunk, *s.shape[1:])
                     value = rows[: s.shape[0]]
                 else:
-                    value = local[s.offset : s.offset + s.seg_numel].view(s.shape)
+                    value = local[s.offset : s.offset + s.seg_numel].view(s.shape).to(unit.compute_dtype)
                 if not s.trained:
                     value = value.detach()
                 full[s.index] = _leaf(value, s.index)
@@ -177,7 +173,7 @@ class WholeStep:
         sums: list[torch.Tensor | None] = [None] * len(wants)
         loss_sum = aux = None
         unused: set[int] = set(range(self.n_leaves))
-        self.info.whole_step = True
+        self.info.whole_step, self.info.whole_step_cast = True, core.mp.param_dtype
         try:  # the step's outcome is recorded as an eager step's is (Note [out of step] in `_watch.py`)
             with torch.enable_grad():
                 for micro in split_batch(batch, k):
@@ -190,7 +186,7 @@ class WholeStep:
             _watch.report_step(e)
             raise
         finally:
-            self.info.whole_step = False
+            self.info.whole_step, self.info.whole_step_cast = False, None
         _watch.report_step(None)
         if started is not None:
             self.compile_seconds = time.perf_counter() - started
@@ -227,10 +223,57 @@ class WholeStep:
                     unit.grad.zero_()
                 else:
                     unit.grad.copy_(g)
-                    if unit.R_trained and unit.world > 1:
-                        C.all_reduce(unit.grad[unit.S : unit.S + unit.R], unit.group)
+                    if unit.R_trained and unit.world > 1:  # in the reduce dtype (Note [mixed precision in the graph])
+                        whole = unit.grad[unit.S : unit.S + unit.R]
+                        if unit.reduce_dtype == whole.dtype:
+                            C.all_reduce(whole, unit.group)
+                        else:
+                            summed = whole.to(unit.reduce_dtype)
+                            C.all_reduce(summed, unit.group)
+                            whole.copy_(summed)
                 for j, s in enumerate(unit.segments):
                     unit.had_grad[j] = s.trained and s.index not in unused
+
+
+# Note [mixed precision in the graph]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The graph computes what the eager engine computes under `MixedPrecision`: each unit's shard is
+# cast to the compute dtype and gathered in it; the gradient of the gathered rows is cast to the
+# reduce dtype, reduce-scattered in it and cast to the shard's dtype (`_GatherCast`: autograd gives
+# a tensor's gradient in the tensor's own dtype, so the reduce dtype needs a function of its own).
+# Leaves whole on every rank are cast to the compute dtype in place, and their gradients
+# all-reduced in the reduce dtype after the backward (`WholeStep._put`). The inputs of `apply` and
+# of every unit are cast as the engine's hooks cast them (`ModelInfo.whole_step_cast`, read by the
+# unit hooks in `_functional.py`). Buffers are in `buffer_dtype` from the step's build on, as for
+# every step. Accumulated micro-batches add up in the shard's dtype, after each one's reduction.
+
+
+def _gather(shard: torch.Tensor, unit: Any) -> torch.Tensor:
+    """`unit`'s flat sharded rows from every rank, in its compute dtype (Note [mixed precision in
+    the graph]); the backward reduce-scatters the gradient."""
+    if shard.dtype == unit.compute_dtype == unit.reduce_dtype:
+        return funcol.all_gather_tensor_autograd(shard, 0, unit.group) if unit.world > 1 else shard
+    if unit.compute_dtype == unit.reduce_dtype and unit.world > 1:
+        return funcol.all_gather_tensor_autograd(shard.to(unit.compute_dtype), 0, unit.group)
+    return _GatherCast.apply(shard, unit.compute_dtype, unit.reduce_dtype, unit.group if unit.world > 1 else None)
+
+
+class _GatherCast(torch.autograd.Function):
+    """All-gather of a shard cast to `compute`; the backward reduce-scatters the gradient in
+    `reduce` and returns it in the shard's dtype (Note [mixed precision in the graph])."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, compute: torch.dtype, reduce: torch.dtype, group: Any) -> torch.Tensor:
+        ctx.dtype, ctx.reduce, ctx.group = shard.dtype, reduce, group
+        x = shard.to(compute)
+        return funcol.all_gather_tensor(x, 0, group) if group is not None else x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        g = grad.to(ctx.reduce)
+        if ctx.group is not None:
+            g = funcol.reduce_scatter_tensor(g, "sum", 0, ctx.group)
+        return g.to(ctx.dtype), None, None, None
 
 
 class _Backend:
