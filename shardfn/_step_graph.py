@@ -19,7 +19,10 @@ functional collectives unwaited in some processes (a second compiled model, dyna
 MB held per step for good, and it turned any Python side effect of `loss_fn` into a checkpoint
 error; it is not used.
 Leaves whole on every rank (`no_shard`, or a spec that replicates a leaf) are read in place from
-the shard buffer, and their gradients are all-reduced after the backward, in one call per unit.
+the shard buffer, and their gradients are all-reduced after the backward, in one call per unit;
+under `hybrid_shard` the graph gathers and reduce-scatters over the unit's shard group, and each
+unit's gradient shard is then all-reduced over the replicas, in one call per unit, as the eager
+step does.
 The optimizer, clipping and the donation of the state run after the graph, eager, on the same
 flat buffers as every other step.
 
@@ -33,7 +36,7 @@ The first step runs eager on the unit schedule (it checks the model as every fir
 units run on every rank, parameters not written in the forward, buffers); the steps after it run
 the graph. What is not built for it yet is refused where the step is built
 (`NotImplementedError`): tensor parallelism, context parallelism and `activation_specs`,
-offload, `remat` (the compiler decides what the backward keeps), `hybrid_shard`, a
+offload, `remat` (the compiler decides what the backward keeps), a
 leaf split on another dim than 0, a `loss_fn` over no functionalized model, and the named
 collectives inside `loss_fn` (refused when the graph is traced, with dynamo's reason).
 Collectives inside the graph are functional ones that `shardfn._collectives.STATS` does not count.
@@ -86,8 +89,6 @@ def refuse_unsupported(core: Any) -> None:
         why = "offload"
     elif core.remat:
         why = "remat (the compiler decides what the backward keeps)"
-    elif layout.replicate_group is not None or core.strategy == "hybrid_shard":
-        why = "hybrid_shard"
     if why is not None:
         raise NotImplementedError(
             f'compile="step" (the whole step as one graph) does not run with {why} yet: use compile=True (each '
@@ -223,14 +224,10 @@ class WholeStep:
                     unit.grad.zero_()
                 else:
                     unit.grad.copy_(g)
-                    if unit.R_trained and unit.world > 1:  # in the reduce dtype (Note [mixed precision in the graph])
-                        whole = unit.grad[unit.S : unit.S + unit.R]
-                        if unit.reduce_dtype == whole.dtype:
-                            C.all_reduce(whole, unit.group)
-                        else:
-                            summed = whole.to(unit.reduce_dtype)
-                            C.all_reduce(summed, unit.group)
-                            whole.copy_(summed)
+                    if unit.R_trained and unit.world > 1:
+                        _all_reduce(unit.grad[unit.S : unit.S + unit.R], unit.reduce_dtype, unit.group)
+                    if unit.replicate_group is not None:  # hybrid_shard: the sum over the replicas too
+                        _all_reduce(unit.grad[unit.S_frozen : unit.S + unit.R_trained], unit.reduce_dtype, unit.replicate_group)
                 for j, s in enumerate(unit.segments):
                     unit.had_grad[j] = s.trained and s.index not in unused
 
@@ -256,6 +253,16 @@ def _gather(shard: torch.Tensor, unit: Any) -> torch.Tensor:
     if unit.compute_dtype == unit.reduce_dtype and unit.world > 1:
         return funcol.all_gather_tensor_autograd(shard.to(unit.compute_dtype), 0, unit.group)
     return _GatherCast.apply(shard, unit.compute_dtype, unit.reduce_dtype, unit.group if unit.world > 1 else None)
+
+
+def _all_reduce(t: torch.Tensor, dtype: torch.dtype, group: Any) -> None:
+    """`t` summed over `group` in place, the sum taken in `dtype` (Note [mixed precision in the graph])."""
+    if t.dtype == dtype:
+        C.all_reduce(t, group)
+    else:
+        summed = t.to(dtype)
+        C.all_reduce(summed, group)
+        t.copy_(summed)
 
 
 class _GatherCast(torch.autograd.Function):

@@ -830,7 +830,8 @@ def rank_step_graph_against_eager(strategy: str, case: str, backend: str) -> dic
             else:
                 apply, params = _gpt()
             kw = STEP_CASES[case]
-            step = sf.train_step(make_loss_fn("gpt", apply), sf.optim.adamw(**OPT), sf.mesh(dp=-1), strategy=strategy,
+            mesh = sf.mesh(replicate=2, shard=-1) if strategy == "hybrid_shard" else sf.mesh(dp=-1)
+            step = sf.train_step(make_loss_fn("gpt", apply), sf.optim.adamw(**OPT), mesh, strategy=strategy,
                                  compile=compile, **kw)
             state = step.init(params)
             losses, sent = [], {}
@@ -853,7 +854,7 @@ def rank_step_graph_against_eager(strategy: str, case: str, backend: str) -> dic
 @pytest.mark.parametrize("world,strategy,case", [(2, "full_shard", "plain"), (3, "full_shard", "options"),
                                                  (2, "shard_grad_op", "options"), (3, "no_shard", "plain"),
                                                  (3, "full_shard", "bf16"), (2, "full_shard", "bf16_all"),
-                                                 (2, "no_shard", "bf16_all")])
+                                                 (2, "no_shard", "bf16_all"), (4, "hybrid_shard", "bf16")])
 def test_the_step_as_one_graph_equals_the_eager_step(pools, world, strategy, case):
     """compile="step" (Note [the step as one graph]): after its first, eager, step, the forward, the
     gathers, the backward and the reduce-scatters run as one compiled graph; 5 AdamW steps equal the
@@ -879,10 +880,9 @@ def test_the_step_as_one_graph_refuses_what_it_does_not_run_yet():
     loss_fn = make_loss_fn("gpt", apply)
     mesh = sf.mesh(dp=-1)
     assert _compiled.compile_options("step", "x") == {"fullgraph": True, "step": True}
-    for kw, what in [(dict(remat=True), "remat"), (dict(strategy="hybrid_shard"), "hybrid_shard")]:
-        on = sf.mesh(replicate=1, shard=-1) if what == "hybrid_shard" else mesh
+    for kw, what in [(dict(remat=True), "remat"), (dict(offload="cpu"), "offload")]:
         with pytest.raises(NotImplementedError, match=f'compile="step" .* does not run with {what}'):
-            sf.train_step(loss_fn, sf.optim.adamw(**OPT), on, compile="step", **kw)
+            sf.train_step(loss_fn, sf.optim.adamw(**OPT), mesh, compile="step", **kw)
     with pytest.raises(NotImplementedError, match="takes the torch.compile options backend and dynamic"):
         sf.train_step(loss_fn, sf.optim.adamw(**OPT), mesh, compile={"step": True, "mode": "max-autotune"}).init(params)
     step = sf.train_step(loss_fn, sf.optim.adamw(**OPT), mesh, compile="step")
