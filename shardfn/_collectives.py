@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -728,3 +729,48 @@ def region(what: str) -> Iterator[None]:
 
 
 __all__ += ["watching", "all_reduce_blocking", "all_gather_blocking", "reduce_scatter_blocking", "all_to_all_blocking", "permute_blocking", "all_gather_object", "broadcast_object", "barrier", "full_tensor", "redistribute", "region"]
+
+
+# Note [collectives in a traced graph]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The step as one graph (Note [the step as one graph] in `_step_graph.py`) gathers each unit inside
+# the graph with torch's functional collectives, which dynamo traces and the compiler buckets and
+# orders against compute; their waits are the graph's. They are neither counted in `STATS` nor
+# watched: the graph's collectives are the compiler's to schedule, and a stall in one is named by
+# the process group's timeout. The gather's backward is the reduce-scatter. Under mixed precision
+# the shard is cast to the compute dtype before the gather, and the gradient to the reduce dtype
+# before the reduce-scatter, then to the shard's dtype: autograd hands a tensor's gradient over in
+# that tensor's own dtype, so a reduce dtype other than the compute dtype needs a function of its
+# own (`_TracedGatherCast`).
+
+
+def traced_gather(shard: torch.Tensor, world: int, group: Any, compute: torch.dtype, reduce: torch.dtype) -> torch.Tensor:
+    """The 1-D `shard` of every rank of `group` (`world` ranks), concatenated, in `compute`, for a
+    traced graph (Note [collectives in a traced graph]); the backward reduce-scatters the gradient
+    in `reduce` and returns it in the shard's dtype."""
+    if shard.dtype == compute == reduce:
+        return funcol.all_gather_tensor_autograd(shard, 0, group) if world > 1 else shard
+    if compute == reduce and world > 1:
+        return funcol.all_gather_tensor_autograd(shard.to(compute), 0, group)
+    return _TracedGatherCast.apply(shard, compute, reduce, group if world > 1 else None)
+
+
+class _TracedGatherCast(torch.autograd.Function):
+    """All-gather of a shard cast to `compute`; the backward reduce-scatters the gradient in
+    `reduce` and returns it in the shard's dtype (Note [collectives in a traced graph])."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, compute: torch.dtype, reduce: torch.dtype, group: Any) -> torch.Tensor:
+        ctx.dtype, ctx.reduce, ctx.group = shard.dtype, reduce, group
+        x = shard.to(compute)
+        return funcol.all_gather_tensor(x, 0, group) if group is not None else x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        g = grad.to(ctx.reduce)
+        if ctx.group is not None:
+            g = funcol.reduce_scatter_tensor(g, "sum", 0, ctx.group)
+        return g.to(ctx.dtype), None, None, None
+
+
+__all__ += ["traced_gather"]

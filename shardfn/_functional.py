@@ -93,8 +93,8 @@ def _unit_hooks(info: ModelInfo, index: int):
         model = ref()
         if model is not None and model.runtimes:
             return model.runtimes[-1].pre_forward(model, index, args, kwargs)
-        if model is not None and model.whole_step and model.whole_step_cast is not None:  # as the engine casts
-            return cast_floating(args, model.whole_step_cast), cast_floating(kwargs, model.whole_step_cast)
+        if model is not None and model.whole_step is not None and model.whole_step.cast is not None:  # as the engine casts
+            return cast_floating(args, model.whole_step.cast), cast_floating(kwargs, model.whole_step.cast)
         return None
 
     def post(mod: nn.Module, args: Any, output: Any) -> Any:
@@ -177,7 +177,7 @@ class Apply:
         return flat
 
     def __call__(self, params: Any, *args: Any, buffers: Any = None, **kwargs: Any) -> Any:
-        if self.info.whole_step and torch.compiler.is_compiling():  # Note [the step as one graph] in `_step_graph.py`
+        if self.info.whole_step is not None and torch.compiler.is_compiling():  # Note [the step as one graph] in `_step_graph.py`
             return self._traced(params, args, buffers, kwargs)
         return self._eager(params, *args, buffers=buffers, **kwargs)
 
@@ -196,7 +196,8 @@ class Apply:
         if buffers is not None:
             bpaths, bleaves, _ = tree_flatten_with_paths(buffers)
             flat.update(zip(bpaths, bleaves))
-        args, kwargs = cast_floating(args, self.info.whole_step_cast), cast_floating(kwargs, self.info.whole_step_cast)
+        cast = self.info.whole_step.cast
+        args, kwargs = cast_floating(args, cast), cast_floating(kwargs, cast)
         return torch.func.functional_call(self.info.module, flat, args, kwargs, tie_weights=False, strict=False)
 
     @torch.compiler.disable(reason=_EAGER_APPLY)

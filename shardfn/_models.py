@@ -24,6 +24,21 @@ from ._tree import tree_flatten_with_paths
 __all__ = ["ModelInfo", "register", "candidates", "model_of", "unit_of_module"]
 
 
+@dataclass(frozen=True)
+class GraphRun:
+    """What the model's hooks do while a step's graph is traced or run (Note [the step as one graph]
+    in `_step_graph.py`).
+
+    Attributes:
+        cast: the compute dtype the inputs of `apply` and of every unit are cast to (mixed
+            precision), or None.
+        remat: the units whose forward runs under `torch.utils.checkpoint` in the graph.
+    """
+
+    cast: Any = None
+    remat: frozenset = frozenset()
+
+
 @dataclass(eq=False)
 class ModelInfo:
     """What every `apply` of one functionalized module shares: names, ties, units."""
@@ -41,8 +56,7 @@ class ModelInfo:
     # buffers `init="empty"` could not compute (Note [buffers under init="empty"]): name -> (weakref, version)
     unset_buffers: dict = field(default_factory=dict)
     compiling: Any = None  # the compiled units of the step running now (Note [compiled units] in `_compiled.py`)
-    whole_step: bool = False  # a step's graph is being traced or run (Note [the step as one graph] in `_step_graph.py`)
-    whole_step_cast: Any = None  # the compute dtype the step's graph casts the model's and units' inputs to (mixed precision)
+    whole_step: "GraphRun | None" = None  # a step's graph is being traced or run (Note [the step as one graph] in `_step_graph.py`)
 
     @property
     def runtime(self) -> Any:

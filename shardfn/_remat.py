@@ -61,6 +61,9 @@ def install(info: Any, unit: int) -> None:
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         model = ref()
+        graph = model.whole_step if model is not None else None
+        if graph is not None and unit in graph.remat and torch.is_grad_enabled() and torch.compiler.is_compiling():
+            return checkpoint(forward.inner, *args, use_reentrant=False, **kwargs)  # Note [remat in the graph] in `_step_graph.py`
         rt = model.runtime if model is not None else None  # Note [unit runtime] in `_runtime.py`
         # In the backward too: a recompute by the model's own checkpoint around the unit must save what
         # its forward saved (non-reentrant checkpointing checks it), remat's checkpoint included.

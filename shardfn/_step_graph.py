@@ -36,7 +36,7 @@ The first step runs eager on the unit schedule (it checks the model as every fir
 units run on every rank, parameters not written in the forward, buffers); the steps after it run
 the graph. What is not built for it yet is refused where the step is built
 (`NotImplementedError`): tensor parallelism, context parallelism and `activation_specs`,
-offload, `remat` (the compiler decides what the backward keeps), a
+offload, a
 leaf split on another dim than 0, a `loss_fn` over no functionalized model, and the named
 collectives inside `loss_fn` (refused when the graph is traced, with dynamo's reason).
 Collectives inside the graph are functional ones that `shardfn._collectives.STATS` does not count.
@@ -52,11 +52,12 @@ import weakref
 from typing import Any, Callable
 
 import torch
-import torch.distributed._functional_collectives as funcol
 
 from . import _collectives as C
 from . import _watch
 from ._loss import add_loss, split_batch, split_loss
+from ._models import GraphRun
+from ._remat import select_units
 from ._tree import nest
 
 __all__ = ["WholeStep", "refuse_unsupported", "step_option"]
@@ -87,8 +88,6 @@ def refuse_unsupported(core: Any) -> None:
         why = "activation_specs (sequence parallelism)"
     elif core.offload is not None:
         why = "offload"
-    elif core.remat:
-        why = "remat (the compiler decides what the backward keeps)"
     if why is not None:
         raise NotImplementedError(
             f'compile="step" (the whole step as one graph) does not run with {why} yet: use compile=True (each '
@@ -124,6 +123,9 @@ class WholeStep:
                     "dim 0, or use compile=True"
                 )
         self.n_leaves = len(core.paths)
+        # What the model's hooks do in the graph (Note [remat in the graph]; Note [mixed precision in the graph])
+        remat = frozenset(select_units(core.remat, info.unit_names)) if core.remat else frozenset()
+        self.run = GraphRun(cast=core.mp.param_dtype, remat=remat)
         self.ready = False  # the first step runs eager (Note [the step as one graph])
         self.graphs = 0  # how many graphs were compiled
         self.compile_seconds: float | None = None
@@ -143,7 +145,8 @@ class WholeStep:
         for unit, local in zip(self.units, locals_):
             gathered = None
             if unit.S:
-                gathered = _gather(local[: unit.S], unit).view(unit.world, unit.S)
+                gathered = C.traced_gather(local[: unit.S], unit.world, unit.group, unit.compute_dtype,
+                                           unit.reduce_dtype).view(unit.world, unit.S)
             for s in unit.segments:
                 if s.sharded:
                     rows = gathered[:, s.offset : s.offset + s.seg_numel].reshape(unit.world * s.chunk, *s.shape[1:])
@@ -174,7 +177,7 @@ class WholeStep:
         sums: list[torch.Tensor | None] = [None] * len(wants)
         loss_sum = aux = None
         unused: set[int] = set(range(self.n_leaves))
-        self.info.whole_step, self.info.whole_step_cast = True, core.mp.param_dtype
+        self.info.whole_step = self.run
         try:  # the step's outcome is recorded as an eager step's is (Note [out of step] in `_watch.py`)
             with torch.enable_grad():
                 for micro in split_batch(batch, k):
@@ -187,7 +190,7 @@ class WholeStep:
             _watch.report_step(e)
             raise
         finally:
-            self.info.whole_step, self.info.whole_step_cast = False, None
+            self.info.whole_step = None
         _watch.report_step(None)
         if started is not None:
             self.compile_seconds = time.perf_counter() - started
@@ -232,27 +235,27 @@ class WholeStep:
                     unit.had_grad[j] = s.trained and s.index not in unused
 
 
+# Note [remat in the graph]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# A unit `remat` chooses runs its forward under `torch.utils.checkpoint` (non-reentrant) in the graph
+# too: remat's wrapper of the unit's forward (`_remat.py`) sees `GraphRun.remat` while dynamo traces
+# and checkpoints the forward there, and the compiler recomputes the unit's activations in the
+# backward instead of keeping them. The gathers stay outside the checkpointed regions, so no
+# collective is recomputed (the gathered parameters are kept, as without remat). A unit's buffers
+# are read as they are: a forward that writes its buffers (BatchNorm's statistics) is traced as
+# dynamo allows it under a checkpoint, or refused with dynamo's reason.
+
+
 # Note [mixed precision in the graph]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The graph computes what the eager engine computes under `MixedPrecision`: each unit's shard is
 # cast to the compute dtype and gathered in it; the gradient of the gathered rows is cast to the
-# reduce dtype, reduce-scattered in it and cast to the shard's dtype (`_GatherCast`: autograd gives
-# a tensor's gradient in the tensor's own dtype, so the reduce dtype needs a function of its own).
+# reduce dtype, reduce-scattered in it and cast to the shard's dtype (`_collectives.traced_gather`).
 # Leaves whole on every rank are cast to the compute dtype in place, and their gradients
 # all-reduced in the reduce dtype after the backward (`WholeStep._put`). The inputs of `apply` and
-# of every unit are cast as the engine's hooks cast them (`ModelInfo.whole_step_cast`, read by the
+# of every unit are cast as the engine's hooks cast them (`GraphRun.cast`, read by the
 # unit hooks in `_functional.py`). Buffers are in `buffer_dtype` from the step's build on, as for
 # every step. Accumulated micro-batches add up in the shard's dtype, after each one's reduction.
-
-
-def _gather(shard: torch.Tensor, unit: Any) -> torch.Tensor:
-    """`unit`'s flat sharded rows from every rank, in its compute dtype (Note [mixed precision in
-    the graph]); the backward reduce-scatters the gradient."""
-    if shard.dtype == unit.compute_dtype == unit.reduce_dtype:
-        return funcol.all_gather_tensor_autograd(shard, 0, unit.group) if unit.world > 1 else shard
-    if unit.compute_dtype == unit.reduce_dtype and unit.world > 1:
-        return funcol.all_gather_tensor_autograd(shard.to(unit.compute_dtype), 0, unit.group)
-    return _GatherCast.apply(shard, unit.compute_dtype, unit.reduce_dtype, unit.group if unit.world > 1 else None)
 
 
 def _all_reduce(t: torch.Tensor, dtype: torch.dtype, group: Any) -> None:
@@ -263,24 +266,6 @@ def _all_reduce(t: torch.Tensor, dtype: torch.dtype, group: Any) -> None:
         summed = t.to(dtype)
         C.all_reduce(summed, group)
         t.copy_(summed)
-
-
-class _GatherCast(torch.autograd.Function):
-    """All-gather of a shard cast to `compute`; the backward reduce-scatters the gradient in
-    `reduce` and returns it in the shard's dtype (Note [mixed precision in the graph])."""
-
-    @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, compute: torch.dtype, reduce: torch.dtype, group: Any) -> torch.Tensor:
-        ctx.dtype, ctx.reduce, ctx.group = shard.dtype, reduce, group
-        x = shard.to(compute)
-        return funcol.all_gather_tensor(x, 0, group) if group is not None else x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        g = grad.to(ctx.reduce)
-        if ctx.group is not None:
-            g = funcol.reduce_scatter_tensor(g, "sum", 0, ctx.group)
-        return g.to(ctx.dtype), None, None, None
 
 
 class _Backend:
