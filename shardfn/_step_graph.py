@@ -211,8 +211,8 @@ class WholeStep:
                 'compile="step" could not trace loss_fn and the model as one graph, so this step computed nothing. What '
                 "stops it: the named collectives (sf.psum, ...), logging or I/O in loss_fn or the model (Hugging Face's "
                 "loss with labels= logs a warning: compute the loss from the logits), Python that reads tensor values "
-                "(.item(), an if on a tensor), and Python values that change every step (a global step counter: each "
-                "value is a graph, up to dynamo's limit; pass it as a tensor in the batch). compile=True compiles each "
+                "(.item(), an if on a tensor), and Python values that change every step (a global step counter: a recompile "
+                "per value until dynamo makes it an input or reaches its limit; pass it as a tensor in the batch). compile=True compiles each "
                 f"unit and runs the rest eager. Dynamo said: {type(e).__name__}: {said}"
             ) from e
 
