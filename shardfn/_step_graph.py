@@ -51,6 +51,7 @@ import types
 import weakref
 from typing import Any, Callable
 
+import optree
 import torch
 
 from . import _collectives as C
@@ -134,7 +135,10 @@ class WholeStep:
         # compiled, and a step's would otherwise be shared by every step of the process (each new
         # step a recompile of the one frame, up to dynamo's limit) and keep every model alive.
         own = types.FunctionType(_run.__code__.replace(), _run.__globals__, _run.__name__)
-        self._fn = torch.compile(own, backend=_Backend(self, options.get("backend", "inductor")), fullgraph=True, dynamic=options.get("dynamic"),
+        # Note [dynamic shapes in the graph]: dynamic=True marks the batch's dims, not the whole frame.
+        self.dynamic_batch = options.get("dynamic") is True
+        self._fn = torch.compile(own, backend=_Backend(self, options.get("backend", "inductor")), fullgraph=True,
+                                 dynamic=None if self.dynamic_batch else options.get("dynamic"),
                                  disable=bool(options.get("disable", False)))
 
     # -- what the graph computes --------------------------------------------------------------
@@ -201,6 +205,8 @@ class WholeStep:
     def _traced(self, locals_: list[torch.Tensor], micro: Any) -> Any:
         """The compiled function on one micro-batch; what dynamo could not trace as one graph is a
         `NotImplementedError` that says so, with dynamo's reason, before anything is applied."""
+        if self.dynamic_batch:
+            _batch_dims_dynamic(micro)
         try:
             return self._fn(self, locals_, micro)
         except Exception as e:
@@ -256,6 +262,29 @@ class WholeStep:
 # of every unit are cast as the engine's hooks cast them (`GraphRun.cast`, read by the
 # unit hooks in `_functional.py`). Buffers are in `buffer_dtype` from the step's build on, as for
 # every step. Accumulated micro-batches add up in the shard's dtype, after each one's reduction.
+
+
+# Note [dynamic shapes in the graph]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `torch.compile(..., dynamic=True)` makes every int the traced frame reads symbolic, and the step's
+# frame reads its layout from Python objects (each unit's shard length, segment offsets and
+# shapes): the whole layout became symbols, guarded and simplified in every graph, and dynamo
+# traced the frame twice. So `dynamic=True` means here what users mean by it: the batch's dims are
+# dynamic (`torch._dynamo.maybe_mark_dynamic` on every dim of every tensor of the batch before each
+# call; a dim the model ties to a constant is specialized, without an error), and the frame compiles
+# with torch's default, automatic dynamic shapes, which leave the layout's ints static. Without
+# `dynamic`, a new batch shape recompiles once with the dims that changed dynamic (torch's
+# default); `dynamic=False` compiles a graph per shape.
+
+
+def _batch_dims_dynamic(batch: Any) -> None:
+    """Marks every dim of every tensor in `batch` dynamic (Note [dynamic shapes in the graph])."""
+    import torch._dynamo
+
+    for x in optree.tree_leaves(batch):
+        if isinstance(x, torch.Tensor):
+            for d in range(x.dim()):
+                torch._dynamo.maybe_mark_dynamic(x, d)
 
 
 def _all_reduce(t: torch.Tensor, dtype: torch.dtype, group: Any) -> None:

@@ -926,6 +926,34 @@ def test_remat_in_the_step_graph_recomputes_what_the_units_computed():
     assert remat < 0.5 * plain, (remat, plain)
 
 
+def test_the_step_graph_with_dynamic_batch_dims_compiles_once():
+    """Note [dynamic shapes in the graph]: compile={"step": True, "dynamic": True} marks the batch's
+    dims dynamic, not the layout's ints: one graph for six sequence lengths (torch's dynamic=True
+    traced the frame twice, with every shard length and offset a symbol), and the losses and
+    parameters equal the eager step's."""
+    from shardfn.models import GPT, GPTConfig
+
+    out = {}
+    for compile in (False, {"step": True, "backend": "aot_eager", "dynamic": True}):
+        torch.manual_seed(0)
+        apply, params = sf.functionalize(GPT(GPTConfig(vocab=64, block_size=64, n_layer=2, n_head=2, d=32)), units=r"blocks\.\d+")
+
+        def loss_fn(p, b):
+            return torch.nn.functional.cross_entropy(apply(p, b[:, :-1]).reshape(-1, 64), b[:, 1:].reshape(-1))
+
+        step = sf.train_step(loss_fn, sf.optim.adamw(**OPT), sf.mesh(dp=-1), compile=compile)
+        state, losses = step.init(params), []
+        for t in [33, 33, 40, 50, 20, 61]:
+            state, metrics = step(state, torch.randint(0, 64, (2, t), generator=torch.Generator().manual_seed(t)))
+            losses.append(metrics["loss"].item())
+        out[bool(compile)] = (sf.to_state_dict(sf.gather(state.params), apply), losses,
+                              step.core.step_graph.graphs if compile else 0)
+    (eager, le, _), (compiled, lc, graphs) = out[False], out[True]
+    assert graphs == 1
+    assert max(abs(a - b) / abs(b) for a, b in zip(lc, le)) < 1e-5, (lc, le)
+    assert max(((compiled[k] - v).norm() / v.norm()).item() for k, v in eager.items() if v.is_floating_point()) < 1e-5
+
+
 def test_a_step_graph_dropped_lets_its_model_go():
     """torch keeps every backend it was given and dynamo its graphs on the code object it compiled:
     a compile="step" step, once dropped, must not keep its model (and every buffer) alive, nor make
